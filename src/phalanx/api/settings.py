@@ -1,0 +1,384 @@
+"""Settings: one model that CLI flags, environment variables and the ElasticJob spec all map onto.
+
+Settings are grouped, frozen dataclasses. Every field is declared with :func:`setting`, which records a
+one-line doc and the unit; that metadata is the single source for ``--help`` texts, the environment
+variable names and the CRD field descriptions. Defaults live here and nowhere else.
+
+Validation happens in ``__post_init__`` and raises :class:`~phalanx.api.errors.ConfigError` naming the
+field, so a bad flag, variable or spec field gets one clear sentence saying what to fix.
+
+Environment variables are ``PHALANX_<GROUP>_<FIELD>`` in upper case, for example
+``PHALANX_HEARTBEAT_TIMEOUT_S=5`` for ``MasterSettings.heartbeat.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from phalanx.api.errors import ConfigError
+
+T = TypeVar("T")
+
+ENV_PREFIX = "PHALANX_"
+
+
+def setting(default: Any, *, doc: str, unit: str = "") -> Any:
+    """Declares a settings field with its default, a one-line doc and its unit."""
+    return field(default=default, metadata={"doc": doc, "unit": unit})
+
+
+def group(factory: Any, *, doc: str) -> Any:
+    """Declares a nested settings group."""
+    return field(default_factory=factory, metadata={"doc": doc, "unit": ""})
+
+
+# ------------------------------------------------------------------------------------------------------
+# Parsers for the textual forms used by flags, environment variables and the CRD.
+
+_DURATION = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(text: str | float | int, *, name: str = "duration") -> float:
+    """Parses ``"500ms"``, ``"30s"``, ``"2m"``, ``"1h"`` or a plain number of seconds."""
+    if isinstance(text, bool):
+        raise ConfigError(f"expected a duration such as 30s, got {text!r}", field=name)
+    if isinstance(text, int | float):
+        seconds = float(text)
+    else:
+        match = _DURATION.match(text)
+        if not match:
+            raise ConfigError(f"expected a duration such as 500ms, 30s, 2m or 1h, got {text!r}", field=name)
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if seconds < 0:
+        raise ConfigError(f"a duration cannot be negative, got {text!r}", field=name)
+    return seconds
+
+
+def parse_node_range(text: str, *, name: str = "nnodes") -> tuple[int, int]:
+    """Parses torchrun's ``--nnodes`` form: ``"N"`` or ``"MIN:MAX"``."""
+    parts = str(text).split(":")
+    try:
+        if len(parts) == 1:
+            low = high = int(parts[0])
+        elif len(parts) == 2:
+            low, high = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError(text)
+    except ValueError as exc:
+        raise ConfigError(f"expected N or MIN:MAX (e.g. 2:4), got {text!r}", field=name) from exc
+    if low < 1:
+        raise ConfigError(f"the minimum number of nodes must be at least 1, got {low}", field=name)
+    if high < low:
+        raise ConfigError(f"the maximum ({high}) is below the minimum ({low})", field=name)
+    return low, high
+
+
+def _convert(value: Any, target: Any, name: str) -> Any:
+    """Converts a flag/env/spec value to the field's declared type."""
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        lowered = str(value).strip().lower()
+        if lowered in {"1", "true", "yes", "on"}:
+            return True
+        if lowered in {"0", "false", "no", "off"}:
+            return False
+        raise ConfigError(f"expected true or false, got {value!r}", field=name)
+    if target is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"expected an integer, got {value!r}", field=name)
+        try:
+            return int(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"expected an integer, got {value!r}", field=name) from exc
+    if target is float:
+        if name.endswith("_s"):
+            return parse_duration(value, name=name)
+        try:
+            return float(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"expected a number, got {value!r}", field=name) from exc
+    if target is str:
+        return str(value)
+    raise ConfigError(f"cannot set a field of type {target!r} from text", field=name)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    resolved: dict[str, Any] = {}
+    for name, hint in hints.items():
+        if isinstance(hint, types.UnionType):  # `str | None` and the like: take the non-None member
+            resolved[name] = next(a for a in typing.get_args(hint) if a is not type(None))
+        else:
+            resolved[name] = hint
+    return resolved
+
+
+def _is_group(hint: Any) -> typing.TypeGuard[type]:
+    """True for a nested settings group (a dataclass type), false for scalar fields."""
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def from_mapping(cls: type[T], values: Mapping[str, Any], *, where: str = "") -> T:
+    """Builds a settings object from a (possibly nested) mapping of field names to raw values.
+
+    Unknown keys are an error naming the key, so a typo never silently falls back to a default.
+    """
+    hints = _field_types(cls)
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, raw in values.items():
+        path = f"{where}{key}"
+        if key not in known:
+            raise ConfigError(f"unknown setting; known ones are {', '.join(sorted(known))}", field=path)
+        target = hints[key]
+        if _is_group(target):
+            if not isinstance(raw, Mapping):
+                raise ConfigError("expected a group of settings", field=path)
+            kwargs[key] = from_mapping(target, raw, where=f"{path}.")
+        else:
+            kwargs[key] = _convert(raw, target, path)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        if where and exc.field and not exc.field.startswith(where):
+            raise ConfigError(str(exc).split(": ", 1)[-1], field=f"{where}{exc.field}") from exc
+        raise
+
+
+def from_env(cls: type[T], env: Mapping[str, str], *, prefix: str = ENV_PREFIX) -> T:
+    """Builds settings from ``PHALANX_<GROUP>_<FIELD>`` variables; absent variables keep defaults."""
+    return from_mapping(cls, _env_values(cls, env, prefix))
+
+
+def _env_values(cls: type, env: Mapping[str, str], prefix: str) -> dict[str, Any]:
+    hints = _field_types(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name.upper()}"
+        target = hints[f.name]
+        if _is_group(target):
+            nested = _env_values(target, env, f"{name}_")
+            if nested:
+                values[f.name] = nested
+        elif name in env:
+            values[f.name] = env[name]
+    return values
+
+
+def env_names(cls: type, *, prefix: str = ENV_PREFIX) -> dict[str, str]:
+    """Maps every environment variable a settings class reads to its doc line."""
+    hints = _field_types(cls)
+    names: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name.upper()}"
+        target = hints[f.name]
+        if _is_group(target):
+            names.update(env_names(target, prefix=f"{name}_"))
+        else:
+            names[name] = describe(f)
+    return names
+
+
+def describe(f: dataclasses.Field[Any]) -> str:
+    """The doc line of a field with its unit and default, for help texts and CRD descriptions."""
+    doc = str(f.metadata.get("doc", ""))
+    unit = f.metadata.get("unit")
+    default = f.default if f.default is not dataclasses.MISSING else None
+    tail = f" [{unit}]" if unit else ""
+    if default not in (None, ""):
+        tail += f" (default {default})"
+    return doc + tail
+
+
+def _positive(value: float, name: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"must be greater than 0, got {value}", field=name)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousSettings:
+    """How nodes form a round."""
+
+    min_nodes: int = setting(1, doc="Fewest nodes a round may start with.")
+    max_nodes: int = setting(
+        1, doc="Most nodes a round takes; a round completes at once when this many joined."
+    )
+    unit: int = setting(1, doc="Membership is cut to a multiple of this many nodes.")
+    last_call_s: float = setting(
+        1.0, doc="Wait for more joiners after min_nodes joined before completing a round.", unit="s"
+    )
+    min_nodes_timeout_s: float = setting(
+        600.0, doc="How long the job may have fewer than min_nodes nodes before it fails.", unit="s"
+    )
+
+    def __post_init__(self) -> None:
+        if self.min_nodes < 1:
+            raise ConfigError(f"must be at least 1, got {self.min_nodes}", field="min_nodes")
+        if self.max_nodes < self.min_nodes:
+            raise ConfigError(
+                f"max_nodes ({self.max_nodes}) must be at least min_nodes ({self.min_nodes})",
+                field="max_nodes",
+            )
+        if self.unit < 1:
+            raise ConfigError(f"must be at least 1, got {self.unit}", field="unit")
+        if self.max_nodes // self.unit * self.unit < self.min_nodes:
+            raise ConfigError(
+                f"no multiple of unit={self.unit} lies between min_nodes={self.min_nodes} and "
+                f"max_nodes={self.max_nodes}; change one of them",
+                field="unit",
+            )
+        if self.last_call_s < 0:
+            raise ConfigError(f"cannot be negative, got {self.last_call_s}", field="last_call_s")
+        _positive(self.min_nodes_timeout_s, "min_nodes_timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeartbeatSettings:
+    """Liveness of nodes."""
+
+    interval_s: float = setting(1.0, doc="How often an agent sends a heartbeat.", unit="s")
+    timeout_s: float = setting(10.0, doc="Silence after which the master declares a node lost.", unit="s")
+
+    def __post_init__(self) -> None:
+        _positive(self.interval_s, "interval_s")
+        if self.timeout_s < 2.0:
+            raise ConfigError(f"must be at least 2s, got {self.timeout_s}s", field="timeout_s")
+        if self.timeout_s < 2 * self.interval_s:
+            raise ConfigError(
+                f"must be at least twice interval_s ({self.interval_s}s), got {self.timeout_s}s",
+                field="timeout_s",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangSettings:
+    """Hang detection from progress beacons: a rank is hung when its beacon is older than
+    ``max(floor_s, factor * p99 of its recent step intervals)``."""
+
+    enabled: bool = setting(True, doc="Detect hung workers from stale progress beacons.")
+    floor_s: float = setting(60.0, doc="Shortest beacon age that can count as a hang.", unit="s")
+    factor: float = setting(10.0, doc="Multiple of the p99 step interval after which a beacon is stale.")
+    startup_s: float = setting(
+        600.0,
+        doc="How long a worker may run before its first reported step without counting as hung.",
+        unit="s",
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self.floor_s, "floor_s")
+        if self.factor < 1:
+            raise ConfigError(f"must be at least 1, got {self.factor}", field="factor")
+        _positive(self.startup_s, "startup_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartSettings:
+    """Budgets for restarting workers and replacing nodes."""
+
+    max_restarts: int = setting(3, doc="Worker restarts (in place) the job may use before it fails.")
+    max_evictions: int = setting(3, doc="Nodes the job may evict and replace before it fails.")
+    grace_period_s: float = setting(
+        5.0, doc="Time workers get between SIGTERM and SIGKILL when they are stopped.", unit="s"
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ConfigError(f"cannot be negative, got {self.max_restarts}", field="max_restarts")
+        if self.max_evictions < 0:
+            raise ConfigError(f"cannot be negative, got {self.max_evictions}", field="max_evictions")
+        if self.grace_period_s < 0:
+            raise ConfigError(f"cannot be negative, got {self.grace_period_s}", field="grace_period_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogSettings:
+    """Worker log shipping and the master's log buffers."""
+
+    max_line_bytes: int = setting(4096, doc="Longer worker output lines are truncated to this.", unit="bytes")
+    max_lines_per_s: int = setting(2000, doc="Lines per second a node may ship; excess lines are counted.")
+    ring_lines: int = setting(2000, doc="Lines the master keeps per node and rank.")
+
+    def __post_init__(self) -> None:
+        for name in ("max_line_bytes", "max_lines_per_s", "ring_lines"):
+            _positive(getattr(self, name), name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSettings:
+    """Flash checkpoint cadence and storage."""
+
+    memory_interval_steps: int = setting(1, doc="Save to shared memory every this many steps.")
+    persist_interval_steps: int = setting(100, doc="Persist to storage every this many steps (0: never).")
+    storage_path: str = setting("", doc="Directory (or URL) the checkpoints are persisted to; empty: none.")
+    keep_last: int = setting(2, doc="Committed steps kept on storage.")
+
+    def __post_init__(self) -> None:
+        _positive(self.memory_interval_steps, "memory_interval_steps")
+        if self.persist_interval_steps < 0:
+            raise ConfigError(
+                f"cannot be negative, got {self.persist_interval_steps}", field="persist_interval_steps"
+            )
+        _positive(self.keep_last, "keep_last")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MasterSettings:
+    """Everything a job's master needs."""
+
+    job_id: str = setting("", doc="Name of the job; agents must present the same id.")
+    host: str = setting("127.0.0.1", doc="Address the master's servers bind to.")
+    grpc_port: int = setting(0, doc="Port of the gRPC service for agents (0: pick a free one).")
+    http_port: int = setting(0, doc="Port of the HTTP API and /metrics (0: pick a free one).")
+    token_file: str = setting("", doc="File holding the job's bearer token.")
+    state_path: str = setting("", doc="Where the master keeps its durable state (a file path locally).")
+    log_dir: str = setting("", doc="Directory of the append-only job log; empty: beside the state file.")
+    rendezvous: RendezvousSettings = group(RendezvousSettings, doc="Rendezvous rounds.")
+    heartbeat: HeartbeatSettings = group(HeartbeatSettings, doc="Node liveness.")
+    restart: RestartSettings = group(RestartSettings, doc="Restart and eviction budgets.")
+    logs: LogSettings = group(LogSettings, doc="Log aggregation.")
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?", self.job_id or ""):
+            raise ConfigError(
+                f"must be 1-63 lower-case letters, digits, '-' or '.', starting and ending alphanumeric; "
+                f"got {self.job_id!r}",
+                field="job_id",
+            )
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"must be a port number between 0 and 65535, got {port}", field=name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentSettings:
+    """Everything a node agent (`phalanx-run`) needs."""
+
+    job_id: str = setting("", doc="Name of the job (torchrun's --rdzv-id).")
+    node_id: str = setting("", doc="Stable name of this node within the job; empty: the host name.")
+    master_addr: str = setting("", doc="host:port of the master's gRPC service (torchrun's --rdzv-endpoint).")
+    token_file: str = setting("", doc="File holding the job's bearer token.")
+    nproc_per_node: int = setting(1, doc="Training processes this node runs.")
+    monitor_interval_s: float = setting(0.1, doc="How often the agent checks its workers.", unit="s")
+    log_dir: str = setting("", doc="Directory for per-rank log and error files; empty: a temporary one.")
+    hang: HangSettings = group(HangSettings, doc="Hang detection.")
+    restart: RestartSettings = group(RestartSettings, doc="Restart budget and stop grace period.")
+    logs: LogSettings = group(LogSettings, doc="Log shipping limits.")
+    checkpoint: CheckpointSettings = group(CheckpointSettings, doc="Flash checkpoint.")
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"must be at least 1, got {self.nproc_per_node}", field="nproc_per_node")
+        _positive(self.monitor_interval_s, "monitor_interval_s")

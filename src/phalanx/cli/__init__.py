@@ -1,0 +1,1 @@
+"""Entry points: ``phalanx`` (subcommands) and ``phalanx-run`` (the node agent, torchrun-compatible)."""

@@ -1,0 +1,168 @@
+"""Settings: parsing of every textual form, validation with errors that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from phalanx.api.errors import ConfigError, PhalanxError
+from phalanx.api.settings import (
+    AgentSettings,
+    HeartbeatSettings,
+    MasterSettings,
+    RendezvousSettings,
+    describe,
+    env_names,
+    from_env,
+    from_mapping,
+    parse_duration,
+    parse_node_range,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("30s", 30.0), ("500ms", 0.5), ("2m", 120.0), ("1h", 3600.0), ("1.5", 1.5), (".25s", 0.25), (7, 7.0)],
+)
+def test_parse_duration_accepts_the_documented_forms(text: str | int, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "10 parsecs", "-3s", "1d", True])
+def test_parse_duration_rejects_garbage_naming_the_field(text: str) -> None:
+    with pytest.raises(ConfigError, match=r"^hang\.floor_s: "):
+        parse_duration(text, name="hang.floor_s")
+
+
+@given(st.floats(min_value=0, max_value=1e6, allow_nan=False))
+def test_parse_duration_of_a_plain_number_is_seconds(value: float) -> None:
+    assert parse_duration(f"{value!r}") == pytest.approx(value)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("1", (1, 1)), ("2:4", (2, 4)), ("3:3", (3, 3))])
+def test_parse_node_range(text: str, expected: tuple[int, int]) -> None:
+    assert parse_node_range(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("0", "at least 1"), ("4:2", "below the minimum"), ("a:b", "MIN:MAX"), ("1:2:3", "MIN:MAX")],
+)
+def test_parse_node_range_errors_say_what_to_fix(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_node_range(text)
+
+
+def test_defaults_are_valid_and_frozen() -> None:
+    settings = MasterSettings(job_id="demo")
+    assert settings.heartbeat.interval_s == 1.0
+    assert settings.heartbeat.timeout_s == 10.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.job_id = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "message"),
+    [
+        ({"min_nodes": 0}, "min_nodes", "at least 1"),
+        ({"min_nodes": 3, "max_nodes": 2}, "max_nodes", "at least min_nodes"),
+        ({"min_nodes": 3, "max_nodes": 3, "unit": 2}, "unit", "no multiple of unit=2"),
+        ({"last_call_s": -1.0}, "last_call_s", "negative"),
+    ],
+)
+def test_rendezvous_validation(kwargs: dict[str, int], field: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        RendezvousSettings(**kwargs)  # type: ignore[arg-type]
+    assert info.value.field == field
+
+
+def test_heartbeat_timeout_floor_and_ratio() -> None:
+    assert HeartbeatSettings(interval_s=0.5, timeout_s=2.0).timeout_s == 2.0
+    with pytest.raises(ConfigError, match="at least 2s"):
+        HeartbeatSettings(timeout_s=1.0)
+    with pytest.raises(ConfigError, match="twice interval_s"):
+        HeartbeatSettings(interval_s=3.0, timeout_s=5.0)
+
+
+@pytest.mark.parametrize("job_id", ["", "UPPER", "-lead", "trail-", "a" * 64, "under_score"])
+def test_job_id_must_be_a_dns_label(job_id: str) -> None:
+    with pytest.raises(ConfigError, match="job_id"):
+        MasterSettings(job_id=job_id)
+
+
+def test_from_mapping_nested_and_typed() -> None:
+    settings = from_mapping(
+        MasterSettings,
+        {
+            "job_id": "j1",
+            "grpc_port": "5000",
+            "heartbeat": {"timeout_s": "5s"},
+            "rendezvous": {"max_nodes": 4},
+        },
+    )
+    assert settings.grpc_port == 5000
+    assert settings.heartbeat.timeout_s == 5.0
+    assert settings.rendezvous.max_nodes == 4
+
+
+def test_from_mapping_rejects_unknown_keys_naming_them() -> None:
+    with pytest.raises(
+        ConfigError, match=r"heartbeat\.timeout: unknown setting; known ones are interval_s, timeout_s"
+    ):
+        from_mapping(MasterSettings, {"job_id": "j1", "heartbeat": {"timeout": 5}})
+
+
+def test_from_mapping_reports_nested_validation_with_its_path() -> None:
+    with pytest.raises(ConfigError, match=r"^heartbeat\.timeout_s: must be at least 2s") as info:
+        from_mapping(MasterSettings, {"job_id": "j1", "heartbeat": {"timeout_s": "1s"}})
+    assert info.value.field == "heartbeat.timeout_s"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [({"grpc_port": "http"}, "expected an integer"), ({"grpc_port": 70000}, "between 0 and 65535")],
+)
+def test_from_mapping_type_errors(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        from_mapping(MasterSettings, {"job_id": "j1", **raw})
+
+
+def test_from_env_maps_groups_to_prefixed_names() -> None:
+    env = {
+        "PHALANX_JOB_ID": "train-1",
+        "PHALANX_NPROC_PER_NODE": "4",
+        "PHALANX_HANG_FLOOR_S": "90s",
+        "PHALANX_HANG_ENABLED": "false",
+        "UNRELATED": "x",
+    }
+    settings = from_env(AgentSettings, env)
+    assert settings.job_id == "train-1"
+    assert settings.nproc_per_node == 4
+    assert settings.hang.floor_s == 90.0
+    assert settings.hang.enabled is False
+
+
+def test_from_env_bad_boolean_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match=r"hang\.enabled: expected true or false"):
+        from_env(AgentSettings, {"PHALANX_HANG_ENABLED": "maybe"})
+
+
+def test_every_field_documents_itself() -> None:
+    names = env_names(MasterSettings) | env_names(AgentSettings)
+    assert "PHALANX_HEARTBEAT_TIMEOUT_S" in names
+    assert "PHALANX_CHECKPOINT_KEEP_LAST" in names
+    for name, doc in names.items():
+        assert doc, name
+        assert not doc.startswith(" "), name
+    timeout = next(f for f in dataclasses.fields(HeartbeatSettings) if f.name == "timeout_s")
+    assert describe(timeout) == "Silence after which the master declares a node lost. [s] (default 10.0)"
+
+
+def test_config_error_is_a_phalanx_error_and_a_value_error() -> None:
+    error = ConfigError("must be positive", field="x")
+    assert isinstance(error, PhalanxError)
+    assert isinstance(error, ValueError)
+    assert str(error) == "x: must be positive"
