@@ -344,6 +344,15 @@ class MasterSettings:
     token_file: str = setting("", doc="File holding the job's bearer token.")
     state_path: str = setting("", doc="Where the master keeps its durable state (a file path locally).")
     log_dir: str = setting("", doc="Directory of the append-only job log; empty: beside the state file.")
+    long_poll_max_s: float = setting(
+        30.0, doc="Longest time the master holds a GetRendezvous call.", unit="s"
+    )
+    user_error_window_s: float = setting(
+        10.0, doc="A user error reported by every node within this window fails the job at once.", unit="s"
+    )
+    max_request_bytes: int = setting(
+        4 * 1024 * 1024, doc="Largest gRPC request the master accepts.", unit="bytes"
+    )
     rendezvous: RendezvousSettings = group(RendezvousSettings, doc="Rendezvous rounds.")
     heartbeat: HeartbeatSettings = group(HeartbeatSettings, doc="Node liveness.")
     restart: RestartSettings = group(RestartSettings, doc="Restart and eviction budgets.")
@@ -360,6 +369,15 @@ class MasterSettings:
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ConfigError(f"must be a port number between 0 and 65535, got {port}", field=name)
+        _positive(self.long_poll_max_s, "long_poll_max_s")
+        if self.user_error_window_s < 0:
+            raise ConfigError(
+                f"cannot be negative, got {self.user_error_window_s}", field="user_error_window_s"
+            )
+        if self.max_request_bytes < 64 * 1024:
+            raise ConfigError(
+                f"must be at least 65536, got {self.max_request_bytes}", field="max_request_bytes"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -382,3 +400,33 @@ class AgentSettings:
         if self.nproc_per_node < 1:
             raise ConfigError(f"must be at least 1, got {self.nproc_per_node}", field="nproc_per_node")
         _positive(self.monitor_interval_s, "monitor_interval_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatorSettings:
+    """The Kubernetes operator (`phalanx operator`)."""
+
+    namespace: str = setting(
+        "", doc="Namespace whose ElasticJobs the operator handles; empty: all namespaces."
+    )
+    image: str = setting(
+        "ghcr.io/phalanx-dev/phalanx:0.1.0",
+        doc="Container image of the master Pod (built from the Dockerfile).",
+    )
+    command_prefix: str = setting(
+        "",
+        doc="Prepended to the phalanx and phalanx-run commands in Pods (a bin directory ending in '/'); "
+        "empty: the image's PATH.",
+    )
+    master_grpc_port: int = setting(29400, doc="Port of the master's gRPC service for agents.")
+    master_http_port: int = setting(8080, doc="Port of the master's HTTP API and /metrics.")
+    reconcile_interval_s: float = setting(
+        2.0, doc="How often each job is reconciled against its Pods, whatever the events.", unit="s"
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self.reconcile_interval_s, "reconcile_interval_s")
+        for name in ("master_grpc_port", "master_http_port"):
+            port = getattr(self, name)
+            if not 0 < port <= 65535:
+                raise ConfigError(f"must be a port number between 1 and 65535, got {port}", field=name)

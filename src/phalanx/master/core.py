@@ -1,0 +1,363 @@
+"""The job's state, its bookkeeping and everything that happens with time (heartbeat timeouts, last
+calls, hang-analysis and min-nodes timeouts). :class:`phalanx.master.job.Job` adds the agent requests.
+
+Pure: every method takes ``now`` and does no I/O (see :mod:`phalanx.master.job`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from phalanx.api.settings import MasterSettings
+from phalanx.api.v1 import master_pb2 as pb
+from phalanx.diagnostics.stacks import compare_stacks
+from phalanx.master import rendezvous as rdzv
+from phalanx.master import snapshot
+from phalanx.master.checkpoints import CheckpointTracker
+from phalanx.master.errors import RequestError
+from phalanx.master.events import EventLog
+from phalanx.master.membership import ALIVE, EVICTED, LOST, Node, expired
+from phalanx.master.policy import FailureRecord
+from phalanx.master.stats import JobStats
+
+__all__ = ["EVENT_SEQ_GAP", "FINISHED", "JobCore", "action"]
+
+log = logging.getLogger("phalanx.master")
+rdzv_log = logging.getLogger("phalanx.rendezvous")
+failure_log = logging.getLogger("phalanx.failures")
+
+FINISHED = ("Succeeded", "Failed")
+EVENT_SEQ_GAP = 1000
+
+
+def action(kind: int, **fields: Any) -> pb.Action:
+    """An Action for an agent (``kind`` is an ``ACTION_KIND_*`` value)."""
+    return pb.Action(kind=kind, **fields)  # type: ignore[arg-type]
+
+
+class JobCore:
+    """The job's state, bookkeeping helpers and time-driven decisions (:meth:`tick`)."""
+
+    def __init__(
+        self, *, settings: MasterSettings, now: float, saved: Mapping[str, Any] | None = None
+    ) -> None:
+        self.settings = settings
+        self.job_id = settings.job_id
+        self.phase = "Pending"
+        self.reason = ""
+        self.started_unix = now
+        self.round: rdzv.Round | None = None
+        self.next_round = 1
+        self.round_open = True
+        self.opened_at = now
+        self.joiners: dict[str, rdzv.Joiner] = {}
+        self.restart_count = 0
+        self.evictions: list[dict[str, Any]] = []
+        self.checkpoints = CheckpointTracker()
+        self.nodes: dict[str, Node] = {}
+        self.completed: set[str] = set()
+        self.round_failures: list[FailureRecord] = []
+        self.root_cause: dict[str, Any] | None = None
+        self.hang_counts: dict[str, int] = {}
+        self.hang: dict[str, Any] | None = None
+        """The pending hang analysis of a round: round, node, requested_at, stacks."""
+        self.last_hang_analysis: dict[str, Any] | None = None
+        self.max_step = -1
+        self.below_min_since: float | None = now
+        self.stats = JobStats()
+        self.events = EventLog()
+        self.durable_version = 0
+        self.status_version = 0
+        self.round_version = 0
+        if saved is not None:
+            self._restore(saved, now=now)
+            # Events after the last save died with the old master; skipping ahead keeps every seq a poller
+            # saw below the new ones, so `since=<last seen>` never hides a new event.
+            self.events = EventLog(first_seq=int(saved.get("event_seq", 1)) + EVENT_SEQ_GAP)
+            self._event(
+                "master_resumed", now=now, round=self.round_number, message=f"resumed in phase {self.phase}"
+            )
+        else:
+            self._event("job_started", now=now, message=f"job {self.job_id} started")
+            self._changed(durable=True)
+
+    # ------------------------------------------------------------------------------------------------
+    # Views
+
+    @property
+    def round_number(self) -> int:
+        return self.round.number if self.round else 0
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in FINISHED
+
+    @property
+    def members(self) -> list[str]:
+        return self.round.node_ids if self.round else []
+
+    def alive(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.status == ALIVE]
+
+    def status(self) -> dict[str, Any]:
+        """The ``/v1/job`` JSON (see :mod:`phalanx.master.http` for the field list)."""
+        return {
+            "job_id": self.job_id,
+            "phase": self.phase,
+            "reason": self.reason,
+            "round": self.round_number,
+            "open_round": self.next_round if self.round_open else None,
+            "world_size": self.round.world_size if self.round else 0,
+            "members": self.members,
+            "waiting": sorted(self.joiners),
+            "min_nodes": self.settings.rendezvous.min_nodes,
+            "max_nodes": self.settings.rendezvous.max_nodes,
+            "nodes_alive": len(self.alive()),
+            "restart_count": self.restart_count,
+            "max_restarts": self.settings.restart.max_restarts,
+            "eviction_count": len(self.evictions),
+            "max_evictions": self.settings.restart.max_evictions,
+            "evictions": list(self.evictions),
+            "committed_checkpoint_step": self.checkpoints.committed,
+            "max_step": self.max_step,
+            "root_cause": self.root_cause,
+            "hang_analysis": self.last_hang_analysis,
+            "started_unix": self.started_unix,
+            "completed": sorted(self.completed),
+        }
+
+    def durable(self) -> dict[str, Any]:
+        """The state a restarted master resumes from (JSON); see :mod:`phalanx.master.snapshot`."""
+        return snapshot.durable(self)
+
+    def _restore(self, saved: Mapping[str, Any], *, now: float) -> None:
+        snapshot.restore(self, saved, now=now)
+
+    # ------------------------------------------------------------------------------------------------
+    # Bookkeeping helpers
+
+    def _changed(self, *, durable: bool = False) -> None:
+        self.status_version += 1
+        if durable:
+            self.durable_version += 1
+
+    def _event(
+        self, kind: str, *, now: float, node: str = "", rank: int = -1, round: int = -1, message: str = ""
+    ) -> None:
+        self.events.add(
+            kind,
+            now=now,
+            node=node,
+            rank=rank,
+            round=self.round_number if round < 0 else round,
+            message=message,
+        )
+        self._changed(durable=True)  # the event counter is durable (see EVENT_SEQ_GAP)
+
+    def _node(self, node_id: str, incarnation: str) -> Node:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise RequestError(
+                f"node {node_id!r} is not registered; call RegisterNode first", code="not_found"
+            )
+        if node.incarnation != incarnation and incarnation not in node.old_incarnations:
+            raise RequestError(f"unknown incarnation {incarnation!r} of node {node_id!r}")
+        return node
+
+    def _exitaction(self, node: Node, incarnation: str) -> pb.Action | None:
+        """EXIT for a finished job, an evicted or lost node, or a replaced incarnation; None otherwise."""
+        if self.finished:
+            code = 0 if self.phase == "Succeeded" else 1
+            return action(
+                pb.ACTION_KIND_EXIT, round=self.round_number, exit_code=code, reason=self._end_reason()
+            )
+        if incarnation != node.incarnation:
+            return action(
+                pb.ACTION_KIND_EXIT, exit_code=1, reason="replaced by a newer incarnation of this node"
+            )
+        if node.status != ALIVE:
+            return action(pb.ACTION_KIND_EXIT, exit_code=1, reason=node.exit_reason or f"node {node.status}")
+        return None
+
+    def _end_reason(self) -> str:
+        return f"job {self.phase.lower()}: {self.reason}" if self.reason else f"job {self.phase.lower()}"
+
+    def _finish(self, phase: str, reason: str, *, now: float) -> None:
+        if self.finished:
+            return
+        self.phase = phase
+        self.reason = reason
+        self.round_open = False
+        self.joiners.clear()
+        self._event("job_succeeded" if phase == "Succeeded" else "job_failed", now=now, message=reason)
+        (log.info if phase == "Succeeded" else failure_log.error)(
+            "job %s: %s", phase.lower(), reason, extra={"round": self.round_number}
+        )
+        self.round_version += 1
+        self._changed(durable=True)
+
+    def _open_round(self, why: str, *, now: float) -> None:
+        """Opens the next round: survivors get REJOIN in their next heartbeat response."""
+        if self.round_open or self.finished:
+            return
+        self.round_open = True
+        self.opened_at = now
+        if self.round is not None:
+            self.phase = "Restarting"
+        self._event("round_open", now=now, round=self.next_round, message=why)
+        rdzv_log.info("round %d open: %s", self.next_round, why, extra={"round": self.next_round})
+        self._changed(durable=True)
+
+    def _request_eviction(self, node: Node, *, kind: str, reason: str, now: float) -> bool:
+        """Records an eviction request; False (and the job fails) when the budget is spent."""
+        node.status = EVICTED if kind != "heartbeat_timeout" else LOST
+        node.exit_reason = f"evicted: {reason}"
+        self.joiners.pop(node.node_id, None)
+        if len(self.evictions) >= self.settings.restart.max_evictions:
+            self._finish(
+                "Failed",
+                f"{reason}, and the eviction budget ({self.settings.restart.max_evictions}) is spent",
+                now=now,
+            )
+            return False
+        self.evictions.append(
+            {
+                "node_id": node.node_id,
+                "machine": node.machine,
+                "reason": reason,
+                "kind": kind,
+                "requested_at": now,
+            }
+        )
+        self.stats.evictions[kind] = self.stats.evictions.get(kind, 0) + 1
+        self._event("eviction_requested", now=now, node=node.node_id, message=reason)
+        failure_log.warning(
+            "eviction of %s requested: %s",
+            node.node_id,
+            reason,
+            extra={"node": node.node_id, "round": self.round_number},
+        )
+        self._changed(durable=True)
+        return True
+
+    def _analyze_hang(self, *, now: float) -> None:
+        hang, self.hang = self.hang, None
+        if hang is None:
+            return
+        hung = str(hang["node"])
+        verdict = compare_stacks(hang["stacks"], hung_node=hung)
+        self.last_hang_analysis = {
+            "round": hang["round"],
+            "hung_node": hung,
+            "odd_nodes": verdict.odd_nodes,
+            "odd_ranks": sorted(verdict.odd_ranks),
+            "nodes_reported": sorted(hang["stacks"]),
+            "reason": verdict.reason,
+        }
+        self._event(
+            "hang_analysis",
+            now=now,
+            node=",".join(verdict.odd_nodes),
+            round=hang["round"],
+            message=verdict.reason,
+        )
+        failure_log.warning("hang analysis: %s", verdict.reason, extra={"node": hung, "round": hang["round"]})
+        if len(verdict.odd_nodes) == 1 and verdict.odd_nodes[0] != hung:
+            # The stacks put the blame on another node: move the hang from the detector to the culprit.
+            odd = verdict.odd_nodes[0]
+            self.hang_counts[hung] = max(0, self.hang_counts.get(hung, 0) - 1)
+            self.hang_counts[odd] = self.hang_counts.get(odd, 0) + 1
+            culprit = self.nodes.get(odd)
+            if self.hang_counts[odd] >= 2 and culprit is not None and culprit.status == ALIVE:
+                was_member = odd in self.members or odd in self.joiners
+                if (
+                    self._request_eviction(culprit, kind="hang", reason=f"{odd} hung twice", now=now)
+                    and was_member
+                ):
+                    self._open_round(f"evicted {odd}: hung twice", now=now)
+        self._changed(durable=True)
+
+    # ------------------------------------------------------------------------------------------------
+    # Time
+
+    def tick(self, *, now: float) -> None:
+        """Applies everything that happens with time: lost nodes, last calls, hang and min-nodes timeouts."""
+        if self.finished:
+            return
+        hb = self.settings.heartbeat
+        for node_id in expired(self.nodes.values(), now=now, timeout_s=hb.timeout_s):
+            self._lose(self.nodes[node_id], now=now)
+            if self.finished:
+                return
+        if self.hang is not None and now - float(self.hang["requested_at"]) > hb.timeout_s:
+            self._analyze_hang(now=now)
+        self._maybe_complete(now=now)
+        rs = self.settings.rendezvous
+        alive = len(self.alive())
+        if alive >= rs.min_nodes:
+            self.below_min_since = None
+        elif self.below_min_since is None:
+            self.below_min_since = now
+        elif now - self.below_min_since > rs.min_nodes_timeout_s:
+            self._finish(
+                "Failed",
+                f"only {alive} of the {rs.min_nodes} required nodes for over {rs.min_nodes_timeout_s:g}s",
+                now=now,
+            )
+
+    def _lose(self, node: Node, *, now: float) -> None:
+        timeout = self.settings.heartbeat.timeout_s
+        was_member = node.node_id in self.members
+        self._event("node_lost", now=now, node=node.node_id, message=f"no heartbeat for {timeout:g}s")
+        failure_log.error(
+            "node lost: no heartbeat for %gs",
+            timeout,
+            extra={"node": node.node_id, "round": self.round_number},
+        )
+        reason = f"{node.node_id} sent no heartbeat for {timeout:g}s"
+        if self._request_eviction(node, kind="heartbeat_timeout", reason=reason, now=now) and was_member:
+            self._open_round(f"{node.node_id} lost", now=now)
+
+    def _maybe_complete(self, *, now: float) -> None:
+        if not self.round_open or self.finished or not self.joiners:
+            return
+        if not rdzv.should_complete(
+            joiners=self.joiners,
+            expected=[n.node_id for n in self.alive()],
+            opened_at=self.opened_at,
+            now=now,
+            settings=self.settings.rendezvous,
+            straggler_wait_s=self.settings.heartbeat.timeout_s,
+        ):
+            return
+        new = rdzv.form_round(
+            number=self.next_round,
+            joiners=self.joiners,
+            previous=self.members,
+            settings=self.settings.rendezvous,
+            now=now,
+        )
+        self.round = new
+        self.next_round = new.number + 1
+        self.round_open = False
+        self.joiners.clear()  # those left out get NOT_MEMBER and join the next round
+        self.completed = set()
+        self.round_failures = []
+        self.phase = "Running"
+        self._event(
+            "round_complete",
+            now=now,
+            round=new.number,
+            message=f"world size {new.world_size}, members {', '.join(new.node_ids)}",
+        )
+        rdzv_log.info(
+            "round %d complete: %d nodes, world size %d",
+            new.number,
+            len(new.members),
+            new.world_size,
+            extra={"round": new.number},
+        )
+        self.round_version += 1
+        self._changed(durable=True)

@@ -1,0 +1,152 @@
+"""The master's HTTP API (FastAPI) for people, ``phalanx local`` and Prometheus.
+
+Every endpoint, ``/healthz`` and ``/metrics`` included, needs ``Authorization: Bearer <job token>``;
+otherwise the answer is 401. Bad query parameters get 422. All bodies are JSON except ``/metrics``.
+The shapes below are a contract (``phalanx local`` and the operator read them); add fields, never
+rename or remove one.
+
+``GET /healthz`` -> ``{"status": "ok", "phase": str}``
+
+``GET /v1/job`` -> the job status, also what the StatusSink publishes::
+
+    job_id: str
+    phase: "Pending" | "Running" | "Restarting" | "Succeeded" | "Failed"
+    reason: str                      why the job ended (or ""), one sentence
+    round: int                       latest completed rendezvous round, 0 before the first
+    open_round: int | null           the round gathering now, if any
+    world_size: int                  processes in `round`
+    members: [node_id]               nodes of `round` in group-rank order
+    waiting: [node_id]               nodes that joined `open_round`
+    min_nodes, max_nodes: int
+    nodes_alive: int
+    restart_count, max_restarts: int
+    eviction_count, max_evictions: int
+    evictions: [{node_id, machine, reason, kind, requested_at}]   kind: heartbeat_timeout | hardware | hang
+    committed_checkpoint_step: int   -1 if none
+    max_step: int                    highest step any rank reported, -1 before the first
+    root_cause: null | {node_id, round, rank, local_rank, exit_code, failure_class, kind, message,
+                        traceback, log_tail: [str], unix, last_step}      of the latest failed round
+    hang_analysis: null | {round, hung_node, odd_nodes: [str], odd_ranks: [int], nodes_reported, reason}
+    started_unix: float
+    completed: [node_id]             members that reported completion of `round`
+
+``GET /v1/nodes`` -> ``{"nodes": [{node_id, incarnation, host, machine, nproc, agent_version, status
+(alive|lost|evicted), state (idle|rendezvous|running|restarting|succeeded|failed), round,
+last_heartbeat_unix, heartbeat_age_s, ranks: [{rank, local_rank, step, step_unix, beacon_age_s, pid}],
+agent_restarts, memory_checkpoint_step, probes: {matmul|allgather: [{peer_node_id, ok, elapsed_s, rate,
+error, unix}]}, exit_reason, member: bool, group_rank: int (-1 if not a member), hang_count}]}``
+
+``GET /v1/events?since=SEQ&limit=N`` -> ``{"events": [{seq, unix, kind, node, rank, round, message}],
+"next_seq": int}``: events with ``seq > since``, oldest first. ``seq`` increases by one per event and
+jumps forward (never back) when the master restarts; kinds
+are listed in :data:`phalanx.master.events.KINDS` (job_started, master_resumed, node_registered,
+node_replaced, node_joined, round_open, round_complete, node_lost, failure, restart, eviction_requested,
+hang, hang_analysis, checkpoint_committed, checkpoint_failed, node_completed, job_succeeded, job_failed).
+
+``GET /v1/logs?node=&rank=&tail=N`` -> ``{"lines": [{unix, node, rank, local_rank, stream (out|err),
+text}]}``: the newest ``tail`` (default 100) lines of the matching (node, rank) rings, oldest first.
+
+``GET /metrics`` -> Prometheus text format (see :mod:`phalanx.master.metrics`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import FastAPI, Query
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from phalanx.master.runtime import Runtime
+
+__all__ = ["create_app"]
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class BearerAuth:
+    """ASGI middleware: 401 unless the request carries the job's bearer token."""
+
+    def __init__(self, app: ASGIApp, *, token: str) -> None:
+        self._app = app
+        self._expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = b""
+            for key, value in scope.get("headers", ()):
+                if key == b"authorization":
+                    given = value
+                    break
+            if not hmac.compare_digest(given, self._expected):
+                body = json.dumps({"error": "missing or wrong job token"}).encode()
+                headers = [
+                    (b"content-type", b"application/json"),
+                    (b"www-authenticate", b"Bearer"),
+                    (b"content-length", str(len(body)).encode()),
+                ]
+                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self._app(scope, receive, send)
+
+
+def create_app(runtime: Runtime, *, token: str) -> ASGIApp:
+    """The HTTP API over ``runtime``'s job, wrapped in the bearer-token check.
+
+    The handlers are ``async def`` on purpose: they then run on the event loop, like the gRPC handlers
+    that change the job, and never read it from a worker thread while it changes.
+    """
+    app = FastAPI(title="phalanx master", docs_url=None, redoc_url=None, openapi_url=None)
+    job = runtime.job
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "phase": job.phase}
+
+    @app.get("/v1/job")
+    async def get_job() -> dict[str, Any]:
+        return job.status()
+
+    @app.get("/v1/nodes")
+    async def get_nodes() -> dict[str, Any]:
+        now = runtime.now()
+        round_ = job.round
+        nodes = []
+        for node in sorted(job.nodes.values(), key=lambda n: n.node_id):
+            view = node.view(now=now)
+            member = round_.member(node.node_id) if round_ else None
+            view["member"] = member is not None
+            view["group_rank"] = member.group_rank if member else -1
+            view["hang_count"] = job.hang_counts.get(node.node_id, 0)
+            nodes.append(view)
+        return {"nodes": nodes}
+
+    @app.get("/v1/events")
+    async def get_events(
+        since: int = Query(0, ge=0), limit: int = Query(1000, ge=1, le=10_000)
+    ) -> dict[str, Any]:
+        return {
+            "events": [e.to_json() for e in job.events.since(since, limit=limit)],
+            "next_seq": job.events.next_seq,
+        }
+
+    @app.get("/v1/logs")
+    async def get_logs(
+        node: str = Query("", max_length=253),
+        rank: int | None = Query(None, ge=0),
+        tail: int = Query(100, ge=0, le=100_000),
+    ) -> dict[str, Any]:
+        return {"lines": runtime.logs.tail(node=node, rank=rank, tail=tail)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return BearerAuth(app, token=token)

@@ -1,0 +1,378 @@
+"""The job: the master's whole state machine, driven by agent requests and a clock tick.
+
+Every method takes ``now`` (Unix seconds) and does no I/O, so the master's behaviour is tested with plain
+values and an injected clock. The decisions themselves live in pure modules this one combines:
+:mod:`.rendezvous` (when a round completes, who is in it), :mod:`.membership` (liveness),
+:mod:`.policy` (what a failure leads to), :mod:`.checkpoints` (commits) and
+:func:`phalanx.diagnostics.stacks.compare_stacks` (hang verdicts). The executor
+(:mod:`phalanx.master.service`) calls these methods, persists :meth:`Job.durable` when
+``durable_version`` moves, and wakes long-polls when ``round_version`` moves.
+
+Phases: ``Pending`` (no round completed yet), ``Running``, ``Restarting`` (a new round is gathering after
+the first), ``Succeeded``, ``Failed``.
+"""
+
+from __future__ import annotations
+
+from phalanx.api.v1 import master_pb2 as pb
+from phalanx.master import rendezvous as rdzv
+from phalanx.master.core import FINISHED, JobCore, action, failure_log, log
+from phalanx.master.errors import RequestError
+from phalanx.master.membership import ALIVE, Node
+from phalanx.master.policy import FailureRecord, PolicyInput, Verdict, decide_failure, records_from_request
+
+__all__ = ["FINISHED", "Job", "RendezvousAnswer"]
+
+
+class RendezvousAnswer:
+    """What GetRendezvous answers; ``durable_version`` must be saved before a COMPLETE goes out."""
+
+    __slots__ = ("durable_version", "response")
+
+    def __init__(self, response: pb.GetRendezvousResponse, durable_version: int = 0) -> None:
+        self.response = response
+        self.durable_version = durable_version
+
+
+class Job(JobCore):
+    """State and decisions of one job's master: :class:`JobCore` plus the agents' requests."""
+
+    # ------------------------------------------------------------------------------------------------
+    # Requests
+
+    def check_node(self, node_id: str, incarnation: str) -> Node:
+        """The node's record; RequestError for an unknown node or incarnation."""
+        return self._node(node_id, incarnation)
+
+    def register(self, req: pb.RegisterNodeRequest, *, now: float) -> pb.RegisterNodeResponse:
+        if req.job_id != self.job_id:
+            raise RequestError(f"the node belongs to job {req.job_id!r}; this master serves {self.job_id!r}")
+        node = self.nodes.get(req.node_id)
+        if node is not None and node.incarnation == req.incarnation:
+            node.last_seen = now  # the same agent again, e.g. reconnecting after a master restart
+            node.agent_version = req.agent_version
+        else:
+            new = Node(
+                node_id=req.node_id,
+                incarnation=req.incarnation,
+                host=req.host,
+                machine=req.machine,
+                nproc=req.nproc_per_node,
+                agent_version=req.agent_version,
+                registered_unix=now,
+                last_seen=now,
+            )
+            self.nodes[req.node_id] = new
+            if node is None:
+                self._event("node_registered", now=now, node=req.node_id, message=f"host {req.host}")
+            else:
+                new.old_incarnations = [*node.old_incarnations, node.incarnation][-8:]
+                self.joiners.pop(req.node_id, None)
+                self._event(
+                    "node_replaced", now=now, node=req.node_id, message=f"new incarnation {req.incarnation}"
+                )
+                if (
+                    node.status == ALIVE
+                    and req.node_id in self.members
+                    and not self.round_open
+                    and not self.finished
+                ):
+                    # The old agent is gone with its workers: a failure of the round like any other.
+                    record = FailureRecord(
+                        node_id=req.node_id,
+                        round=self.round_number,
+                        rank=-1,
+                        failure_class="killed",
+                        message="the node's agent restarted (new incarnation)",
+                        unix=now,
+                    )
+                    self._handle_failure(new, [record], now=now)
+            log.info(
+                "registered incarnation %s",
+                req.incarnation,
+                extra={"node": req.node_id, "round": self.round_number},
+            )
+            self._changed(durable=True)
+        return pb.RegisterNodeResponse(
+            heartbeat_interval_s=self.settings.heartbeat.interval_s,
+            heartbeat_timeout_s=self.settings.heartbeat.timeout_s,
+            round=self.round_number,
+            committed_checkpoint_step=self.checkpoints.committed,
+        )
+
+    def heartbeat(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:
+        node = self._node(req.node_id, req.incarnation)
+        self.stats.heartbeats += 1
+        resp = pb.HeartbeatResponse(
+            round=self.round_number, committed_checkpoint_step=self.checkpoints.committed
+        )
+        leave = self._exitaction(node, req.incarnation)
+        if leave is not None:
+            resp.actions.append(leave)
+            return resp
+        node.last_seen = now
+        node.state = req.state
+        node.hb_round = req.round
+        node.agent_restarts = req.restart_count
+        if req.ranks:
+            node.ranks = list(req.ranks)
+            top = max(r.step for r in req.ranks)
+            if top > self.max_step:
+                self.max_step = top
+                self._changed()
+        if node.pending:
+            resp.actions.extend(node.pending)
+            node.pending.clear()
+        if (
+            self.round_open
+            and req.node_id in self.members
+            and req.node_id not in self.joiners
+            and req.state not in (pb.NODE_STATE_RENDEZVOUS, pb.NODE_STATE_RESTARTING)
+        ):
+            # Repeated until the node joins; agents treat a repeat for the same round as a no-op.
+            resp.actions.append(
+                action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason="a new round is open")
+            )
+        return resp
+
+    def join(self, req: pb.JoinRendezvousRequest, *, now: float) -> pb.JoinRendezvousResponse:
+        node = self._node(req.node_id, req.incarnation)
+        if self.finished:
+            return pb.JoinRendezvousResponse(round=self.next_round)  # GetRendezvous then answers CLOSED
+        if node.status != ALIVE or req.incarnation != node.incarnation:
+            raise RequestError(
+                f"node {req.node_id} may not join: {node.exit_reason or 'replaced'}",
+                code="failed_precondition",
+            )
+        node.last_seen = now
+        node.nproc = req.nproc_per_node
+        fresh = req.node_id not in self.joiners
+        self.joiners[req.node_id] = rdzv.Joiner(
+            node_id=req.node_id,
+            nproc=req.nproc_per_node,
+            store_host=req.store_host,
+            store_port=req.store_port,
+            last_round=req.last_round,
+            joined_at=now,
+        )
+        if fresh:
+            self._event("node_joined", now=now, node=req.node_id, round=self.next_round)
+        if not self.round_open:
+            members = self.members
+            waiting = sum(1 for n in self.joiners if n not in members)
+            if req.node_id in members:
+                self._open_round(f"{req.node_id} rejoined", now=now)
+            elif rdzv.can_grow(members=len(members), waiting=waiting, settings=self.settings.rendezvous):
+                self._open_round(f"scale up: {waiting} node(s) waiting", now=now)
+        joined = self.next_round  # the round may complete right now; the node joined this one
+        self._maybe_complete(now=now)
+        return pb.JoinRendezvousResponse(round=joined)
+
+    def get_rendezvous(self, req: pb.GetRendezvousRequest, *, now: float) -> RendezvousAnswer:
+        node = self._node(req.node_id, req.incarnation)
+        resp = pb.GetRendezvousResponse(
+            round=req.round,
+            restart_count=self.restart_count,
+            committed_checkpoint_step=self.checkpoints.committed,
+        )
+        if self.finished or node.status != ALIVE or req.incarnation != node.incarnation:
+            resp.status = pb.RENDEZVOUS_STATUS_CLOSED
+            return RendezvousAnswer(resp)
+        r = self.round
+        member = r.member(req.node_id) if r is not None and req.round == r.number else None
+        if r is not None and member is not None:
+            resp.status = pb.RENDEZVOUS_STATUS_COMPLETE
+            resp.members.extend(
+                pb.Member(
+                    node_id=m.node_id,
+                    group_rank=m.group_rank,
+                    nproc_per_node=m.nproc,
+                    rank_offset=m.rank_offset,
+                )
+                for m in r.members
+            )
+            resp.group_rank = member.group_rank
+            resp.rank_offset = member.rank_offset
+            resp.world_size = r.world_size
+            resp.store_host = r.store_host
+            resp.store_port = r.store_port
+            return RendezvousAnswer(resp, self.durable_version)
+        if req.round == self.next_round and req.node_id in self.joiners:
+            resp.status = pb.RENDEZVOUS_STATUS_WAITING
+        else:
+            resp.status = pb.RENDEZVOUS_STATUS_NOT_MEMBER
+        return RendezvousAnswer(resp)
+
+    def report_failure(self, req: pb.ReportFailureRequest, *, now: float) -> pb.Action:
+        node = self._node(req.node_id, req.incarnation)
+        leave = self._exitaction(node, req.incarnation)
+        if leave is not None:
+            return leave
+        node.last_seen = now
+        records = records_from_request(req, now=now)
+        for rec in records:
+            self.stats.failures[rec.failure_class] = self.stats.failures.get(rec.failure_class, 0) + 1
+        if req.round != self.round_number or req.node_id not in self.members:
+            self._event(
+                "failure",
+                now=now,
+                node=req.node_id,
+                round=req.round,
+                message=f"stale report: {records[0].summary()}",
+            )
+            failure_log.info(
+                "stale failure report for round %d: %s",
+                req.round,
+                records[0].summary(),
+                extra={"node": req.node_id},
+            )
+            return action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason="a newer round exists")
+        return self._handle_failure(node, records, now=now)
+
+    def _handle_failure(self, node: Node, records: list[FailureRecord], *, now: float) -> pb.Action:
+        self.round_failures.extend(records)
+        decision = decide_failure(
+            PolicyInput(
+                node_id=node.node_id,
+                report=records,
+                round_records=self.round_failures,
+                members=self.members,
+                world_size=self.round.world_size if self.round else 0,
+                restart_count=self.restart_count,
+                max_restarts=self.settings.restart.max_restarts,
+                eviction_count=len(self.evictions),
+                max_evictions=self.settings.restart.max_evictions,
+                hang_count=self.hang_counts.get(node.node_id, 0),
+                already_restarting=self.round_open,
+                user_error_window_s=self.settings.user_error_window_s,
+            ),
+            now=now,
+        )
+        if decision.root is not None:
+            self.root_cause = decision.root.to_json()
+        first = records[0]
+        self._event("failure", now=now, node=node.node_id, rank=first.rank, message=first.summary())
+        failure_log.error(
+            "failure of %s; root cause of round %d: %s; decision: %s (%s)",
+            first.summary(),
+            self.round_number,
+            decision.root.summary() if decision.root else "?",
+            decision.verdict.value,
+            decision.reason,
+            extra={"node": node.node_id, "round": self.round_number},
+        )
+        self._changed(durable=True)
+        if decision.verdict is Verdict.FAIL:
+            self._finish("Failed", decision.reason, now=now)
+            return action(pb.ACTION_KIND_EXIT, exit_code=1, reason=self._end_reason())
+        if decision.verdict is Verdict.EVICT:
+            was_member = node.node_id in self.members
+            if (
+                self._request_eviction(node, kind=decision.evict_kind, reason=decision.reason, now=now)
+                and was_member
+            ):
+                self._open_round(f"evicted {node.node_id}: {decision.reason}", now=now)
+            return action(pb.ACTION_KIND_EXIT, exit_code=1, reason=node.exit_reason or self._end_reason())
+        if decision.verdict is Verdict.RESTART:
+            self.restart_count += 1
+            self._event("restart", now=now, node=node.node_id, message=decision.reason)
+            if decision.dump_stacks:
+                self._start_hang_analysis(node.node_id, now=now)
+            self._open_round(decision.reason, now=now)
+        return action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason=decision.reason)
+
+    def _start_hang_analysis(self, node_id: str, *, now: float) -> None:
+        self.hang_counts[node_id] = self.hang_counts.get(node_id, 0) + 1
+        self.hang = {
+            "round": self.round_number,
+            "node": node_id,
+            "requested_at": now,
+            "members": self.members,
+            "stacks": {},
+        }
+        for member in self.members:
+            if member != node_id and member in self.nodes:
+                self.nodes[member].pending.append(
+                    action(pb.ACTION_KIND_DUMP_STACKS, round=self.round_number, reason=f"hang on {node_id}")
+                )
+        self._event("hang", now=now, node=node_id, message="asked every member for its stacks")
+
+    def report_completion(self, req: pb.ReportCompletionRequest, *, now: float) -> pb.Action:
+        node = self._node(req.node_id, req.incarnation)
+        leave = self._exitaction(node, req.incarnation)
+        if leave is not None:
+            return leave
+        node.last_seen = now
+        if req.round != self.round_number or req.node_id not in self.members:
+            return action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason="a newer round exists")
+        if self.round_open:
+            return action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason="a new round is open")
+        if req.node_id not in self.completed:
+            self.completed.add(req.node_id)
+            self._event("node_completed", now=now, node=req.node_id)
+            self._changed(durable=True)
+        if self.completed >= set(self.members):
+            self._finish(
+                "Succeeded", f"all {len(self.members)} nodes completed round {self.round_number}", now=now
+            )
+            return action(
+                pb.ACTION_KIND_EXIT, round=self.round_number, exit_code=0, reason=self._end_reason()
+            )
+        return action(pb.ACTION_KIND_NONE)
+
+    def report_checkpoint(self, req: pb.ReportCheckpointRequest, *, now: float) -> int:
+        node = self._node(req.node_id, req.incarnation)
+        if req.state == pb.CHECKPOINT_STATE_PERSISTED:
+            if self.checkpoints.persisted(step=req.step, ranks=req.ranks, world_size=req.world_size):
+                self._event(
+                    "checkpoint_committed",
+                    now=now,
+                    node=req.node_id,
+                    message=f"step {req.step} at {req.path}",
+                )
+                log.info(
+                    "checkpoint step %d committed",
+                    req.step,
+                    extra={"node": req.node_id, "round": self.round_number},
+                )
+                self._changed(durable=True)
+        elif req.state == pb.CHECKPOINT_STATE_FAILED:
+            self.stats.checkpoint_failures += 1
+            self._event(
+                "checkpoint_failed", now=now, node=req.node_id, message=f"step {req.step}: {req.error}"
+            )
+            failure_log.warning(
+                "persisting checkpoint step %d failed: %s",
+                req.step,
+                req.error[:1000],
+                extra={"node": req.node_id, "round": self.round_number},
+            )
+        elif req.state == pb.CHECKPOINT_STATE_IN_MEMORY:
+            node.memory_checkpoint_step = max(node.memory_checkpoint_step, req.step)
+            self._changed()
+        return self.checkpoints.committed
+
+    def report_probe(self, req: pb.ReportProbeRequest, *, now: float) -> None:
+        node = self._node(req.node_id, req.incarnation)
+        kind = pb.ProbeKind.Name(req.probe).removeprefix("PROBE_KIND_").lower()
+        node.probes[kind] = [
+            {
+                "peer_node_id": m.peer_node_id,
+                "ok": m.ok,
+                "elapsed_s": m.elapsed_s,
+                "rate": m.rate,
+                "error": m.error,
+                "unix": now,
+            }
+            for m in req.measurements
+        ]
+        self._changed()
+
+    def report_stacks(self, req: pb.ReportStacksRequest, *, now: float) -> None:
+        self._node(req.node_id, req.incarnation)
+        hang = self.hang
+        if hang is None or req.round != hang["round"]:
+            return
+        hang["stacks"][req.node_id] = {r.rank: r.stacks for r in req.ranks}
+        if set(hang["members"]) <= set(hang["stacks"]):
+            self._analyze_hang(now=now)

@@ -1,0 +1,102 @@
+"""Log aggregation: worker output shipped by the agents, kept for ``/v1/logs`` and in a job log file.
+
+Each (node, rank) has a bounded ring of the newest ``ring_lines`` lines. Every line is also appended to
+the job log file (``<log dir>/<job id>.log``), one line per worker line::
+
+    2026-01-02T03:04:05.678Z node-1 r3 err| the worker's text
+
+Lines longer than ``max_line_bytes`` are cut server-side too (an agent that ignores the limit cannot
+blow up the master's memory), and control characters are escaped so a worker cannot forge log lines.
+File writes are buffered and flushed by the server's tick, off the request path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+
+from phalanx.api.v1 import master_pb2 as pb
+
+__all__ = ["LogStore"]
+
+_STREAMS = {pb.LOG_STREAM_STDOUT: "out", pb.LOG_STREAM_STDERR: "err"}
+_CONTROL = {i: f"\\x{i:02x}" for i in range(32) if i != 9}
+
+
+def _clip(text: str, max_bytes: int) -> str:
+    raw = text.encode("utf-8", "replace")
+    if len(raw) > max_bytes:
+        text = raw[:max_bytes].decode("utf-8", "ignore")
+    return text.translate(_CONTROL)
+
+
+class LogStore:
+    """Rings per (node, rank) plus the append-only job log file."""
+
+    def __init__(self, *, ring_lines: int, max_line_bytes: int, path: Path | None) -> None:
+        self.ring_lines = ring_lines
+        self.max_line_bytes = max_line_bytes
+        self.path = path
+        self.lines_total = 0
+        self.dropped_total = 0
+        self._rings: dict[tuple[str, int], deque[tuple[float, int, str, str]]] = {}
+        self._buffer: list[str] = []
+        self._file: IO[str] | None = None
+
+    def add(self, node_id: str, lines: Iterable[pb.LogLine], *, dropped: int, now: float) -> None:
+        self.dropped_total += max(0, dropped)
+        for line in lines:
+            text = _clip(line.text, self.max_line_bytes)
+            stream = _STREAMS.get(line.stream, "out")
+            unix = line.unix_ns / 1e9 if line.unix_ns else now
+            ring = self._rings.get((node_id, line.rank))
+            if ring is None:
+                ring = self._rings[(node_id, line.rank)] = deque(maxlen=self.ring_lines)
+            ring.append((unix, line.local_rank, stream, text))
+            self.lines_total += 1
+            if self.path is not None:
+                stamp = (
+                    time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix)) + f".{int(unix * 1000) % 1000:03d}Z"
+                )
+                self._buffer.append(f"{stamp} {node_id} r{line.rank} {stream}| {text}\n")
+        if dropped > 0 and self.path is not None:
+            self._buffer.append(f"[{node_id}: {dropped} lines dropped by the agent's rate limit]\n")
+
+    def tail(self, *, node: str = "", rank: int | None = None, tail: int = 100) -> list[dict[str, Any]]:
+        """The newest ``tail`` lines of the matching rings, oldest first."""
+        tail = max(0, min(tail, self.ring_lines))
+        picked: list[tuple[float, str, int, int, str, str]] = []
+        for (node_id, r), ring in self._rings.items():
+            if (node and node_id != node) or (rank is not None and r != rank):
+                continue
+            for unix, local_rank, stream, text in list(ring)[-tail:] if tail else []:
+                picked.append((unix, node_id, r, local_rank, stream, text))
+        picked.sort(key=lambda p: p[0])
+        return (
+            [
+                {"unix": u, "node": n, "rank": r, "local_rank": lr, "stream": s, "text": t}
+                for u, n, r, lr, s, t in picked[-tail:]
+            ]
+            if tail
+            else []
+        )
+
+    def flush(self) -> None:
+        """Writes buffered lines to the job log file."""
+        if not self._buffer or self.path is None:
+            return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        self._file.writelines(self._buffer)
+        self._buffer.clear()
+        self._file.flush()
+
+    def close(self) -> None:
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,110 @@
+"""Node membership: the registered nodes, their incarnations and liveness. Pure bookkeeping.
+
+A node is ``alive`` from RegisterNode until it is silent for the heartbeat timeout (``lost``), evicted
+(``evicted``) or leaves after the job ended (``exited``). A new incarnation of a node id replaces the old
+record; the old incarnation's id is remembered so a late heartbeat from it is told to exit instead of
+being mistaken for garbage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.api.v1 import master_pb2 as pb
+
+__all__ = ["ALIVE", "EVICTED", "LOST", "Node", "expired"]
+
+ALIVE = "alive"
+LOST = "lost"
+EVICTED = "evicted"
+
+
+@dataclass(kw_only=True)
+class Node:
+    """What the master knows about one node agent."""
+
+    node_id: str
+    incarnation: str
+    host: str = ""
+    machine: str = ""
+    nproc: int = 1
+    agent_version: str = ""
+    status: str = ALIVE
+    registered_unix: float = 0.0
+    last_seen: float = 0.0
+    state: pb.NodeState.ValueType = pb.NODE_STATE_IDLE
+    hb_round: int = 0
+    ranks: list[pb.RankProgress] = field(default_factory=list)
+    """The latest heartbeat's progress, kept as messages: converting 1,000 heartbeats/s to dicts is waste."""
+    agent_restarts: int = 0
+    probes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    memory_checkpoint_step: int = -1
+    pending: list[pb.Action] = field(default_factory=list)
+    """One-shot actions for the next heartbeat response (DUMP_STACKS)."""
+    exit_reason: str = ""
+    old_incarnations: list[str] = field(default_factory=list)
+
+    def durable(self) -> dict[str, Any]:
+        return {
+            "incarnation": self.incarnation,
+            "host": self.host,
+            "machine": self.machine,
+            "nproc": self.nproc,
+            "status": self.status,
+            "exit_reason": self.exit_reason,
+            "old_incarnations": self.old_incarnations[-8:],
+        }
+
+    @classmethod
+    def from_durable(cls, node_id: str, data: dict[str, Any], *, now: float) -> Node:
+        # last_seen = now: a restarted master gives every node one heartbeat timeout to reappear.
+        return cls(
+            node_id=node_id,
+            incarnation=str(data["incarnation"]),
+            host=str(data.get("host", "")),
+            machine=str(data.get("machine", "")),
+            nproc=int(data.get("nproc", 1)),
+            status=str(data.get("status", ALIVE)),
+            exit_reason=str(data.get("exit_reason", "")),
+            old_incarnations=[str(i) for i in data.get("old_incarnations", [])],
+            registered_unix=now,
+            last_seen=now,
+        )
+
+    def view(self, *, now: float) -> dict[str, Any]:
+        """The node as ``/v1/nodes`` shows it."""
+        return {
+            "node_id": self.node_id,
+            "incarnation": self.incarnation,
+            "host": self.host,
+            "machine": self.machine,
+            "nproc": self.nproc,
+            "agent_version": self.agent_version,
+            "status": self.status,
+            "state": pb.NodeState.Name(self.state).removeprefix("NODE_STATE_").lower(),
+            "round": self.hb_round,
+            "last_heartbeat_unix": self.last_seen,
+            "heartbeat_age_s": max(0.0, now - self.last_seen),
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "local_rank": r.local_rank,
+                    "step": r.step,
+                    "step_unix": r.step_unix_ns / 1e9,
+                    "beacon_age_s": r.beacon_age_s,
+                    "pid": r.pid,
+                }
+                for r in self.ranks
+            ],
+            "agent_restarts": self.agent_restarts,
+            "memory_checkpoint_step": self.memory_checkpoint_step,
+            "probes": self.probes,
+            "exit_reason": self.exit_reason,
+        }
+
+
+def expired(nodes: Iterable[Node], *, now: float, timeout_s: float) -> list[str]:
+    """Ids of live nodes silent for longer than the heartbeat timeout."""
+    return [n.node_id for n in nodes if n.status == ALIVE and now - n.last_seen > timeout_s]

@@ -1,0 +1,141 @@
+"""Prometheus metrics of the master (``/metrics``).
+
+Gauges and counters are read from the job's state at scrape time (a custom collector), so a heartbeat
+costs no metric update; only the RPC latency histogram is observed per call. Labels are bounded: no node,
+pod, rank or step labels.
+
+============================================  =========  =====================================
+metric                                        type       labels
+============================================  =========  =====================================
+phalanx_nodes                                 gauge      state (alive, lost, evicted)
+phalanx_rendezvous_round                      gauge
+phalanx_world_size                            gauge
+phalanx_job_phase                             gauge      phase (1 for the current phase)
+phalanx_restarts_total                        counter
+phalanx_failures_total                        counter    failure_class
+phalanx_evictions_total                       counter    reason (heartbeat_timeout, hardware, hang)
+phalanx_heartbeats_total                      counter
+phalanx_training_step                         gauge      (highest step any rank reported)
+phalanx_checkpoint_committed_step             gauge
+phalanx_checkpoint_failures_total             counter
+phalanx_log_lines_total                       counter
+phalanx_log_lines_dropped_total               counter
+phalanx_rpc_duration_seconds                  histogram  method
+phalanx_event_loop_lag_seconds                gauge      (largest loop delay of the last 10 s)
+============================================  =========  =====================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from phalanx.master.job import Job
+from phalanx.master.logstore import LogStore
+from phalanx.master.membership import ALIVE, EVICTED, LOST
+
+__all__ = ["MasterMetrics"]
+
+_PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed")
+
+
+class _JobCollector:
+    def __init__(self, job: Job, logs: LogStore, loop_lag: Callable[[], float]) -> None:
+        self._job = job
+        self._logs = logs
+        self._loop_lag = loop_lag
+
+    def collect(self) -> Iterator[Metric]:
+        job = self._job
+        nodes = GaugeMetricFamily("phalanx_nodes", "Nodes known to the master, by state.", labels=["state"])
+        for state in (ALIVE, LOST, EVICTED):
+            nodes.add_metric([state], sum(1 for n in job.nodes.values() if n.status == state))
+        yield nodes
+        yield GaugeMetricFamily(
+            "phalanx_rendezvous_round", "Latest completed rendezvous round.", value=job.round_number
+        )
+        yield GaugeMetricFamily(
+            "phalanx_world_size",
+            "Training processes in the current round.",
+            value=job.round.world_size if job.round else 0,
+        )
+        phase = GaugeMetricFamily("phalanx_job_phase", "1 for the job's current phase.", labels=["phase"])
+        for p in _PHASES:
+            phase.add_metric([p], 1.0 if job.phase == p else 0.0)
+        yield phase
+        yield CounterMetricFamily(
+            "phalanx_restarts", "In-place restarts of the job.", value=job.restart_count
+        )
+        failures = CounterMetricFamily(
+            "phalanx_failures", "Worker failures reported, by class.", labels=["failure_class"]
+        )
+        for cls, count in sorted(job.stats.failures.items()):
+            failures.add_metric([cls], count)
+        yield failures
+        evictions = CounterMetricFamily(
+            "phalanx_evictions", "Eviction requests, by reason.", labels=["reason"]
+        )
+        for kind, count in sorted(job.stats.evictions.items()):
+            evictions.add_metric([kind], count)
+        yield evictions
+        yield CounterMetricFamily("phalanx_heartbeats", "Heartbeats received.", value=job.stats.heartbeats)
+        yield GaugeMetricFamily(
+            "phalanx_training_step", "Highest step any rank reported.", value=job.max_step
+        )
+        yield GaugeMetricFamily(
+            "phalanx_checkpoint_committed_step",
+            "Newest committed checkpoint step.",
+            value=job.checkpoints.committed,
+        )
+        yield CounterMetricFamily(
+            "phalanx_checkpoint_failures",
+            "Checkpoint persists that failed.",
+            value=job.stats.checkpoint_failures,
+        )
+        yield CounterMetricFamily(
+            "phalanx_log_lines", "Worker log lines received.", value=self._logs.lines_total
+        )
+        yield CounterMetricFamily(
+            "phalanx_log_lines_dropped",
+            "Worker log lines dropped by agents' rate limits.",
+            value=self._logs.dropped_total,
+        )
+        yield GaugeMetricFamily(
+            "phalanx_event_loop_lag_seconds",
+            "Largest delay of the master's event loop in the last 10 s (how late a busy master answers).",
+            value=self._loop_lag(),
+        )
+
+
+class MasterMetrics:
+    """The master's own registry (never the global one, so two masters in one test process do not clash)."""
+
+    def __init__(self, job: Job, logs: LogStore, *, loop_lag: Callable[[], float] = lambda: 0.0) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_JobCollector(job, logs, loop_lag))
+        self.rpc_duration = Histogram(
+            "phalanx_rpc_duration_seconds",
+            "Time the master spent answering an agent RPC (long-polls included).",
+            labelnames=["method"],
+            registry=self.registry,
+            buckets=(
+                0.0001,
+                0.00025,
+                0.0005,
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                0.5,
+                1.0,
+                2.5,
+                10.0,
+                30.0,
+            ),
+        )

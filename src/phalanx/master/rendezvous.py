@@ -1,0 +1,135 @@
+"""Rendezvous decisions: when a round completes and who its members are. Pure functions of plain values.
+
+A round gathers *joiners*. It completes
+
+* at once when ``max_nodes`` joined;
+* otherwise when at least ``min_nodes`` joined, no node joined for ``last_call_s``, and every node the
+  master expects (every live registered node) has joined;
+* or, when some live node still has not joined, once the round has been open for ``straggler_wait_s``
+  (the master passes the heartbeat timeout: a live node that does not rejoin in that time is left out
+  rather than blocking everybody).
+
+Membership is cut to the largest multiple of ``unit`` that fits (never above ``max_nodes``); a round
+whose cut would fall below ``min_nodes`` does not complete. Group ranks are stable: members of the
+previous round keep their relative order, newcomers follow in join order (compare torch elastic's
+``_RendezvousJoinOp`` and torchft's ``quorum_compute``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from phalanx.api.settings import RendezvousSettings
+
+__all__ = ["Joiner", "Member", "Round", "can_grow", "form_round", "should_complete", "usable"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Joiner:
+    """A node waiting for the open round."""
+
+    node_id: str
+    nproc: int
+    store_host: str
+    store_port: int
+    last_round: int
+    joined_at: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Member:
+    """One node of a completed round."""
+
+    node_id: str
+    group_rank: int
+    nproc: int
+    rank_offset: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Round:
+    """A completed round."""
+
+    number: int
+    members: tuple[Member, ...]
+    world_size: int
+    store_host: str
+    store_port: int
+    completed_at: float
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [m.node_id for m in self.members]
+
+    def member(self, node_id: str) -> Member | None:
+        return next((m for m in self.members if m.node_id == node_id), None)
+
+
+def usable(count: int, settings: RendezvousSettings) -> int:
+    """How many of ``count`` joiners a round can take: capped at max_nodes, cut to a multiple of unit."""
+    return min(count, settings.max_nodes) // settings.unit * settings.unit
+
+
+def can_grow(*, members: int, waiting: int, settings: RendezvousSettings) -> bool:
+    """Whether nodes waiting beside a running round would make a larger round (scale up)."""
+    return usable(members + waiting, settings) > members
+
+
+def should_complete(
+    *,
+    joiners: Mapping[str, Joiner],
+    expected: Collection[str],
+    opened_at: float,
+    now: float,
+    settings: RendezvousSettings,
+    straggler_wait_s: float,
+) -> bool:
+    """Whether the open round completes now (see the module docstring for the rule)."""
+    if usable(len(joiners), settings) < settings.min_nodes:
+        return False
+    if len(joiners) >= settings.max_nodes:
+        return True
+    last_join = max(j.joined_at for j in joiners.values())
+    if now - last_join < settings.last_call_s:
+        return False
+    if all(node in joiners for node in expected):
+        return True
+    return now - opened_at >= straggler_wait_s
+
+
+def form_round(
+    *,
+    number: int,
+    joiners: Mapping[str, Joiner],
+    previous: Sequence[str],
+    settings: RendezvousSettings,
+    now: float,
+) -> Round:
+    """Builds round ``number`` from the joiners: survivors first in their previous order, then newcomers."""
+    rank_before = {node: i for i, node in enumerate(previous)}
+    ordered = sorted(
+        joiners.values(),
+        key=lambda j: (
+            (0, rank_before[j.node_id], 0.0, "")
+            if j.node_id in rank_before
+            else (1, 0, j.joined_at, j.node_id)
+        ),
+    )
+    chosen = ordered[: usable(len(ordered), settings)]
+    members: list[Member] = []
+    offset = 0
+    for group_rank, joiner in enumerate(chosen):
+        members.append(
+            Member(node_id=joiner.node_id, group_rank=group_rank, nproc=joiner.nproc, rank_offset=offset)
+        )
+        offset += joiner.nproc
+    head = chosen[0] if chosen else None
+    return Round(
+        number=number,
+        members=tuple(members),
+        world_size=offset,
+        store_host=head.store_host if head else "",
+        store_port=head.store_port if head else 0,
+        completed_at=now,
+    )

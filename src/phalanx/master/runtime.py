@@ -1,0 +1,133 @@
+"""The master's executor: owns the job and carries out what its decisions need in the outside world.
+
+One asyncio event loop runs everything; job methods are synchronous and never await, so no lock is
+needed around the job. After every request and every tick, :meth:`Runtime.after` looks at the job's
+version counters and
+
+* wakes GetRendezvous long-polls when a round completed (``round_version``),
+* hands the durable state to the saver task when it changed (``durable_version``): the saver writes the
+  newest snapshot in a worker thread, so a burst of changes costs one write, never one per heartbeat,
+* and the publisher task sends the status to the :class:`~phalanx.master.state.StatusSink` at most
+  twice a second when it changed (``status_version``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+
+from phalanx.master.job import Job
+from phalanx.master.logstore import LogStore
+from phalanx.master.metrics import MasterMetrics
+from phalanx.master.state import StateStore, StatusSink
+
+__all__ = ["Runtime"]
+
+log = logging.getLogger("phalanx.master")
+
+PUBLISH_INTERVAL_S = 0.5
+# How long a COMPLETE answer waits for the round to be durable before going out anyway: a broken state
+# store must not stop training, it only weakens what a master restart can recover.
+SAVE_WAIT_S = 5.0
+LAG_WINDOW_S = 10.0
+
+
+class Runtime:
+    def __init__(
+        self, *, job: Job, logs: LogStore, store: StateStore, sink: StatusSink, resumed: bool
+    ) -> None:
+        self.job = job
+        self.logs = logs
+        self.store = store
+        self.sink = sink
+        self.metrics = MasterMetrics(job, logs, loop_lag=self.loop_lag_s)
+        self._round_event = asyncio.Event()
+        self._seen_round = job.round_version
+        self._dirty = asyncio.Event()
+        self._saved_version = job.durable_version if resumed else -1
+        self._saved = asyncio.Condition()
+        self._published = -1
+        self._lags: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
+        self.stopping = asyncio.Event()
+
+    @staticmethod
+    def now() -> float:
+        return time.time()
+
+    def after(self) -> None:
+        """Reacts to what the last job call changed (see the module docstring)."""
+        job = self.job
+        if job.round_version != self._seen_round:
+            self._seen_round = job.round_version
+            event, self._round_event = self._round_event, asyncio.Event()
+            event.set()
+        if job.durable_version != self._saved_version:
+            self._dirty.set()
+
+    async def round_changed(self, limit_s: float) -> None:
+        """Returns when a round completes or the job ends, or after ``limit_s`` seconds."""
+        event = self._round_event
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), limit_s)
+
+    async def wait_saved(self, version: int) -> None:
+        async with self._saved:
+            try:
+                await asyncio.wait_for(
+                    self._saved.wait_for(lambda: self._saved_version >= version), SAVE_WAIT_S
+                )
+            except TimeoutError:
+                log.warning("answering before the state store confirmed version %d", version)
+
+    async def save_now(self) -> None:
+        """Writes the current durable state (the saver's step, also used at shutdown)."""
+        version = self.job.durable_version
+        snapshot = self.job.durable()
+        await asyncio.to_thread(self.store.save, snapshot)
+        async with self._saved:
+            self._saved_version = max(self._saved_version, version)
+            self._saved.notify_all()
+
+    async def saver(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            if self.job.durable_version == self._saved_version:
+                continue
+            try:
+                await self.save_now()
+            except Exception:  # a failing store must not kill the master; retry with the next change
+                log.exception("saving the master state failed; retrying in 1s")
+                await asyncio.sleep(1.0)
+                self._dirty.set()
+
+    async def ticker(self, interval_s: float) -> None:
+        while True:
+            self.job.tick(now=self.now())
+            self.after()
+            try:
+                self.logs.flush()
+            except OSError:
+                log.exception("writing the job log failed")
+            before = time.monotonic()
+            await asyncio.sleep(interval_s)
+            after = time.monotonic()
+            self._lags.append((after, after - before - interval_s))
+
+    def loop_lag_s(self, window_s: float = LAG_WINDOW_S) -> float:
+        """Largest event-loop delay of the last ``window_s``: how late the master answers when busy."""
+        since = time.monotonic() - window_s
+        return max((lag for at, lag in self._lags if at >= since), default=0.0)
+
+    async def publisher(self) -> None:
+        while True:
+            if self.job.status_version != self._published:
+                self._published = self.job.status_version
+                try:
+                    await asyncio.to_thread(self.sink.publish, self.job.status())
+                except Exception:
+                    log.exception("publishing the job status failed")
+            await asyncio.sleep(PUBLISH_INTERVAL_S)

@@ -1,0 +1,169 @@
+"""Runs a job's master: one asyncio process serving gRPC (agents) and HTTP (people, Prometheus).
+
+:func:`run_master` binds both servers (port 0 picks a free port), prints the two address lines other
+tools parse, runs until SIGTERM or SIGINT, then shuts down gracefully: stops accepting calls, gives
+running ones a moment to finish, saves the state a last time and closes the job log.
+
+The first two lines of stdout are exactly::
+
+    PHALANX_MASTER_GRPC=<host>:<port>
+    PHALANX_MASTER_HTTP=<host>:<port>
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Generator
+from pathlib import Path
+from typing import TextIO
+
+import uvicorn
+from grpc import aio
+
+from phalanx.api.errors import ConfigError
+from phalanx.api.settings import MasterSettings
+from phalanx.master.http import create_app
+from phalanx.master.job import Job
+from phalanx.master.logstore import LogStore
+from phalanx.master.runtime import Runtime
+from phalanx.master.service import AuthInterceptor, add_to_server
+from phalanx.master.state import StateStore, StatusSink
+
+__all__ = ["job_log_path", "run_master"]
+
+log = logging.getLogger("phalanx.master")
+
+MAX_SEND_BYTES = 16 * 1024 * 1024
+SHUTDOWN_GRACE_S = 1.0
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the master's loop owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def _addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def job_log_path(settings: MasterSettings) -> Path | None:
+    """``<log_dir>/<job>.log``, or beside the state file; None without either (or in Kubernetes)."""
+    if settings.log_dir:
+        return Path(settings.log_dir) / f"{settings.job_id}.log"
+    if settings.state_path and "://" not in settings.state_path:
+        state = Path(settings.state_path)
+        return state.with_name(f"{state.stem}.log")
+    return None
+
+
+def _tick_interval(settings: MasterSettings) -> float:
+    candidates = [0.25, settings.heartbeat.interval_s / 2]
+    if settings.rendezvous.last_call_s > 0:
+        candidates.append(settings.rendezvous.last_call_s / 2)
+    return max(0.05, min(candidates))
+
+
+def _http_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {_addr(host, port)}: {exc.strerror}", field="http_port") from exc
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+async def run_master(
+    settings: MasterSettings, *, token: str, store: StateStore, sink: StatusSink, out: TextIO = sys.stdout
+) -> int:
+    """Serves the job until SIGTERM/SIGINT; returns the process exit code."""
+    loop = asyncio.get_running_loop()
+    saved = await asyncio.to_thread(store.load)
+    job = Job(settings=settings, now=Runtime.now(), saved=saved)
+    logs = LogStore(
+        ring_lines=settings.logs.ring_lines,
+        max_line_bytes=settings.logs.max_line_bytes,
+        path=job_log_path(settings),
+    )
+    rt = Runtime(job=job, logs=logs, store=store, sink=sink, resumed=saved is not None)
+
+    grpc_server = aio.server(
+        interceptors=[AuthInterceptor(token)],
+        options=[
+            ("grpc.max_receive_message_length", settings.max_request_bytes),
+            ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    add_to_server(grpc_server, rt)
+    try:
+        grpc_port = grpc_server.add_insecure_port(_addr(settings.host, settings.grpc_port))
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"cannot listen on {_addr(settings.host, settings.grpc_port)}", field="grpc_port"
+        ) from exc
+    sock = _http_socket(settings.host, settings.http_port)
+    http_port = sock.getsockname()[1]
+    await grpc_server.start()
+    http = _HttpServer(
+        uvicorn.Config(
+            create_app(rt, token=token),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            log_config=None,
+        )
+    )
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    print(f"PHALANX_MASTER_GRPC={_addr(settings.host, grpc_port)}", file=out, flush=True)
+    print(f"PHALANX_MASTER_HTTP={_addr(settings.host, http_port)}", file=out, flush=True)
+    log.info(
+        "serving job %s: gRPC %s, HTTP %s, phase %s, round %d",
+        settings.job_id,
+        grpc_port,
+        http_port,
+        job.phase,
+        job.round_number,
+        extra={"round": job.round_number},
+    )
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, rt.stopping.set)
+    rt.after()
+    workers = [
+        asyncio.create_task(rt.saver()),
+        asyncio.create_task(rt.ticker(_tick_interval(settings))),
+        asyncio.create_task(rt.publisher()),
+    ]
+    try:
+        await rt.stopping.wait()
+    finally:
+        log.info("shutting down", extra={"round": job.round_number})
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await grpc_server.stop(SHUTDOWN_GRACE_S)
+        http.should_exit = True
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(http_task, SHUTDOWN_GRACE_S + 1)
+        try:
+            await rt.save_now()
+            await asyncio.to_thread(sink.publish, job.status())
+        except Exception:
+            log.exception("final save of the master state failed")
+        logs.close()
+    return 0

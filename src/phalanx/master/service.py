@@ -1,0 +1,209 @@
+"""The gRPC service ``phalanx.v1.Master`` (grpc.aio): bearer-token check, validation, then the job.
+
+Error mapping: a wrong or missing token is ``UNAUTHENTICATED``; a malformed request (empty node_id,
+negative nproc, bad port, ...) or an unknown incarnation is ``INVALID_ARGUMENT``; a node that never
+registered gets ``NOT_FOUND`` (it must call RegisterNode, e.g. after a master started on a fresh state);
+a node that may no longer take part (evicted) gets ``FAILED_PRECONDITION``. Requests above
+``max_request_bytes`` are refused by gRPC itself (``RESOURCE_EXHAUSTED``). None of these disturbs the
+server.
+
+GetRendezvous is a long-poll: while the round is still gathering, the call is held until it completes or
+``min(wait_s, long_poll_max_s)`` passes, then answered WAITING. A COMPLETE answer goes out only after
+the round is durable, so a master killed right after it resumes with the same round.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+
+from phalanx.api.v1 import master_pb2 as pb
+from phalanx.api.v1 import master_pb2_grpc as pb_grpc
+from phalanx.master.errors import RequestError
+from phalanx.master.runtime import Runtime
+from phalanx.master.validate import validate
+
+__all__ = ["AuthInterceptor", "MasterService", "add_to_server"]
+
+Resp = TypeVar("Resp")
+
+_CODES = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+class AuthInterceptor(aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every call whose ``authorization`` metadata is not ``Bearer <the job's token>``."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        async def deny(request: Any, context: aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
+    ) -> Any:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(given, self._expected):
+                    return await continuation(handler_call_details)
+                break
+        return self._deny
+
+
+class MasterService(pb_grpc.MasterServicer):
+    """Thin adapter from RPCs to :class:`~phalanx.master.job.Job` methods."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self._hist = runtime.metrics.rpc_duration
+        self._timers = {
+            name: self._hist.labels(method=name)
+            for name in (
+                "RegisterNode",
+                "Heartbeat",
+                "JoinRendezvous",
+                "GetRendezvous",
+                "ReportFailure",
+                "ReportCompletion",
+                "ReportLogs",
+                "ReportProbe",
+                "ReportCheckpoint",
+                "ReportStacks",
+            )
+        }
+
+    async def _run(
+        self,
+        method: str,
+        request: Any,
+        context: aio.ServicerContext,
+        fn: Callable[[], Resp],
+        *,
+        timed: bool = True,
+    ) -> Resp:
+        start = time.perf_counter()
+        try:
+            validate(request)
+            result = fn()
+        except RequestError as exc:
+            self._rt.after()
+            await context.abort(_CODES.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+            raise  # not reached: abort raises
+        finally:
+            if timed:
+                self._timers[method].observe(time.perf_counter() - start)
+        self._rt.after()
+        return result
+
+    async def RegisterNode(self, request: pb.RegisterNodeRequest, context: aio.ServicerContext) -> Any:
+        job = self._rt.job
+        return await self._run(
+            "RegisterNode", request, context, lambda: job.register(request, now=self._rt.now())
+        )
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: aio.ServicerContext) -> Any:
+        job = self._rt.job
+        return await self._run(
+            "Heartbeat", request, context, lambda: job.heartbeat(request, now=self._rt.now())
+        )
+
+    async def JoinRendezvous(self, request: pb.JoinRendezvousRequest, context: aio.ServicerContext) -> Any:
+        job = self._rt.job
+        return await self._run(
+            "JoinRendezvous", request, context, lambda: job.join(request, now=self._rt.now())
+        )
+
+    async def GetRendezvous(self, request: pb.GetRendezvousRequest, context: aio.ServicerContext) -> Any:
+        rt = self._rt
+        start = time.perf_counter()
+        wait_s = min(request.wait_s, rt.job.settings.long_poll_max_s)
+        deadline = time.monotonic() + wait_s
+        while True:
+            answer = await self._run(
+                "GetRendezvous",
+                request,
+                context,
+                lambda: rt.job.get_rendezvous(request, now=rt.now()),
+                timed=False,
+            )
+            remaining = deadline - time.monotonic()
+            if answer.response.status != pb.RENDEZVOUS_STATUS_WAITING or remaining <= 0:
+                break
+            await rt.round_changed(remaining)
+        if answer.response.status == pb.RENDEZVOUS_STATUS_COMPLETE:
+            await rt.wait_saved(answer.durable_version)
+        self._timers["GetRendezvous"].observe(time.perf_counter() - start)
+        return answer.response
+
+    async def ReportFailure(self, request: pb.ReportFailureRequest, context: aio.ServicerContext) -> Any:
+        job = self._rt.job
+
+        def call() -> pb.ReportFailureResponse:
+            return pb.ReportFailureResponse(action=job.report_failure(request, now=self._rt.now()))
+
+        return await self._run("ReportFailure", request, context, call)
+
+    async def ReportCompletion(
+        self, request: pb.ReportCompletionRequest, context: aio.ServicerContext
+    ) -> Any:
+        job = self._rt.job
+
+        def call() -> pb.ReportCompletionResponse:
+            return pb.ReportCompletionResponse(action=job.report_completion(request, now=self._rt.now()))
+
+        return await self._run("ReportCompletion", request, context, call)
+
+    async def ReportLogs(self, request: pb.ReportLogsRequest, context: aio.ServicerContext) -> Any:
+        rt = self._rt
+
+        def call() -> pb.ReportLogsResponse:
+            rt.job.check_node(request.node_id, request.incarnation)
+            rt.logs.add(request.node_id, request.lines, dropped=request.dropped, now=rt.now())
+            return pb.ReportLogsResponse()
+
+        return await self._run("ReportLogs", request, context, call)
+
+    async def ReportProbe(self, request: pb.ReportProbeRequest, context: aio.ServicerContext) -> Any:
+        job = self._rt.job
+
+        def call() -> pb.ReportProbeResponse:
+            job.report_probe(request, now=self._rt.now())
+            return pb.ReportProbeResponse()
+
+        return await self._run("ReportProbe", request, context, call)
+
+    async def ReportCheckpoint(
+        self, request: pb.ReportCheckpointRequest, context: aio.ServicerContext
+    ) -> Any:
+        job = self._rt.job
+
+        def call() -> pb.ReportCheckpointResponse:
+            step = job.report_checkpoint(request, now=self._rt.now())
+            return pb.ReportCheckpointResponse(committed_checkpoint_step=step)
+
+        return await self._run("ReportCheckpoint", request, context, call)
+
+    async def ReportStacks(self, request: pb.ReportStacksRequest, context: aio.ServicerContext) -> Any:
+        job = self._rt.job
+
+        def call() -> pb.ReportStacksResponse:
+            job.report_stacks(request, now=self._rt.now())
+            return pb.ReportStacksResponse()
+
+        return await self._run("ReportStacks", request, context, call)
+
+
+def add_to_server(server: aio.Server, runtime: Runtime) -> None:
+    pb_grpc.add_MasterServicer_to_server(MasterService(runtime), server)

@@ -1,0 +1,112 @@
+"""The job's durable state: what a restarted master resumes from (a JSON object).
+
+Fields: ``version``, ``job_id``, ``phase``, ``reason``, ``started_unix``, ``round`` (number, members with
+group ranks, world size, store address) or null, ``next_round``, ``round_open``, ``restart_count``,
+``evictions``, ``committed_checkpoint_step``, ``nodes`` (node id -> incarnation, host, machine, nproc,
+status, old incarnations), ``hang_counts``, ``completed``, ``root_cause`` and ``event_seq``.
+
+Not durable, by design: heartbeat times (a restarted master gives every node one heartbeat timeout to
+reappear), the joiners of a round still gathering (their GetRendezvous then answers NOT_MEMBER and they
+join again), log rings and the event log itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from phalanx.api.errors import StateStoreError
+from phalanx.master import rendezvous as rdzv
+from phalanx.master.checkpoints import CheckpointTracker
+from phalanx.master.membership import Node
+
+if TYPE_CHECKING:
+    from phalanx.master.core import JobCore
+
+__all__ = ["STATE_VERSION", "durable", "restore"]
+
+STATE_VERSION = 1
+
+
+def durable(job: JobCore) -> dict[str, Any]:
+    """The state a restarted master resumes from (JSON)."""
+    r = job.round
+    return {
+        "version": STATE_VERSION,
+        "job_id": job.job_id,
+        "phase": job.phase,
+        "reason": job.reason,
+        "started_unix": job.started_unix,
+        "round": None
+        if r is None
+        else {
+            "number": r.number,
+            "members": [
+                {
+                    "node_id": m.node_id,
+                    "group_rank": m.group_rank,
+                    "nproc": m.nproc,
+                    "rank_offset": m.rank_offset,
+                }
+                for m in r.members
+            ],
+            "world_size": r.world_size,
+            "store_host": r.store_host,
+            "store_port": r.store_port,
+            "completed_at": r.completed_at,
+        },
+        "next_round": job.next_round,
+        "round_open": job.round_open,
+        "restart_count": job.restart_count,
+        "evictions": list(job.evictions),  # copies: the snapshot is written from a worker thread
+        "committed_checkpoint_step": job.checkpoints.committed,
+        "nodes": {n.node_id: n.durable() for n in job.nodes.values()},
+        "hang_counts": dict(job.hang_counts),
+        "completed": sorted(job.completed),
+        "root_cause": job.root_cause,
+        "event_seq": job.events.next_seq,
+    }
+
+
+def restore(job: JobCore, saved: Mapping[str, Any], *, now: float) -> None:
+    """Loads ``saved`` into a freshly built job; every node gets one heartbeat timeout to reappear."""
+    if saved.get("job_id") != job.job_id:
+        raise StateStoreError(
+            f"the saved master state belongs to job {saved.get('job_id')!r}, not {job.job_id!r}; "
+            f"use another --state"
+        )
+    try:
+        job.phase = str(saved["phase"])
+        job.reason = str(saved.get("reason", ""))
+        job.started_unix = float(saved.get("started_unix", now))
+        r = saved.get("round")
+        if r:
+            job.round = rdzv.Round(
+                number=int(r["number"]),
+                members=tuple(
+                    rdzv.Member(
+                        node_id=str(m["node_id"]),
+                        group_rank=int(m["group_rank"]),
+                        nproc=int(m["nproc"]),
+                        rank_offset=int(m["rank_offset"]),
+                    )
+                    for m in r["members"]
+                ),
+                world_size=int(r["world_size"]),
+                store_host=str(r["store_host"]),
+                store_port=int(r["store_port"]),
+                completed_at=float(r.get("completed_at", now)),
+            )
+        job.next_round = int(saved["next_round"])
+        job.round_open = bool(saved["round_open"])
+        job.restart_count = int(saved["restart_count"])
+        job.evictions = list(saved.get("evictions", []))
+        job.checkpoints = CheckpointTracker(committed=int(saved.get("committed_checkpoint_step", -1)))
+        job.nodes = {k: Node.from_durable(k, v, now=now) for k, v in dict(saved.get("nodes", {})).items()}
+        job.hang_counts = {str(k): int(v) for k, v in dict(saved.get("hang_counts", {})).items()}
+        job.completed = {str(n) for n in saved.get("completed", [])}
+        job.root_cause = saved.get("root_cause")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StateStoreError(f"the saved master state is incomplete or malformed: {exc!r}") from exc
+    job.opened_at = now
+    job.below_min_since = now if len(job.alive()) < job.settings.rendezvous.min_nodes else None

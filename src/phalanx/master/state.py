@@ -1,0 +1,108 @@
+"""Where the master keeps its durable state, and where it publishes the job status.
+
+Two small interfaces, so the master runs the same on one machine and in Kubernetes:
+
+* :class:`StateStore` -- the durable state (job id, round and membership, node incarnations, restart and
+  eviction counts, evictions, committed checkpoint step, phase). A plain file locally
+  (:class:`FileStateStore`); the ElasticJob object in Kubernetes (``phalanx.master.kube``). ``save`` is
+  called on every durable change (coalesced by the server, never per heartbeat) and must be atomic: a
+  master killed mid-write leaves the previous state readable.
+* :class:`StatusSink` -- receives the ``/v1/job`` JSON on every change (coalesced to at most ~2/s). In
+  Kubernetes it writes the ElasticJob status (including eviction requests the operator carries out);
+  locally it is :class:`NullStatusSink`, since ``phalanx local`` polls ``/v1/job`` instead.
+
+The state is a JSON object; see :meth:`phalanx.master.job.Job.durable` for its fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from phalanx.api.errors import StateStoreError
+
+__all__ = ["FileStateStore", "MemoryStateStore", "NullStatusSink", "StateStore", "StatusSink"]
+
+
+class StateStore(Protocol):
+    """Durable storage of the master's state."""
+
+    def load(self) -> dict[str, Any] | None: ...  # None when nothing was saved yet
+
+    def save(self, state: Mapping[str, Any]) -> None: ...  # JSON-serializable mapping; atomic
+
+
+class StatusSink(Protocol):
+    """Receives the job status (the ``/v1/job`` JSON) whenever it changes."""
+
+    def publish(self, status: Mapping[str, Any]) -> None: ...  # called on every change, at most ~2/s
+
+
+class FileStateStore:
+    """The state as one JSON file, replaced atomically (temporary file, fsync, rename, fsync of the dir)."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+
+    def load(self) -> dict[str, Any] | None:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateStoreError(f"cannot read the master state {self.path}: {exc}") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise StateStoreError(
+                f"the master state {self.path} is not valid JSON; move it away to start the job afresh"
+            ) from exc
+        if not isinstance(data, dict):
+            raise StateStoreError(f"the master state {self.path} is not a JSON object")
+        return data
+
+    def save(self, state: Mapping[str, Any]) -> None:
+        data = json.dumps(state, separators=(",", ":"), sort_keys=True).encode()
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            tmp.replace(self.path)
+            # The rename is durable only once the directory entry is on disk.
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            raise StateStoreError(f"cannot write the master state {self.path}: {exc}") from exc
+
+
+class MemoryStateStore:
+    """Keeps the state in memory only: for a master started without ``--state`` and for tests."""
+
+    def __init__(self, state: Mapping[str, Any] | None = None) -> None:
+        self.state: dict[str, Any] | None = json.loads(json.dumps(state)) if state is not None else None
+        self.saves = 0
+
+    def load(self) -> dict[str, Any] | None:
+        return json.loads(json.dumps(self.state)) if self.state is not None else None
+
+    def save(self, state: Mapping[str, Any]) -> None:
+        self.state = json.loads(json.dumps(state))  # a deep copy that also proves it is JSON
+        self.saves += 1
+
+
+class NullStatusSink:
+    """Publishes nothing: locally the status is read from ``/v1/job``."""
+
+    def publish(self, status: Mapping[str, Any]) -> None:
+        return None

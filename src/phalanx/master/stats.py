@@ -1,0 +1,17 @@
+"""Counters the job keeps for ``/metrics`` (monotonic within one master process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["JobStats"]
+
+
+@dataclass
+class JobStats:
+    failures: dict[str, int] = field(default_factory=dict)
+    """Worker failures by failure class (user, killed, oom, comm, hardware, hang, unknown)."""
+    evictions: dict[str, int] = field(default_factory=dict)
+    """Eviction requests by kind (heartbeat_timeout, hardware, hang)."""
+    heartbeats: int = 0
+    checkpoint_failures: int = 0

@@ -1,0 +1,101 @@
+"""Field checks for agent requests: malformed requests get INVALID_ARGUMENT before they touch the job.
+
+The checks bound everything an agent controls (ids, counts, sizes), so one broken or hostile agent cannot
+make the master keep unbounded state. gRPC's own receive limit (``max_request_bytes``) caps the size of
+a whole request before it is even parsed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from phalanx.api.v1 import master_pb2 as pb
+from phalanx.master.errors import RequestError
+
+__all__ = ["validate"]
+
+_NODE_ID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?")
+MAX_NPROC = 1024
+MAX_RANKS = 4096
+MAX_LINES = 20_000
+MAX_STACKS_BYTES = 1 << 20
+
+
+def _node(node_id: str, incarnation: str) -> None:
+    if not node_id:
+        raise RequestError("node_id is empty")
+    if not _NODE_ID.fullmatch(node_id):
+        raise RequestError(f"node_id {node_id[:64]!r} is not 1-253 letters, digits, '.', '_' or '-'")
+    if not incarnation or len(incarnation) > 128:
+        raise RequestError("incarnation must be 1-128 characters")
+
+
+def _round(value: int) -> None:
+    if value < 0:
+        raise RequestError(f"round cannot be negative, got {value}")
+
+
+def _nproc(value: int) -> None:
+    if not 1 <= value <= MAX_NPROC:
+        raise RequestError(f"nproc_per_node must be between 1 and {MAX_NPROC}, got {value}")
+
+
+def _count(name: str, items: Any, limit: int) -> None:
+    if len(items) > limit:
+        raise RequestError(f"too many {name}: {len(items)} (at most {limit})")
+
+
+def validate(request: Any) -> None:
+    """Raises :class:`RequestError` when a request is malformed."""
+    if isinstance(request, pb.RegisterNodeRequest):
+        _node(request.node_id, request.incarnation)
+        _nproc(request.nproc_per_node)
+        if not request.job_id:
+            raise RequestError("job_id is empty")
+        for name in ("host", "machine", "agent_version"):
+            if len(getattr(request, name)) > 253:
+                raise RequestError(f"{name} is longer than 253 characters")
+        return
+    _node(request.node_id, request.incarnation)
+    if isinstance(request, pb.HeartbeatRequest):
+        _round(request.round)
+        _count("ranks", request.ranks, MAX_RANKS)
+    elif isinstance(request, pb.JoinRendezvousRequest):
+        _nproc(request.nproc_per_node)
+        if not request.store_host or len(request.store_host) > 253:
+            raise RequestError("store_host must be 1-253 characters")
+        if not 1 <= request.store_port <= 65535:
+            raise RequestError(f"store_port must be between 1 and 65535, got {request.store_port}")
+        _round(request.last_round)
+    elif isinstance(request, pb.GetRendezvousRequest):
+        _round(request.round)
+        if not math.isfinite(request.wait_s) or request.wait_s < 0:
+            raise RequestError(f"wait_s must be a non-negative number, got {request.wait_s}")
+    elif isinstance(request, pb.ReportFailureRequest):
+        _round(request.round)
+        _count("failures", request.failures, MAX_RANKS)
+    elif isinstance(request, pb.ReportCompletionRequest):
+        _round(request.round)
+    elif isinstance(request, pb.ReportLogsRequest):
+        _count("lines", request.lines, MAX_LINES)
+        if request.dropped < 0:
+            raise RequestError(f"dropped cannot be negative, got {request.dropped}")
+    elif isinstance(request, pb.ReportCheckpointRequest):
+        if request.step < 0:
+            raise RequestError(f"step cannot be negative, got {request.step}")
+        _count("ranks", request.ranks, MAX_RANKS)
+        if request.state == pb.CHECKPOINT_STATE_PERSISTED and not 1 <= request.world_size <= 1 << 20:
+            raise RequestError(f"world_size must be positive for a persisted step, got {request.world_size}")
+        if any(r < 0 for r in request.ranks):
+            raise RequestError("ranks cannot be negative")
+    elif isinstance(request, pb.ReportProbeRequest):
+        _count("measurements", request.measurements, MAX_RANKS)
+        if any(len(m.error) > 4096 or len(m.peer_node_id) > 253 for m in request.measurements):
+            raise RequestError("a probe measurement's error or peer_node_id is too long")
+    elif isinstance(request, pb.ReportStacksRequest):
+        _round(request.round)
+        _count("ranks", request.ranks, MAX_RANKS)
+        if sum(len(r.stacks) for r in request.ranks) > MAX_STACKS_BYTES:
+            raise RequestError(f"stacks exceed {MAX_STACKS_BYTES} bytes")

@@ -1,0 +1,96 @@
+"""A driver for :class:`phalanx.master.job.Job` with an injected clock (no sockets, no sleeps)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phalanx.api.settings import MasterSettings, from_mapping
+from phalanx.api.v1 import master_pb2 as pb
+from phalanx.master.job import Job
+
+
+def settings(**groups: Any) -> MasterSettings:
+    values: dict[str, Any] = {"job_id": "job"}
+    values.update(groups)
+    return from_mapping(MasterSettings, values)
+
+
+class Sim:
+    def __init__(self, job: Job | None = None, **groups: Any) -> None:
+        self.now = 1000.0
+        self.job = job or Job(settings=settings(**groups), now=self.now)
+        self.inc: dict[str, str] = {}
+
+    def at(self, t: float) -> Sim:
+        self.now = t
+        self.job.tick(now=t)
+        return self
+
+    def register(self, node: str, *, inc: str | None = None, nproc: int = 2) -> pb.RegisterNodeResponse:
+        self.inc[node] = inc or f"{node}-i1"
+        req = pb.RegisterNodeRequest(
+            job_id="job", node_id=node, incarnation=self.inc[node], host=f"host-{node}", nproc_per_node=nproc
+        )
+        return self.job.register(req, now=self.now)
+
+    def join(self, node: str, *, port: int = 2000, nproc: int = 2) -> int:
+        req = pb.JoinRendezvousRequest(
+            node_id=node,
+            incarnation=self.inc[node],
+            nproc_per_node=nproc,
+            store_host=f"host-{node}",
+            store_port=port,
+            last_round=self.job.round_number,
+        )
+        return self.job.join(req, now=self.now).round
+
+    def get(self, node: str, round: int) -> pb.GetRendezvousResponse:
+        req = pb.GetRendezvousRequest(node_id=node, incarnation=self.inc[node], round=round)
+        return self.job.get_rendezvous(req, now=self.now).response
+
+    def hb(self, node: str, *, state: int = pb.NODE_STATE_RUNNING, step: int = -1) -> list[pb.Action]:
+        ranks = [pb.RankProgress(rank=0, step=step)] if step >= 0 else []
+        req = pb.HeartbeatRequest(
+            node_id=node, incarnation=self.inc[node], state=state, round=self.job.round_number, ranks=ranks
+        )
+        return list(self.job.heartbeat(req, now=self.now).actions)
+
+    def fail(
+        self, node: str, *, rank: int = 0, cls: int = pb.FAILURE_CLASS_KILLED, msg: str = "", kind: int = 1
+    ) -> pb.Action:
+        req = pb.ReportFailureRequest(
+            node_id=node,
+            incarnation=self.inc[node],
+            round=self.job.round_number,
+            kind=kind,
+            failures=[
+                pb.WorkerFailure(
+                    rank=rank,
+                    exit_code=1,
+                    failure_class=cls,
+                    error_message=msg,
+                    observed_unix_ns=int(self.now * 1e9),
+                )
+            ],
+        )
+        return self.job.report_failure(req, now=self.now)
+
+    def complete(self, node: str) -> pb.Action:
+        req = pb.ReportCompletionRequest(
+            node_id=node, incarnation=self.inc[node], round=self.job.round_number
+        )
+        return self.job.report_completion(req, now=self.now)
+
+    def form(self, *nodes: str, wait: float = 1.5) -> int:
+        """Registers (if needed) and joins the nodes, lets the last call pass; returns the round."""
+        for n in nodes:
+            if n not in self.inc:
+                self.register(n)
+        rounds = {self.join(n, port=2000 + i) for i, n in enumerate(nodes)}
+        assert len(rounds) == 1
+        self.at(self.now + wait)
+        return rounds.pop()
+
+
+def kinds(actions: list[pb.Action]) -> list[str]:
+    return [pb.ActionKind.Name(a.kind).removeprefix("ACTION_KIND_") for a in actions]

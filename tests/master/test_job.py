@@ -1,0 +1,263 @@
+"""The job state machine driven with an injected clock: membership, heartbeats, failures, completion,
+resume from saved state. No sockets, no sleeps."""
+
+from __future__ import annotations
+
+import json
+
+from phalanx.api.v1 import master_pb2 as pb
+from phalanx.master.job import Job
+
+from .sim import Sim, kinds, settings
+
+TWO = {"rendezvous": {"min_nodes": 1, "max_nodes": 2, "last_call_s": 1.0}, "heartbeat": {"timeout_s": 4.0}}
+
+
+def test_two_nodes_form_a_round_with_stable_ranks_and_rank0_store() -> None:
+    sim = Sim(**TWO)
+    sim.register("a")
+    sim.register("b")
+    assert sim.join("b", port=3111) == 1
+    assert sim.get("b", 1).status == pb.RENDEZVOUS_STATUS_WAITING
+    sim.now += 0.1
+    assert sim.join("a", port=3222) == 1  # max reached: completes at once
+    resp = sim.get("a", 1)
+    assert resp.status == pb.RENDEZVOUS_STATUS_COMPLETE
+    assert [m.node_id for m in resp.members] == ["b", "a"]  # join order
+    assert (resp.group_rank, resp.rank_offset, resp.world_size) == (1, 2, 4)
+    assert (resp.store_host, resp.store_port) == ("host-b", 3111)
+    assert sim.job.phase == "Running"
+    assert sim.hb("a") == []
+
+
+def test_last_call_completes_at_min_after_quiet_period() -> None:
+    sim = Sim(rendezvous={"min_nodes": 1, "max_nodes": 3, "last_call_s": 2.0})
+    sim.register("a")
+    sim.join("a")
+    sim.at(sim.now + 1.0)
+    assert sim.job.round is None
+    sim.at(sim.now + 1.1)
+    assert sim.job.round is not None
+    assert sim.job.members == ["a"]
+
+
+def test_lost_node_is_evicted_and_survivors_rejoin_new_round() -> None:
+    sim = Sim(**TWO)
+    sim.form("a", "b")
+    t0 = sim.now
+    for dt in (1.0, 2.0, 3.0, 4.0, 5.0):
+        sim.at(t0 + dt)
+        sim.hb("a")  # b stays silent
+    assert sim.job.nodes["b"].status == "lost"
+    status = sim.job.status()
+    assert status["phase"] == "Restarting"
+    assert status["evictions"][0]["node_id"] == "b"
+    assert "heartbeat" in status["evictions"][0]["reason"]
+    actions = sim.hb("a")
+    assert kinds(actions) == ["REJOIN"]
+    assert actions[0].round == 2
+    assert sim.job.events.of_kind("node_lost")[0].node == "b"
+    sim.join("a")
+    sim.at(sim.now + 1.5)
+    assert sim.job.members == ["a"]
+    assert sim.job.round_number == 2
+    # a late heartbeat from the lost node tells it to leave
+    assert kinds(sim.hb("b")) == ["EXIT"]
+
+
+def test_worker_failure_restarts_in_place_with_same_membership() -> None:
+    sim = Sim(**TWO)
+    sim.form("a", "b")
+    action = sim.fail("b", rank=3, msg="RuntimeError: nccl")
+    assert (kinds([action]), action.round) == (["REJOIN"], 2)
+    assert sim.job.restart_count == 1
+    assert kinds(sim.hb("a")) == ["REJOIN"]
+    assert sim.job.root_cause is not None
+    assert sim.job.root_cause["rank"] == 3
+    sim.join("b")
+    sim.join("a")
+    resp = sim.get("a", 2)
+    assert resp.status == pb.RENDEZVOUS_STATUS_COMPLETE
+    assert [m.node_id for m in resp.members] == ["a", "b"]  # survivors keep their order
+    assert resp.restart_count == 1
+
+
+def test_restart_budget_spent_fails_job_and_agents_exit() -> None:
+    sim = Sim(restart={"max_restarts": 1}, **TWO)
+    sim.form("a", "b")
+    sim.fail("a")
+    sim.join("a")
+    sim.join("b")
+    action = sim.fail("a", msg="oops")
+    assert kinds([action]) == ["EXIT"]
+    assert action.exit_code == 1
+    assert sim.job.phase == "Failed"
+    assert "restart budget (1)" in sim.job.reason
+    exit_b = sim.hb("b")
+    assert kinds(exit_b) == ["EXIT"]
+    assert exit_b[0].exit_code == 1
+    assert sim.get("b", 3).status == pb.RENDEZVOUS_STATUS_CLOSED
+
+
+def test_user_error_on_all_nodes_fails_fast_without_spending_budget() -> None:
+    sim = Sim(**TWO)
+    sim.form("a", "b")
+    sim.fail("a", rank=0, cls=pb.FAILURE_CLASS_USER, msg="NameError: name 'x' is not defined")
+    assert sim.job.phase == "Restarting"
+    sim.now += 0.5
+    sim.fail("b", rank=2, cls=pb.FAILURE_CLASS_USER, msg="NameError: name 'x' is not defined")
+    assert sim.job.phase == "Failed"
+    assert "NameError" in sim.job.reason
+    assert sim.job.restart_count == 1
+
+
+def test_completion_of_every_member_succeeds_the_job() -> None:
+    sim = Sim(**TWO)
+    sim.form("a", "b")
+    assert kinds([sim.complete("a")]) == ["NONE"]
+    done = sim.complete("b")
+    assert (kinds([done]), done.exit_code) == (["EXIT"], 0)
+    assert sim.job.phase == "Succeeded"
+    assert kinds(sim.hb("a")) == ["EXIT"]
+    assert sim.hb("a")[0].exit_code == 0
+
+
+def test_too_few_nodes_for_too_long_fails_the_job() -> None:
+    sim = Sim(rendezvous={"min_nodes": 2, "max_nodes": 2, "min_nodes_timeout_s": 30.0})
+    sim.register("a")
+    t0 = sim.now
+    for dt in range(1, 30):
+        sim.hb("a")
+        sim.at(t0 + dt)
+    assert sim.job.phase == "Pending"
+    sim.hb("a")
+    sim.at(t0 + 31.0)
+    assert sim.job.phase == "Failed"
+    assert "only 1 of the 2 required nodes" in sim.job.reason
+
+
+def test_new_incarnation_counts_as_failure_of_the_old() -> None:
+    sim = Sim(**TWO)
+    sim.form("a", "b")
+    sim.register("b", inc="b-i2")
+    assert sim.job.restart_count == 1
+    assert sim.job.round_open
+    assert kinds(sim.hb("a")) == ["REJOIN"]
+    # the old incarnation is told to leave rather than refused as garbage
+    old = pb.HeartbeatRequest(node_id="b", incarnation="b-i1")
+    assert kinds(list(sim.job.heartbeat(old, now=sim.now).actions)) == ["EXIT"]
+
+
+def test_resume_from_saved_state_keeps_round_and_grace() -> None:
+    sim = Sim(**TWO)
+    sim.form("a", "b")
+    saved = json.loads(json.dumps(sim.job.durable()))
+    t = sim.now + 100.0  # the master was down a long time
+    resumed = Sim(Job(settings=settings(**TWO), now=t, saved=saved))
+    resumed.now = t
+    resumed.inc = dict(sim.inc)
+    assert resumed.job.round_number == 1
+    assert resumed.job.members == ["a", "b"]
+    assert not resumed.job.round_open
+    assert resumed.hb("a") == []  # accepted for the existing round, no new round
+    resumed.at(t + 3.0)
+    assert resumed.job.round_number == 1
+    assert not resumed.job.round_open
+    resumed.hb("a")
+    resumed.at(t + 4.5)  # b never came back within one heartbeat timeout
+    assert resumed.job.nodes["b"].status == "lost"
+    assert resumed.job.round_open
+    assert resumed.job.events.of_kind("master_resumed")
+
+
+def test_checkpoint_commits_when_every_rank_persisted() -> None:
+    sim = Sim(**TWO)
+    sim.form("a", "b")
+
+    def persist(node: str, ranks: list[int], step: int) -> int:
+        req = pb.ReportCheckpointRequest(
+            node_id=node,
+            incarnation=sim.inc[node],
+            step=step,
+            state=pb.CHECKPOINT_STATE_PERSISTED,
+            ranks=ranks,
+            world_size=4,
+        )
+        return sim.job.report_checkpoint(req, now=sim.now)
+
+    assert persist("a", [0, 1], 10) == -1
+    assert persist("b", [2, 3], 10) == 10
+    assert persist("a", [0, 1], 20) == 10
+    failed = pb.ReportCheckpointRequest(
+        node_id="b", incarnation="b-i1", step=20, state=pb.CHECKPOINT_STATE_FAILED, error="disk full"
+    )
+    assert sim.job.report_checkpoint(failed, now=sim.now) == 10
+    assert sim.job.phase == "Running"
+    assert sim.job.durable()["committed_checkpoint_step"] == 10
+    assert "disk full" in sim.job.events.of_kind("checkpoint_failed")[0].message
+
+
+def test_hang_asks_for_stacks_and_evicts_the_odd_node_on_second_hang() -> None:
+    sim = Sim(restart={"max_restarts": 5}, **TWO)
+    sim.form("a", "b")
+    action = sim.fail("a", kind=pb.FAILURE_KIND_HANG, cls=pb.FAILURE_CLASS_HANG)
+    assert kinds([action]) == ["REJOIN"]
+    assert kinds(sim.hb("b")) == ["DUMP_STACKS", "REJOIN"]
+    waiting = 'Current thread 0x1:\n  File "c10d.py", line 1 in all_reduce\n'
+    loader = 'Current thread 0x1:\n  File "loader.py", line 1 in next_batch\n'
+
+    def stacks(node: str, per_rank: dict[int, str]) -> None:
+        ranks = [pb.RankStacks(rank=r, stacks=s) for r, s in per_rank.items()]
+        req = pb.ReportStacksRequest(node_id=node, incarnation=sim.inc[node], round=1, ranks=ranks)
+        sim.job.report_stacks(req, now=sim.now)
+
+    stacks("a", {0: waiting, 1: waiting})
+    stacks("b", {2: waiting, 3: loader})
+    analysis = sim.job.status()["hang_analysis"]
+    assert analysis["odd_nodes"] == ["b"]
+    assert sim.job.hang_counts == {"a": 0, "b": 1}  # blame moved to the odd node
+    sim.join("a")
+    sim.join("b")
+    evict = sim.fail("b", kind=pb.FAILURE_KIND_HANG, cls=pb.FAILURE_CLASS_HANG)
+    assert kinds([evict]) == ["EXIT"]
+    assert sim.job.evictions[-1]["node_id"] == "b"
+    assert sim.job.evictions[-1]["kind"] == "hang"
+
+
+def test_scale_up_and_unit_cut() -> None:
+    sim = Sim(rendezvous={"min_nodes": 2, "max_nodes": 4, "unit": 2, "last_call_s": 1.0})
+    sim.form("a", "b", "c")
+    assert sim.job.members == ["a", "b"]
+    assert sim.get("c", 1).status == pb.RENDEZVOUS_STATUS_NOT_MEMBER
+    assert sim.join("c") == 2
+    assert not sim.job.round_open  # 3 nodes still make a round of 2
+    sim.register("d")
+    sim.join("d")
+    assert sim.job.round_open  # c and d make a round of 4: members are told to rejoin
+    assert kinds(sim.hb("a")) == ["REJOIN"]
+    sim.join("a")
+    sim.join("b")
+    assert sim.job.members == ["a", "b", "c", "d"]
+
+
+def test_hardware_failure_evicts_and_replaces_the_node() -> None:
+    sim = Sim(restart={"max_evictions": 1}, **TWO)
+    sim.form("a", "b")
+    action = sim.fail("b", rank=2, cls=pb.FAILURE_CLASS_HARDWARE, msg="Xid 79: GPU has fallen off the bus")
+    assert (kinds([action]), action.exit_code) == (["EXIT"], 1)
+    assert "evicted" in action.reason
+    ev = sim.job.status()["evictions"]
+    assert [(e["node_id"], e["kind"]) for e in ev] == [("b", "hardware")]
+    assert "Xid 79" in ev[0]["reason"]
+    assert sim.job.restart_count == 0  # an eviction spends the eviction budget, not the restart budget
+    assert kinds(sim.hb("a")) == ["REJOIN"]
+    # the replacement registers under a new incarnation and joins the new round
+    sim.register("b", inc="b-i2")
+    sim.join("a")
+    sim.join("b")
+    assert sim.job.members == ["a", "b"]
+    assert sim.job.round_number == 2
+    # a second hardware failure finds the eviction budget spent: the job fails
+    sim.fail("a", cls=pb.FAILURE_CLASS_HARDWARE, msg="ECC error")
+    assert sim.job.phase == "Failed"
+    assert "eviction budget (1)" in sim.job.reason

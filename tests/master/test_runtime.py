@@ -1,0 +1,59 @@
+"""The executor's coalescing: many job changes -> few state saves and at most ~2 status publishes/s."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from phalanx.master.job import Job
+from phalanx.master.logstore import LogStore
+from phalanx.master.runtime import Runtime
+from phalanx.master.state import MemoryStateStore
+
+from .sim import Sim, settings
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.published: list[Mapping[str, Any]] = []
+
+    def publish(self, status: Mapping[str, Any]) -> None:
+        self.published.append(status)
+
+
+@pytest.mark.timeout(20)
+def test_saves_and_publishes_are_coalesced() -> None:
+    async def scenario() -> tuple[MemoryStateStore, ListSink, Job]:
+        job = Job(settings=settings(rendezvous={"min_nodes": 1, "max_nodes": 50}), now=0.0)
+        store, sink = MemoryStateStore(), ListSink()
+        rt = Runtime(
+            job=job,
+            logs=LogStore(ring_lines=10, max_line_bytes=100, path=None),
+            store=store,
+            sink=sink,
+            resumed=False,
+        )
+        tasks = [asyncio.create_task(rt.saver()), asyncio.create_task(rt.publisher())]
+        sim = Sim(job)
+        for i in range(50):  # 50 durable changes in a burst
+            sim.register(f"n{i}")
+            rt.after()
+        await asyncio.sleep(0.1)
+        version = job.durable_version
+        await rt.wait_saved(version)
+        await asyncio.sleep(1.2)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return store, sink, job
+
+    store, sink, _ = asyncio.run(scenario())
+    assert store.state is not None
+    assert len(store.state["nodes"]) == 50  # the newest state was saved ...
+    assert store.saves < 10  # ... in a few writes, not one per change
+    assert 1 <= len(sink.published) <= 4  # ~2/s over ~1.3 s
+    assert len(sink.published[-1]["waiting"]) == 0
+    assert sink.published[-1]["nodes_alive"] == 50
