@@ -9,7 +9,7 @@ PROTO_GEN := scripts/gen-proto
 # Python without a .py suffix (scripts) is named explicitly so ruff checks it too.
 PY_SOURCES := src tests benchmarks examples $(shell grep -l '^\#!/usr/bin/env python' scripts/* 2>/dev/null)
 
-.PHONY: setup lint test demo proto proto-check crds crds-check bench clean fmt
+.PHONY: setup lint test proto proto-check bench clean fmt
 
 # Idempotent: a warm machine finds the stamp newer than pyproject.toml and returns at once.
 setup: $(STAMP)
@@ -25,7 +25,7 @@ proto: setup
 proto-check: setup
 	$(BIN)/python $(PROTO_GEN) --check
 
-lint: setup proto-check
+lint: setup proto-check crds-check
 	$(BIN)/ruff check $(PY_SOURCES)
 	$(BIN)/ruff format --check $(PY_SOURCES)
 	$(BIN)/mypy

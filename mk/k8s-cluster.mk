@@ -1,0 +1,26 @@
+# mk/k8s-cluster.mk -- a local Kubernetes test cluster for people, and the Kubernetes tests.
+#
+#   make k8s-up     etcd + kube-apiserver + controller-manager + scheduler on loopback, the test kubelet
+#                   (2 nodes running Pods as local processes, 4 simulated) and the phalanx operator;
+#                   prints `export KUBECONFIG=...`. Then: kubectl apply -f examples/elasticjob.yaml
+#   make k8s-down   stops it and removes its state.
+#   make test-k8s   the tests under tests/k8s (they start their own cluster; CI=true makes a missing
+#                   control plane a failure instead of a skip).
+#   make crds       regenerate crds/ from src/phalanx/operator/crd.py; `make crds-check` fails on drift.
+
+.PHONY: k8s-up k8s-down test-k8s crds crds-check
+
+k8s-up: setup k8s-binaries
+	@$(BIN)/python scripts/k8s-cluster up
+
+k8s-down:
+	@$(BIN)/python scripts/k8s-cluster down
+
+test-k8s: setup k8s-binaries
+	$(BIN)/python -m pytest tests/k8s tests/operator $(PYTEST_ARGS)
+
+crds: setup
+	$(BIN)/python scripts/gen-crd
+
+crds-check: setup
+	$(BIN)/python scripts/gen-crd --check

@@ -1,0 +1,67 @@
+"""``phalanx operator``: the kopf operator for ElasticJobs (needs the ``phalanx[operator]`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from phalanx.api.settings import OperatorSettings, describe, from_env, from_mapping
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "operator",
+        help="Run the Kubernetes operator for ElasticJobs.",
+        description="Runs the ElasticJob operator (kopf). Credentials: in-cluster service account, else "
+        "$KUBECONFIG. Settings also come from PHALANX_OPERATOR_* environment variables.",
+    )
+    fields = {f.name: f for f in OperatorSettings.__dataclass_fields__.values()}
+    for name in ("namespace", "image", "command_prefix", "master_grpc_port", "master_http_port"):
+        parser.add_argument(f"--{name.replace('_', '-')}", default=None, help=describe(fields[name]))
+    parser.add_argument("--reconcile-interval", default=None, help=describe(fields["reconcile_interval_s"]))
+    parser.add_argument("--verbose", action="store_true", help="Log every handler call.")
+    parser.set_defaults(handler=run)
+
+
+def settings_from(args: argparse.Namespace) -> OperatorSettings:
+    base = from_env(OperatorSettings, os.environ, prefix="PHALANX_OPERATOR_")
+    values: dict[str, Any] = {k: getattr(base, k) for k in OperatorSettings.__dataclass_fields__}
+    for name in ("namespace", "image", "command_prefix", "master_grpc_port", "master_http_port"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.reconcile_interval is not None:
+        values["reconcile_interval_s"] = args.reconcile_interval
+    return from_mapping(OperatorSettings, values)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    import kopf
+    from kubernetes import client, config
+
+    from phalanx.operator.executor import Executor
+    from phalanx.operator.handlers import install
+
+    settings = settings_from(args)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s"
+    )
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    executor = Executor(api=client.ApiClient(), settings=settings)
+    registry = install(executor=executor, settings=settings)
+    namespaces = [settings.namespace] if settings.namespace else []
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            standalone=True,  # one operator per cluster; no kopf peering objects needed
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+        )
+    )
+    return 0

@@ -1,0 +1,353 @@
+"""Pure builders of every Kubernetes object the operator creates for an ElasticJob.
+
+Each function returns a plain dict (the object as the API takes it), owned by the ElasticJob so that the
+garbage collector deletes it with the job. Names are deterministic (:mod:`phalanx.operator.names`), which
+is what makes a restarted operator create no duplicates: a second create of the same name is refused
+with 409 by the API server.
+
+Networking: the master is reached through its Service's DNS name ``<job>-master.<ns>.svc``; processes
+bind to the Pod IP (``$(POD_IP)``), which works in real clusters and in the test cluster, where every Pod
+is a local process with its own loopback address.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from pathlib import PurePosixPath
+from typing import Any
+
+from phalanx.api.errors import ConfigError
+from phalanx.api.settings import OperatorSettings
+from phalanx.operator import names
+from phalanx.operator.crd import API_VERSION, GROUP, KIND, PLURAL
+from phalanx.operator.crd import format_duration as _dur
+from phalanx.operator.spec import JobSpec
+
+TOKEN_DIR = "/var/run/phalanx/token"  # noqa: S105 -- a mount path, not a secret
+TOKEN_FILE = f"{TOKEN_DIR}/token"
+STATE_KEY = "state.json"
+
+Obj = dict[str, Any]
+
+
+def owner_reference(job: Mapping[str, Any]) -> Obj:
+    """Makes the ElasticJob the controlling owner: deleting the job garbage-collects the object."""
+    meta = job["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(
+    job: Mapping[str, Any], name: str, *, component: str, extra: Mapping[str, str] | None = None
+) -> Obj:
+    meta = job["metadata"]
+    return {
+        "name": name,
+        "namespace": meta["namespace"],
+        "labels": {**names.labels(meta["name"], component=component), **(extra or {})},
+        "ownerReferences": [owner_reference(job)],
+    }
+
+
+def token_secret(job: Mapping[str, Any], *, token: str) -> Obj:
+    """The job's bearer token, mounted into the master and every worker."""
+    job_name = job["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(job, names.secret(job_name), component="token"),
+        "type": "Opaque",
+        "stringData": {"token": token},
+    }
+
+
+def state_config_map(job: Mapping[str, Any]) -> Obj:
+    """Holds the master's durable state (written by phalanx.master.kube), so a new master Pod resumes."""
+    job_name = job["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, names.state_config_map(job_name), component="master"),
+        "data": {},
+    }
+
+
+def master_service_account(job: Mapping[str, Any]) -> Obj:
+    job_name = job["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(job, names.master(job_name), component="master"),
+    }
+
+
+def master_role(job: Mapping[str, Any]) -> Obj:
+    """The master may touch only its own ElasticJob, its state ConfigMap, and write Events."""
+    job_name = job["metadata"]["name"]
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(job, names.master(job_name), component="master"),
+        "rules": [
+            # Read its own job (spec changes such as min/max nodes).
+            {"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": [job_name], "verbs": ["get"]},
+            # Publish observations and eviction requests into the status.
+            {
+                "apiGroups": [GROUP],
+                "resources": [f"{PLURAL}/status"],
+                "resourceNames": [job_name],
+                "verbs": ["get", "patch", "update"],
+            },
+            # Its durable state, so a replacement master Pod resumes the job.
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [names.state_config_map(job_name)],
+                "verbs": ["get", "update", "patch"],
+            },
+            # Events tell the story of the job (`kubectl describe ej`).
+            {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        ],
+    }
+
+
+def master_role_binding(job: Mapping[str, Any]) -> Obj:
+    job_name = job["metadata"]["name"]
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(job, names.master(job_name), component="master"),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": names.master(job_name)},
+        "subjects": [
+            {
+                "kind": "ServiceAccount",
+                "name": names.master(job_name),
+                "namespace": job["metadata"]["namespace"],
+            }
+        ],
+    }
+
+
+def master_service(job: Mapping[str, Any], *, settings: OperatorSettings) -> Obj:
+    job_name = job["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, names.master(job_name), component="master"),
+        "spec": {
+            "selector": names.selector(job_name, component="master"),
+            "ports": [
+                {"name": "grpc", "port": settings.master_grpc_port, "targetPort": settings.master_grpc_port},
+                {"name": "http", "port": settings.master_http_port, "targetPort": settings.master_http_port},
+            ],
+        },
+    }
+
+
+def master_address(job: Mapping[str, Any], *, settings: OperatorSettings) -> str:
+    """host:port of the master's gRPC service, by the Service's DNS name."""
+    meta = job["metadata"]
+    return f"{names.master(meta['name'])}.{meta['namespace']}.svc:{settings.master_grpc_port}"
+
+
+def _field_env(name: str, path: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _token_volume(job_name: str) -> Obj:
+    return {"name": "phalanx-token", "secret": {"secretName": names.secret(job_name), "defaultMode": 0o400}}
+
+
+_TOKEN_MOUNT = {"name": "phalanx-token", "mountPath": TOKEN_DIR, "readOnly": True}
+
+
+def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSettings) -> Obj:
+    """The job's master: rendezvous, membership, failure policy; state in the job's ConfigMap."""
+    meta = job["metadata"]
+    job_name, ns = meta["name"], meta["namespace"]
+    command = [
+        f"{settings.command_prefix}phalanx", "master",
+        "--job-id", job_name,
+        "--nodes", f"{spec.min_nodes}:{spec.max_nodes}",
+        "--host", "$(POD_IP)",
+        "--port", str(settings.master_grpc_port),
+        "--http-port", str(settings.master_http_port),
+        "--token-file", TOKEN_FILE,
+        "--state", f"k8s://{ns}/{job_name}",
+    ]  # fmt: skip
+    container: Obj = {
+        "name": "master",
+        "image": settings.image,
+        "command": command,
+        "env": [_field_env("POD_IP", "status.podIP"), *_settings_env(spec, master=True)],
+        "ports": [
+            {"name": "grpc", "containerPort": settings.master_grpc_port},
+            {"name": "http", "containerPort": settings.master_http_port},
+        ],
+        "volumeMounts": [dict(_TOKEN_MOUNT)],
+    }
+    if spec.master_resources:
+        container["resources"] = copy.deepcopy(dict(spec.master_resources))
+    pod_meta = _meta(job, names.master(job_name), component="master")
+    pod_meta["annotations"] = {names.NODES_ANNOTATION: f"{spec.min_nodes}:{spec.max_nodes}"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": pod_meta,
+        "spec": {
+            "serviceAccountName": names.master(job_name),
+            "restartPolicy": "Never",
+            "containers": [container],
+            "volumes": [_token_volume(job_name)],
+        },
+    }
+
+
+def _settings_env(spec: JobSpec, *, master: bool) -> list[Obj]:
+    """PHALANX_* variables for settings that have no command-line flag."""
+    env = {
+        "PHALANX_CHECKPOINT_MEMORY_INTERVAL_STEPS": str(spec.checkpoint.memory_interval_steps),
+        "PHALANX_CHECKPOINT_PERSIST_INTERVAL_STEPS": str(spec.checkpoint.persist_interval_steps),
+        "PHALANX_CHECKPOINT_STORAGE_PATH": spec.checkpoint.storage_path,
+        "PHALANX_CHECKPOINT_KEEP_LAST": str(spec.checkpoint.keep_last),
+        "PHALANX_TENSOR_PARALLEL": str(spec.tensor),
+        "PHALANX_PIPELINE_PARALLEL": str(spec.pipeline),
+    }
+    if master:
+        env = {
+            "PHALANX_RENDEZVOUS_UNIT": str(spec.rendezvous.unit),
+            "PHALANX_RENDEZVOUS_LAST_CALL_S": str(spec.rendezvous.last_call_s),
+            "PHALANX_RENDEZVOUS_MIN_NODES_TIMEOUT_S": str(spec.rendezvous.min_nodes_timeout_s),
+            "PHALANX_HEARTBEAT_INTERVAL_S": str(spec.heartbeat.interval_s),
+            "PHALANX_HEARTBEAT_TIMEOUT_S": str(spec.heartbeat.timeout_s),
+            "PHALANX_RESTART_MAX_RESTARTS": str(spec.restart.max_restarts),
+            "PHALANX_RESTART_MAX_EVICTIONS": str(spec.restart.max_evictions),
+        }
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+_PYTHONS = ("python", "python3")
+
+
+def training_entry(container: Mapping[str, Any]) -> list[str]:
+    """phalanx-run's arguments for the template container's command and args.
+
+    ``python script.py a b`` -> ``script.py a b``; ``python -m pkg.mod`` -> ``-m pkg.mod``; any other
+    executable runs with ``--no-python``.
+    """
+    argv = [str(a) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+    if not argv:
+        raise ConfigError(
+            "the first container of the worker template needs a command (the training script)",
+            field="spec.template.spec.containers[0].command",
+        )
+    program = PurePosixPath(argv[0]).name
+    if program in _PYTHONS or (program.startswith("python3.") and program[8:].isdigit()):
+        rest = argv[1:]
+        if not rest:
+            raise ConfigError("python needs a script or -m module", field="spec.template.spec.containers[0]")
+        return rest if rest[0] != "-m" else ["-m", *rest[1:]]
+    return ["--no-python", *argv]
+
+
+def worker_pod(
+    job: Mapping[str, Any],
+    spec: JobSpec,
+    *,
+    slot: int,
+    incarnation: int,
+    settings: OperatorSettings,
+    excluded_machines: Sequence[str] = (),
+) -> Obj:
+    """One node of the job: the template's Pod, its first container wrapped in ``phalanx-run``."""
+    meta = job["metadata"]
+    job_name = meta["name"]
+    name = names.worker(job_name, slot=slot, incarnation=incarnation)
+    template = copy.deepcopy(dict(spec.template))
+    pod_meta = template.get("metadata") or {}
+    pod_spec: Obj = template["spec"]
+    labels = {
+        **(pod_meta.get("labels") or {}),
+        **names.labels(job_name, component="worker"),
+        names.SLOT_LABEL: str(slot),
+        names.INCARNATION_LABEL: str(incarnation),
+        names.NODE_ID_LABEL: name,
+    }
+    container = pod_spec["containers"][0]
+    r = spec.restart
+    command = [
+        f"{settings.command_prefix}phalanx-run",
+        "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}",
+        "--nproc-per-node", str(spec.nproc_per_node),
+        "--rdzv-endpoint", master_address(job, settings=settings),
+        "--rdzv-id", job_name,
+        "--node-id", name,
+        "--token-file", TOKEN_FILE,
+        "--local-addr", "$(POD_IP)",
+        "--max-restarts", str(r.max_restarts),
+        "--grace-period", _dur(r.grace_period_s),
+        "--hang-floor", _dur(spec.hang.floor_s),
+        "--hang-factor", f"{spec.hang.factor:g}",
+        "--hang-startup", _dur(spec.hang.startup_s),
+        *(["--no-hang-detection"] if not spec.hang.enabled else []),
+        *training_entry(container),
+    ]  # fmt: skip
+    container["command"] = command
+    container.pop("args", None)
+    container["env"] = [
+        *(container.get("env") or []),
+        _field_env("POD_IP", "status.podIP"),
+        _field_env("PHALANX_HOST", "status.podIP"),
+        _field_env("PHALANX_MACHINE", "spec.nodeName"),
+        {"name": "PHALANX_NODE_ID", "value": name},
+        {"name": "PHALANX_JOB_ID", "value": job_name},
+        {"name": "PHALANX_TOKEN_FILE", "value": TOKEN_FILE},
+        {"name": "PHALANX_MASTER_ADDR", "value": master_address(job, settings=settings)},
+        *_settings_env(spec, master=False),
+    ]
+    container["volumeMounts"] = [*(container.get("volumeMounts") or []), dict(_TOKEN_MOUNT)]
+    pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), _token_volume(job_name)]
+    pod_spec["restartPolicy"] = "Never"  # a failed node is replaced by a new Pod, never restarted in place
+    pod_spec.setdefault("automountServiceAccountToken", False)  # workers never call the Kubernetes API
+    pod_spec.setdefault("terminationGracePeriodSeconds", int(r.grace_period_s) + 5)
+    if excluded_machines:
+        _keep_off(pod_spec, sorted(set(excluded_machines)))
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            **{k: v for k, v in pod_meta.items() if k in ("annotations",)},
+            "name": name,
+            "namespace": meta["namespace"],
+            "labels": labels,
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": pod_spec,
+    }
+
+
+def _keep_off(pod_spec: Obj, machines: list[str]) -> None:
+    """Adds a required node-affinity term keeping the Pod off the given Kubernetes nodes."""
+    expr = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": machines}
+    affinity = pod_spec.setdefault("affinity", {})
+    node_aff = affinity.setdefault("nodeAffinity", {})
+    required = node_aff.setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {"nodeSelectorTerms": []}
+    )
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({"matchExpressions": []})
+    for term in terms:  # terms are ORed: every one of them must exclude the machines
+        term.setdefault("matchExpressions", []).append(copy.deepcopy(expr))
+
+
+def bad_node_taint() -> Obj:
+    """Taint put on the Kubernetes node of an evicted worker when spec.cordonBadNodes is set."""
+    return {"key": "phalanx.dev/bad-node", "value": "evicted", "effect": "NoSchedule"}

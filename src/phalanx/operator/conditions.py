@@ -1,0 +1,73 @@
+"""Status conditions, the Kubernetes way: type/status/reason/message/lastTransitionTime/observedGeneration.
+
+``lastTransitionTime`` changes only when a condition's status flips, so a job that stays Running keeps the
+time it started running however often it is reconciled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+Condition = dict[str, Any]
+
+
+def rfc3339(now: float) -> str:
+    return datetime.fromtimestamp(now, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def get_condition(conditions: Sequence[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
+    for c in conditions:
+        if c.get("type") == kind:
+            return c
+    return None
+
+
+def is_true(conditions: Sequence[Mapping[str, Any]], kind: str) -> bool:
+    c = get_condition(conditions, kind)
+    return bool(c and c.get("status") == "True")
+
+
+def set_condition(
+    conditions: Sequence[Mapping[str, Any]],
+    *,
+    kind: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: float,
+    generation: int,
+) -> list[Condition]:
+    """A new list with condition ``kind`` set; the others are kept as they are, in order."""
+    text = "True" if status else "False"
+    result: list[Condition] = []
+    found = False
+    for c in conditions:
+        if c.get("type") != kind:
+            result.append(dict(c))
+            continue
+        found = True
+        changed = c.get("status") != text
+        result.append(
+            {
+                "type": kind,
+                "status": text,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": rfc3339(now) if changed else c.get("lastTransitionTime", rfc3339(now)),
+                "observedGeneration": generation,
+            }
+        )
+    if not found:
+        result.append(
+            {
+                "type": kind,
+                "status": text,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": rfc3339(now),
+                "observedGeneration": generation,
+            }
+        )
+    return result

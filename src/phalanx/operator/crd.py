@@ -1,0 +1,466 @@
+"""The ElasticJob CustomResourceDefinition, built from one source of truth.
+
+:func:`build_crd` returns the CRD as a plain dict; ``scripts/gen-crd`` writes it to
+``crds/elasticjobs.phalanx.dev.yaml`` and ``--check`` fails when the file drifted. Spec fields that map
+onto a :mod:`phalanx.api.settings` field take their description and default from that field
+(:data:`SETTINGS_FIELDS`), so ``--help``, environment variables and the CRD never disagree.
+
+Validation a person can act on happens at admission, in the API server: OpenAPI bounds and enums for
+single fields, CEL rules (``x-kubernetes-validations``) with a ``message`` for everything that relates
+two fields (min/max nodes, parallelism against processes per node, duration syntax, timeouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from phalanx.api import settings as s
+
+GROUP = "phalanx.dev"
+VERSION = "v1alpha1"
+KIND = "ElasticJob"
+PLURAL = "elasticjobs"
+SINGULAR = "elasticjob"
+SHORT_NAMES = ["ej"]
+CRD_NAME = f"{PLURAL}.{GROUP}"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+MAX_JOB_NAME = 40
+"""Longest job name: worker Pod names append ``-worker-<slot>-<incarnation>`` and must stay DNS labels."""
+
+CONDITION_TYPES = ("Created", "MasterReady", "Running", "Restarting", "Succeeded", "Failed")
+PHASES = ("Pending", "Created", "Running", "Restarting", "Succeeded", "Failed")
+CLEAN_POD_POLICIES = ("None", "Running", "All")
+
+# Go-style durations: the form CEL's duration() parses and people write in YAML.
+DURATION_RE = r"^([0-9]+([.][0-9]+)?(ms|s|m|h))+$"  # no backslashes: CEL string literals
+
+SETTINGS_FIELDS: dict[tuple[str, ...], tuple[type, str]] = {
+    ("nodes", "min"): (s.RendezvousSettings, "min_nodes"),
+    ("nodes", "max"): (s.RendezvousSettings, "max_nodes"),
+    ("nodes", "unit"): (s.RendezvousSettings, "unit"),
+    ("nodes", "lastCall"): (s.RendezvousSettings, "last_call_s"),
+    ("nodes", "minNodesTimeout"): (s.RendezvousSettings, "min_nodes_timeout_s"),
+    ("nprocPerNode",): (s.AgentSettings, "nproc_per_node"),
+    ("restart", "maxRestarts"): (s.RestartSettings, "max_restarts"),
+    ("restart", "maxEvictions"): (s.RestartSettings, "max_evictions"),
+    ("restart", "gracePeriod"): (s.RestartSettings, "grace_period_s"),
+    ("heartbeat", "interval"): (s.HeartbeatSettings, "interval_s"),
+    ("heartbeat", "timeout"): (s.HeartbeatSettings, "timeout_s"),
+    ("hang", "enabled"): (s.HangSettings, "enabled"),
+    ("hang", "floor"): (s.HangSettings, "floor_s"),
+    ("hang", "factor"): (s.HangSettings, "factor"),
+    ("hang", "startup"): (s.HangSettings, "startup_s"),
+    ("checkpoint", "memoryIntervalSteps"): (s.CheckpointSettings, "memory_interval_steps"),
+    ("checkpoint", "persistIntervalSteps"): (s.CheckpointSettings, "persist_interval_steps"),
+    ("checkpoint", "storagePath"): (s.CheckpointSettings, "storage_path"),
+    ("checkpoint", "keepLast"): (s.CheckpointSettings, "keep_last"),
+}
+"""CRD spec path -> (settings class, field). The single mapping between the spec and the settings."""
+
+
+def _field(cls: type, name: str) -> dataclasses.Field[Any]:
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f
+    raise KeyError(f"{cls.__name__} has no field {name}")
+
+
+def format_duration(seconds: float) -> str:
+    """Formats seconds in the Go duration form the CRD uses (``"10s"``, ``"500ms"``, ``"10m"``)."""
+    if seconds and seconds < 1:
+        return f"{round(seconds * 1000)}ms"
+    if seconds >= 60 and seconds % 60 == 0:
+        minutes = int(seconds // 60)
+        return f"{minutes // 60}h" if minutes % 60 == 0 else f"{minutes}m"
+    return f"{seconds:g}s"
+
+
+def _setting_prop(path: tuple[str, ...], **extra: Any) -> dict[str, Any]:
+    """A schema property for a spec field that maps onto a settings field."""
+    cls, name = SETTINGS_FIELDS[path]
+    f = _field(cls, name)
+    doc = str(f.metadata.get("doc", ""))
+    prop: dict[str, Any]
+    if name.endswith("_s"):
+        prop = _duration(doc)
+        prop["default"] = format_duration(float(f.default))  # type: ignore[arg-type]
+    elif isinstance(f.default, bool):
+        prop = {"type": "boolean", "description": doc, "default": f.default}
+    elif isinstance(f.default, int):
+        prop = {"type": "integer", "format": "int32", "description": doc, "default": f.default}
+    elif isinstance(f.default, float):
+        prop = {"type": "number", "description": doc, "default": f.default}
+    else:
+        prop = {"type": "string", "description": doc, "default": f.default}
+    unit = f.metadata.get("unit")
+    if unit and unit != "s":
+        prop["description"] += f" Unit: {unit}."
+    prop.update(extra)
+    return prop
+
+
+def _duration(doc: str) -> dict[str, Any]:
+    return {
+        "type": "string",
+        "description": f"{doc} A duration such as 500ms, 30s, 2m or 1h.",
+        "maxLength": 32,
+        "x-kubernetes-validations": [
+            {
+                "rule": f"self.matches('{DURATION_RE}')",
+                "message": "must be a duration such as 500ms, 30s, 2m or 1h",
+            }
+        ],
+    }
+
+
+def _obj(description: str, properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    obj = {"type": "object", "description": description, "properties": properties, **extra}
+    if obj.get("default") == {}:
+        # The API server validates a default as given (nested defaults are not applied to it), so an
+        # omitted group defaults to the full set of its fields' defaults.
+        obj["default"] = {k: v["default"] for k, v in properties.items() if "default" in v}
+    return obj
+
+
+def _int(description: str, *, default: int | None = None, minimum: int | None = None) -> dict[str, Any]:
+    prop: dict[str, Any] = {"type": "integer", "format": "int32", "description": description}
+    if default is not None:
+        prop["default"] = default
+    if minimum is not None:
+        prop["minimum"] = minimum
+    return prop
+
+
+def _spec_schema() -> dict[str, Any]:
+    nodes = _obj(
+        "How many nodes (worker Pods, one agent each) the job runs.",
+        {
+            "min": _setting_prop(("nodes", "min"), minimum=1),
+            "max": _setting_prop(("nodes", "max"), minimum=1),
+            "unit": _setting_prop(("nodes", "unit"), minimum=1),
+            "lastCall": _setting_prop(("nodes", "lastCall")),
+            "minNodesTimeout": _setting_prop(("nodes", "minNodesTimeout")),
+        },
+        required=["min", "max"],
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.min <= self.max",
+                    "message": "nodes.min must not be greater than nodes.max",
+                },
+                {
+                    "rule": "self.max / self.unit * self.unit >= self.min",
+                    "message": "no multiple of nodes.unit lies between nodes.min and nodes.max; "
+                    "change one of them",
+                },
+            ]
+        },
+    )
+    parallelism = _obj(
+        "Model-parallel degrees, fixed for the life of the job; the data-parallel degree follows membership.",
+        {
+            "tensor": _int("Tensor-parallel degree.", default=1, minimum=1),
+            "pipeline": _int("Pipeline-parallel degree.", default=1, minimum=1),
+        },
+        default={},
+    )
+    restart = _obj(
+        "Restart and eviction budgets.",
+        {
+            "maxRestarts": _setting_prop(("restart", "maxRestarts"), minimum=0),
+            "maxEvictions": _setting_prop(("restart", "maxEvictions"), minimum=0),
+            "gracePeriod": _setting_prop(("restart", "gracePeriod")),
+        },
+        default={},
+    )
+    heartbeat = _obj(
+        "Node liveness.",
+        {
+            "interval": _setting_prop(("heartbeat", "interval")),
+            "timeout": _setting_prop(("heartbeat", "timeout")),
+        },
+        default={},
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": "duration(self.timeout) >= duration('2s')",
+                    "message": "heartbeat.timeout must be at least 2s",
+                },
+                {
+                    "rule": "duration(self.timeout).getMilliseconds() >= "
+                    "2 * duration(self.interval).getMilliseconds()",
+                    "message": "heartbeat.timeout must be at least twice heartbeat.interval",
+                },
+                {
+                    "rule": "duration(self.interval).getMilliseconds() > 0",
+                    "message": "heartbeat.interval must be greater than 0",
+                },
+            ]
+        },
+    )
+    hang = _obj(
+        "Hang detection from progress beacons.",
+        {
+            "enabled": _setting_prop(("hang", "enabled")),
+            "floor": _setting_prop(("hang", "floor")),
+            "factor": _setting_prop(("hang", "factor"), minimum=1),
+            "startup": _setting_prop(("hang", "startup")),
+        },
+        default={},
+    )
+    health = _obj(
+        "Health probes run on the nodes before and during training; failing or straggling nodes are evicted.",
+        {
+            "enabled": {"type": "boolean", "description": "Run health probes.", "default": False},
+            "probes": {
+                "type": "array",
+                "description": "Probes to run: matmul (per node), allgather (between nodes).",
+                "items": {"type": "string", "enum": ["matmul", "allgather"]},
+                "maxItems": 2,
+                "x-kubernetes-list-type": "set",
+                "default": ["matmul", "allgather"],
+            },
+        },
+        default={},
+    )
+    checkpoint = _obj(
+        "Flash checkpoint: in-memory snapshots every few steps, persisted to storage in the background.",
+        {
+            "memoryIntervalSteps": _setting_prop(("checkpoint", "memoryIntervalSteps"), minimum=1),
+            "persistIntervalSteps": _setting_prop(("checkpoint", "persistIntervalSteps"), minimum=0),
+            "storagePath": _setting_prop(("checkpoint", "storagePath"), maxLength=1024),
+            "keepLast": _setting_prop(("checkpoint", "keepLast"), minimum=1),
+        },
+        default={},
+    )
+    template = {
+        "type": "object",
+        "description": "Pod template of the worker Pods; the first container runs phalanx-run and the "
+        "training script (its command and args).",
+        "x-kubernetes-preserve-unknown-fields": True,
+        "required": ["spec"],
+        "properties": {
+            "spec": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "required": ["containers"],
+                "properties": {
+                    "containers": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                    }
+                },
+            }
+        },
+    }
+    quantity = {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]}
+    master = _obj(
+        "The job's master Pod.",
+        {
+            "resources": _obj(
+                "Resources of the master container.",
+                {
+                    "requests": {"type": "object", "additionalProperties": quantity},
+                    "limits": {"type": "object", "additionalProperties": quantity},
+                },
+            ),
+        },
+        default={},
+    )
+    return _obj(
+        "Desired state of an elastic training job.",
+        {
+            "nodes": nodes,
+            "nprocPerNode": _setting_prop(("nprocPerNode",), minimum=1),
+            "parallelism": parallelism,
+            "restart": restart,
+            "heartbeat": heartbeat,
+            "hang": hang,
+            "healthChecks": health,
+            "checkpoint": checkpoint,
+            "template": template,
+            "master": master,
+            "cordonBadNodes": {
+                "type": "boolean",
+                "description": "Cordon and taint the Kubernetes node of an evicted worker, so nothing else "
+                "lands on a bad machine.",
+                "default": False,
+            },
+            "cleanPodPolicy": {
+                "type": "string",
+                "description": "Which Pods to delete when the job finished: None, Running (those still "
+                "running) or All.",
+                "enum": list(CLEAN_POD_POLICIES),
+                "default": "Running",
+            },
+        },
+        required=["nodes", "template"],
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": "(self.nprocPerNode * self.nodes.unit) % "
+                    "(self.parallelism.tensor * self.parallelism.pipeline) == 0",
+                    "message": "parallelism.tensor x parallelism.pipeline must divide "
+                    "nprocPerNode x nodes.unit, "
+                    "so that every model replica fits in one unit of nodes",
+                },
+                {
+                    "rule": "self.nprocPerNode == oldSelf.nprocPerNode",
+                    "message": "nprocPerNode cannot be changed on a running job",
+                },
+                {
+                    "rule": "self.parallelism == oldSelf.parallelism",
+                    "message": "parallelism cannot be changed on a running job",
+                },
+            ]
+        },
+    )
+
+
+def _condition_schema() -> dict[str, Any]:
+    return _obj(
+        "One aspect of the job's state.",
+        {
+            "type": {"type": "string", "enum": list(CONDITION_TYPES)},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"type": "string", "maxLength": 1024},
+            "message": {"type": "string", "maxLength": 32768},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer", "format": "int64", "minimum": 0},
+        },
+        required=["type", "status"],
+    )
+
+
+def _status_schema() -> dict[str, Any]:
+    eviction = _obj(
+        "A node the master asked to evict and replace.",
+        {
+            "nodeId": {"type": "string", "description": "Node id (the worker Pod's name)."},
+            "machine": {"type": "string", "description": "Kubernetes node the worker ran on."},
+            "reason": {"type": "string"},
+            "requestedAt": {"type": "string", "description": "When the master asked (RFC 3339)."},
+        },
+        required=["nodeId"],
+    )
+    return _obj(
+        "Observed state of the job, written by the operator and the job's master.",
+        {
+            "phase": {"type": "string", "enum": list(PHASES)},
+            "conditions": {
+                "type": "array",
+                "items": _condition_schema(),
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+            "observedGeneration": {"type": "integer", "format": "int64"},
+            "nodes": _int("Worker Pods running."),
+            "worldSize": _int("Training processes in the current rendezvous round."),
+            "round": {"type": "integer", "format": "int64", "description": "Current rendezvous round."},
+            "step": {
+                "type": "integer",
+                "format": "int64",
+                "description": "Newest step reported by any rank.",
+            },
+            "lastCommittedCheckpointStep": {
+                "type": "integer",
+                "format": "int64",
+                "description": "Newest checkpoint step committed to storage by every shard.",
+            },
+            "restartCount": _int("Worker restarts the master counted."),
+            "evictions": {
+                "type": "array",
+                "items": eviction,
+                "description": "Evictions requested by the master.",
+            },
+            "replacements": _int("Worker Pods the operator replaced (failed, lost or evicted)."),
+            "excludedMachines": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "Kubernetes nodes evicted workers ran on; replacements are kept off them.",
+            },
+            "workerIncarnations": {
+                "type": "array",
+                "items": {"type": "integer", "format": "int32"},
+                "description": "Newest Pod incarnation per worker slot.",
+            },
+            "masterEndpoint": {"type": "string", "description": "host:port of the master's gRPC service."},
+            "master": _obj(
+                "The job as its master last reported it.",
+                {
+                    "phase": {"type": "string"},
+                    "reason": {"type": "string", "maxLength": 32768},
+                    "members": {"type": "array", "items": {"type": "string"}},
+                    "updatedAt": {"type": "string"},
+                },
+            ),
+        },
+    )
+
+
+def build_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition of ElasticJob as a plain dict (JSON/YAML ready)."""
+    schema = _obj(
+        "An elastic PyTorch training job kept alive through failures by phalanx.",
+        {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": _spec_schema(),
+            "status": _status_schema(),
+        },
+        required=["spec"],
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"size(self.metadata.name) <= {MAX_JOB_NAME}",
+                    "message": f"the job name must be at most {MAX_JOB_NAME} characters, so that its Pod "
+                    "names stay valid",
+                }
+            ]
+        },
+    )
+    columns = [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Nodes", "type": "integer", "jsonPath": ".status.nodes"},
+        {"name": "World", "type": "integer", "jsonPath": ".status.worldSize"},
+        {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+                "listKind": f"{KIND}List",
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": columns,
+                    "schema": {"openAPIV3Schema": schema},
+                }
+            ],
+        },
+    }
+
+
+def render_crd_yaml() -> str:
+    """The CRD as the YAML text committed under ``crds/``."""
+    import yaml
+
+    header = "# Generated by scripts/gen-crd from src/phalanx/operator/crd.py. Do not edit.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=110)

@@ -1,0 +1,249 @@
+"""The executor: observes a job's objects through the Kubernetes API and carries out the actions that
+:func:`phalanx.operator.reconcile.reconcile` decided. All I/O of the operator is here."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from phalanx.api.errors import KubernetesError
+from phalanx.api.settings import OperatorSettings
+from phalanx.operator import names
+from phalanx.operator.crd import GROUP, KIND, PLURAL, VERSION
+from phalanx.operator.reconcile import (
+    Action,
+    CordonNode,
+    Create,
+    DeletePod,
+    Event,
+    Observed,
+    PatchStatus,
+    PodView,
+    reconcile,
+)
+
+log = logging.getLogger("phalanx.operator")
+
+_SUPPORTING_KINDS = ("Secret", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service")
+
+
+def pod_view(pod: Any) -> PodView:
+    """The decision's view of a kubernetes.client V1Pod."""
+    labels = pod.metadata.labels or {}
+    exit_code: int | None = None
+    reason = ""
+    for cs in (pod.status.container_statuses or []) if pod.status else []:
+        term = cs.state.terminated if cs.state else None
+        if term is not None:
+            exit_code, reason = term.exit_code, term.reason or ""
+            break
+    return PodView(
+        name=pod.metadata.name,
+        role=labels.get(names.ROLE_LABEL, ""),
+        phase=(pod.status.phase if pod.status else None) or "Pending",
+        node_name=pod.spec.node_name or "",
+        terminating=pod.metadata.deletion_timestamp is not None,
+        exit_code=exit_code,
+        reason=reason,
+        nodes=(pod.metadata.annotations or {}).get(names.NODES_ANNOTATION, ""),
+    )
+
+
+class Executor:
+    """Observes and acts for one operator process. Passes of the same job never overlap (a lock per
+    job), so an edge-triggered pass and the timer's pass never act on the same observation twice."""
+
+    def __init__(self, *, api: Any, settings: OperatorSettings) -> None:
+        from kubernetes import client
+
+        self.settings = settings
+        # Typed as Any: the operator passes plain dicts (the builders' output), which the client accepts.
+        self.core: Any = client.CoreV1Api(api)
+        self.rbac: Any = client.RbacAuthorizationV1Api(api)
+        self.custom: Any = client.CustomObjectsApi(api)
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._dirty: set[tuple[str, str]] = set()
+        self._guard = threading.Lock()
+
+    def reconcile_job(self, *, namespace: str, name: str) -> None:
+        """Runs a reconciliation pass of job ``namespace/name`` now, or makes the pass already running
+        for it go round once more. Bursts of triggers (200 Pods turning Running) coalesce into a few
+        passes instead of one pass each."""
+        key = (namespace, name)
+        with self._guard:
+            self._dirty.add(key)
+            lock = self._locks.setdefault(key, threading.Lock())
+        if not lock.acquire(blocking=False):
+            return  # the running pass sees the flag and goes again
+        try:
+            while True:
+                with self._guard:
+                    if key not in self._dirty:
+                        return
+                    self._dirty.discard(key)
+                self.run_pass(namespace=namespace, name=name)
+        finally:
+            lock.release()
+
+    def run_pass(self, *, namespace: str, name: str) -> list[Action]:
+        """One reconciliation pass: observe, decide, act. Returns the actions carried out."""
+        observed = self.observe(namespace=namespace, name=name)
+        if observed is None:
+            return []
+        actions = reconcile(
+            observed, now=time.time(), settings=self.settings, new_token=secrets.token_urlsafe(32)
+        )
+        self.apply(observed.job, actions)
+        return actions
+
+    def observe(self, *, namespace: str, name: str) -> Observed | None:
+        """A fresh read of the job (never kopf's cached body: the status must be current) and its objects."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            job = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise KubernetesError(f"cannot read ElasticJob {namespace}/{name}: {exc.reason}") from exc
+        if job["metadata"].get("deletionTimestamp"):
+            return None
+        selector = f"{names.JOB_LABEL}={name}"
+        pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
+        owned = [p for p in pods if _owned_by(p.metadata.owner_references, job["metadata"]["uid"])]
+        return Observed(job=job, pods=[pod_view(p) for p in owned], existing=self._existing(namespace, name))
+
+    def _existing(self, namespace: str, name: str) -> frozenset[tuple[str, str]]:
+        from kubernetes.client.exceptions import ApiException
+
+        reads = {
+            "Secret": (self.core.read_namespaced_secret, names.secret(name)),
+            "ConfigMap": (self.core.read_namespaced_config_map, names.state_config_map(name)),
+            "ServiceAccount": (self.core.read_namespaced_service_account, names.master(name)),
+            "Role": (self.rbac.read_namespaced_role, names.master(name)),
+            "RoleBinding": (self.rbac.read_namespaced_role_binding, names.master(name)),
+            "Service": (self.core.read_namespaced_service, names.master(name)),
+        }
+        found = set()
+        for kind in _SUPPORTING_KINDS:
+            read, obj_name = reads[kind]
+            try:
+                read(obj_name, namespace)
+            except ApiException as exc:
+                if exc.status == 404:
+                    continue
+                raise KubernetesError(f"cannot read {kind} {namespace}/{obj_name}: {exc.reason}") from exc
+            found.add((kind, obj_name))
+        return frozenset(found)
+
+    def apply(self, job: Mapping[str, Any], actions: Sequence[Action]) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        for action in actions:
+            try:
+                self._apply_one(job, action)
+            except ApiException as exc:
+                log.warning(
+                    "%s/%s: %s failed: %s %s", ns, name, type(action).__name__, exc.status, exc.reason
+                )
+                if isinstance(action, Create):
+                    kind = action.obj["kind"]
+                    self._event(job, Event("Warning", "CreateFailed", f"cannot create {kind}: {exc.reason}"))
+
+    def _apply_one(self, job: Mapping[str, Any], action: Action) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        ns = job["metadata"]["namespace"]
+        if isinstance(action, Create):
+            try:
+                self._create(ns, action.obj)
+            except ApiException as exc:
+                if exc.status != 409:  # 409: it exists already (a previous pass or operator made it)
+                    raise
+        elif isinstance(action, DeletePod):
+            try:
+                self.core.delete_namespaced_pod(
+                    action.name,
+                    ns,
+                    grace_period_seconds=action.grace_period_s,
+                    propagation_policy="Background",
+                )
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+        elif isinstance(action, PatchStatus):
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, ns, PLURAL, job["metadata"]["name"], {"status": action.status}
+            )
+        elif isinstance(action, Event):
+            self._event(job, action)
+        elif isinstance(action, CordonNode):
+            self._cordon(action)
+
+    def _create(self, ns: str, obj: dict[str, Any]) -> None:
+        kind = obj["kind"]
+        if kind == "Pod":
+            self.core.create_namespaced_pod(ns, obj)
+        elif kind == "Secret":
+            self.core.create_namespaced_secret(ns, obj)
+        elif kind == "ConfigMap":
+            self.core.create_namespaced_config_map(ns, obj)
+        elif kind == "ServiceAccount":
+            self.core.create_namespaced_service_account(ns, obj)
+        elif kind == "Service":
+            self.core.create_namespaced_service(ns, obj)
+        elif kind == "Role":
+            self.rbac.create_namespaced_role(ns, obj)
+        elif kind == "RoleBinding":
+            self.rbac.create_namespaced_role_binding(ns, obj)
+        else:
+            raise KubernetesError(f"the operator does not create {kind} objects")
+
+    def _cordon(self, action: CordonNode) -> None:
+        from phalanx.operator.builders import bad_node_taint
+
+        node = self.core.read_node(action.node)
+        taints = [t.to_dict() for t in (node.spec.taints or [])]
+        taint = bad_node_taint()
+        if not any(t.get("key") == taint["key"] for t in taints):
+            taints.append(taint)
+        taints = [{k: v for k, v in t.items() if v is not None} for t in taints]
+        self.core.patch_node(action.node, {"spec": {"unschedulable": True, "taints": taints}})
+
+    def _event(self, job: Mapping[str, Any], event: Event) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        meta = job["metadata"]
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        body = {
+            "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta["uid"],
+            },
+            "type": event.type,
+            "reason": event.reason,
+            "message": event.message[:1024],
+            "source": {"component": "phalanx-operator"},
+            "reportingComponent": "phalanx-operator",
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        log.info("%s/%s: %s %s: %s", meta["namespace"], meta["name"], event.type, event.reason, event.message)
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body)
+        except ApiException as exc:
+            log.warning("cannot record event %s: %s", event.reason, exc.reason)
+
+
+def _owned_by(refs: Sequence[Any] | None, uid: str) -> bool:
+    return any(r.uid == uid for r in refs or [])

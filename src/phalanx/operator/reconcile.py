@@ -1,0 +1,417 @@
+"""Reconciliation as a pure function: (observed objects, spec, status, now) -> actions.
+
+The operator calls :func:`reconcile` on a timer for every job (level based: whatever events were
+missed, the next pass sees the world as it is) and hands the actions to the executor
+(:mod:`phalanx.operator.executor`). Nothing here does I/O.
+
+Rules, per pass:
+
+* the job's supporting objects (token Secret, state ConfigMap, master ServiceAccount/Role/RoleBinding,
+  master Service) and the master Pod exist; a lost or finished master Pod (while the job runs) is deleted
+  and recreated under the same name, and the new master resumes from the state ConfigMap;
+* every worker slot ``0..nodes.max-1`` has one live Pod. A slot whose Pod failed or vanished gets the
+  next incarnation; that is a *replacement* and counts against ``restart.maxEvictions``;
+* evictions the master wrote into ``status.evictions`` are carried out: the replacement is created with
+  node affinity keeping it off the evicted machine, then the evicted Pod is deleted (in this order, so a
+  crash between the two steps loses nothing); with ``cordonBadNodes`` the machine is cordoned and tainted;
+* slots beyond ``nodes.max`` (the spec was scaled down) are deleted, new slots (scaled up) created; the
+  master Pod is restarted with the new ``--nodes MIN:MAX`` and resumes from its state;
+* the master's verdict (``status.master.phase``) ends the job: Succeeded or Failed with the master's
+  reason in the condition message; then worker Pods are cleaned up per ``cleanPodPolicy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.api.errors import ConfigError
+from phalanx.api.settings import OperatorSettings
+from phalanx.operator import builders, names
+from phalanx.operator.conditions import get_condition, set_condition
+from phalanx.operator.spec import JobSpec, parse_spec
+
+LIVE_PHASES = ("Pending", "Running", "Unknown")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PodView:
+    """What the decision needs to know about one Pod of the job."""
+
+    name: str
+    role: str
+    phase: str
+    node_name: str = ""
+    terminating: bool = False
+    exit_code: int | None = None
+    reason: str = ""
+    nodes: str = ""
+    """For the master Pod: the MIN:MAX it runs with (its phalanx.dev/nodes annotation)."""
+
+    @property
+    def slot(self) -> int | None:
+        parsed = names.parse_worker(self.name)
+        return parsed[0] if parsed else None
+
+    @property
+    def incarnation(self) -> int:
+        parsed = names.parse_worker(self.name)
+        return parsed[1] if parsed else 0
+
+    @property
+    def live(self) -> bool:
+        return not self.terminating and self.phase in LIVE_PHASES
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observed:
+    """A job as the operator sees it at one moment."""
+
+    job: Mapping[str, Any]
+    pods: Sequence[PodView] = ()
+    existing: frozenset[tuple[str, str]] = frozenset()
+    """(kind, name) of the supporting objects that exist."""
+
+
+# ------------------------------------------------------------------------------------------------------
+# Actions
+
+
+@dataclass(frozen=True)
+class Create:
+    obj: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    name: str
+    grace_period_s: int | None = None
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    status: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class CordonNode:
+    node: str
+    reason: str
+
+
+Action = Create | DeletePod | PatchStatus | Event | CordonNode
+
+
+@dataclass
+class _Pass:
+    actions: list[Action] = field(default_factory=list)
+    status: dict[str, Any] = field(default_factory=dict)
+
+
+def supporting_objects(
+    job: Mapping[str, Any], *, settings: OperatorSettings, token: str
+) -> list[dict[str, Any]]:
+    """The objects the job needs besides its Pods, in creation order (the Role before its binding)."""
+    return [
+        builders.token_secret(job, token=token),
+        builders.state_config_map(job),
+        builders.master_service_account(job),
+        builders.master_role(job),
+        builders.master_role_binding(job),
+        builders.master_service(job, settings=settings),
+    ]
+
+
+def reconcile(observed: Observed, *, now: float, settings: OperatorSettings, new_token: str) -> list[Action]:
+    """The actions that bring the cluster closer to the job's spec. ``new_token`` is used only if the
+    token Secret does not exist yet."""
+    job = observed.job
+    status: Mapping[str, Any] = job.get("status") or {}
+    generation = int(job["metadata"].get("generation", 1))
+    p = _Pass(status={"conditions": list(status.get("conditions") or [])})
+
+    def condition(kind: str, value: bool, reason: str, message: str) -> None:
+        p.status["conditions"] = set_condition(
+            p.status["conditions"], kind=kind, status=value, reason=reason, message=message,
+            now=now, generation=generation,
+        )  # fmt: skip
+
+    phase = status.get("phase", "")
+    workers = [pod for pod in observed.pods if pod.role == "worker"]
+    if phase in ("Succeeded", "Failed"):
+        _cleanup(p, job, workers, observed.pods)
+        return _finish(p, status)
+
+    try:
+        spec = parse_spec(job.get("spec") or {})
+        builders.training_entry(spec.template["spec"]["containers"][0])
+    except ConfigError as exc:
+        return _fail(p, status, condition, reason="InvalidSpec", message=str(exc), job=job, workers=workers,
+                     pods=observed.pods)  # fmt: skip
+
+    # --- supporting objects ------------------------------------------------------------------------
+    for obj in supporting_objects(job, settings=settings, token=new_token):
+        if (obj["kind"], obj["metadata"]["name"]) not in observed.existing:
+            p.actions.append(Create(obj))
+    if not get_condition(p.status["conditions"], "Created"):
+        condition(
+            "Created", True, "ObjectsCreated", "Secret, RBAC, Service and state ConfigMap of the job exist"
+        )
+        p.actions.append(
+            Event("Normal", "Created", "created the job's Secret, master RBAC, Service and state")
+        )
+
+    # --- master ------------------------------------------------------------------------------------
+    master = next((pod for pod in observed.pods if pod.role == "master"), None)
+    master_status: Mapping[str, Any] = status.get("master") or {}
+    verdict = str(master_status.get("phase", "")).lower()
+    if verdict == "succeeded":
+        condition("Succeeded", True, "TrainingCompleted", "all nodes finished training")
+        condition("Running", False, "Completed", "the job finished")
+        condition("Restarting", False, "Completed", "the job finished")
+        p.status["phase"] = "Succeeded"
+        p.actions.append(Event("Normal", "Succeeded", "training completed"))
+        _cleanup(p, job, workers, observed.pods, spec=spec)
+        return _finish(p, status)
+    if verdict == "failed":
+        reason = str(master_status.get("reason") or "the master reported the job failed")
+        return _fail(p, status, condition, reason="MasterReportedFailure", message=reason, job=job,
+                     workers=workers, pods=observed.pods, spec=spec)  # fmt: skip
+
+    if master is None:
+        p.actions.append(Create(builders.master_pod(job, spec, settings=settings)))
+        if get_condition(p.status["conditions"], "MasterReady"):
+            p.actions.append(
+                Event(
+                    "Warning", "MasterRecreated", "started a new master Pod; it resumes from the saved state"
+                )
+            )
+        else:
+            p.actions.append(
+                Event(
+                    "Normal", "MasterCreated", f"created master Pod {names.master(job['metadata']['name'])}"
+                )
+            )
+    elif master.live and master.nodes and master.nodes != f"{spec.min_nodes}:{spec.max_nodes}":
+        # nodes.min/max changed: the master takes them as flags, so it restarts (and resumes from its
+        # state ConfigMap) with the new range; the worker slots follow below.
+        p.actions.append(DeletePod(master.name))
+        p.actions.append(
+            Event(
+                "Normal",
+                "MasterReconfigured",
+                f"nodes changed from {master.nodes} to {spec.min_nodes}:{spec.max_nodes}; "
+                "restarting the master",
+            )
+        )
+    elif not master.live and not master.terminating:
+        p.actions.append(DeletePod(master.name, grace_period_s=0))
+        p.actions.append(
+            Event(
+                "Warning",
+                "MasterLost",
+                f"master Pod {master.name} is {master.phase} ({_exit(master)}); replacing it",
+            )
+        )
+    master_ready = master is not None and master.phase == "Running" and bool(master_status)
+    condition(
+        "MasterReady",
+        master_ready,
+        "MasterRunning" if master_ready else "MasterStarting",
+        "the master runs and publishes the job status" if master_ready else "waiting for the master",
+    )
+
+    # --- workers -----------------------------------------------------------------------------------
+    replaced = _reconcile_workers(p, job, spec, status, workers, settings=settings)
+    budget = spec.restart.max_evictions
+    used = int(status.get("replacements", 0)) + replaced
+    p.status["replacements"] = used
+    if used > budget:
+        return _fail(
+            p, status, condition, reason="ReplacementBudgetExhausted",
+            message=f"{used} worker Pods had to be replaced, more than restart.maxEvictions={budget}",
+            job=job, workers=workers, pods=observed.pods, spec=spec,
+        )  # fmt: skip
+
+    running = sum(1 for w in workers if w.phase == "Running" and not w.terminating)
+    p.status["nodes"] = running
+    p.status["masterEndpoint"] = builders.master_address(job, settings=settings)
+    restarting = replaced > 0 or (phase in ("Running", "Restarting") and running < spec.min_nodes)
+    if restarting:
+        new_phase = "Restarting"
+    elif master_ready and running >= spec.min_nodes:
+        new_phase = "Running"
+    else:  # still starting, or a master being replaced: keep what the job was
+        new_phase = phase if phase in ("Running", "Restarting") else "Created"
+    if new_phase not in (phase, "Created"):  # "Created" has its own Event above
+        p.actions.append(Event("Normal" if new_phase != "Restarting" else "Warning", new_phase,
+                               f"job is {new_phase} with {running} of {spec.max_nodes} nodes"))  # fmt: skip
+    p.status["phase"] = new_phase
+    condition("Running", new_phase == "Running", "NodesRunning" if new_phase == "Running" else "NotRunning",
+              f"{running} of {spec.max_nodes} worker Pods running (minimum {spec.min_nodes})")  # fmt: skip
+    condition("Restarting", new_phase == "Restarting", "Replacing" if restarting else "Stable",
+              "replacing lost nodes" if restarting else "no node is being replaced")  # fmt: skip
+    p.status["observedGeneration"] = generation
+    return _finish(p, status)
+
+
+def _exit(pod: PodView) -> str:
+    if pod.exit_code is not None:
+        return f"exit code {pod.exit_code}" + (f", {pod.reason}" if pod.reason else "")
+    return pod.reason or "gone"
+
+
+def _reconcile_workers(
+    p: _Pass,
+    job: Mapping[str, Any],
+    spec: JobSpec,
+    status: Mapping[str, Any],
+    workers: Sequence[PodView],
+    *,
+    settings: OperatorSettings,
+) -> int:
+    """Worker Pod actions; returns how many replacements this pass makes."""
+    evictions = [e for e in status.get("evictions") or [] if isinstance(e, Mapping)]
+    evicted = {str(e.get("nodeId")): e for e in evictions}
+    excluded = list(status.get("excludedMachines") or [])
+    for e in evictions:
+        machine = str(e.get("machine") or "")
+        if machine and machine not in excluded:
+            excluded.append(machine)
+            if spec.cordon_bad_nodes:
+                p.actions.append(CordonNode(machine, reason=str(e.get("reason") or "evicted by phalanx")))
+                p.actions.append(Event("Warning", "NodeCordoned", f"cordoned and tainted bad node {machine}"))
+    p.status["excludedMachines"] = excluded
+    incarnations = list(status.get("workerIncarnations") or [])
+    incarnations += [-1] * (spec.max_nodes - len(incarnations))
+    by_slot: dict[int, list[PodView]] = {}
+    for w in workers:
+        if w.slot is not None:
+            by_slot.setdefault(w.slot, []).append(w)
+    replaced = 0
+    for slot in range(spec.max_nodes):
+        pods = sorted(by_slot.get(slot, []), key=lambda w: w.incarnation)
+        newest = max([incarnations[slot], *(w.incarnation for w in pods)])
+        live = [w for w in pods if w.live]
+        done = [w for w in pods if w.phase == "Succeeded" and not w.terminating]
+        evict = [w for w in live if w.name in evicted]
+        keep = [w for w in live if w.name not in evicted]
+        cause = ""
+        if evict and not keep:
+            e = evicted[evict[0].name]
+            cause = f"evicted by the master: {e.get('reason') or 'no reason given'}"
+        elif not live and not done:
+            last = pods[-1] if pods else None
+            cause = (
+                f"{last.name} {last.phase} ({_exit(last)})"
+                if last
+                else ("" if newest < 0 else "Pod vanished")
+            )
+        if not keep and not done:
+            inc = newest + 1
+            pod = builders.worker_pod(job, spec, slot=slot, incarnation=inc, settings=settings,
+                                      excluded_machines=excluded)  # fmt: skip
+            p.actions.append(Create(pod))
+            incarnations[slot] = inc
+            if cause:
+                replaced += 1
+                p.actions.append(
+                    Event(
+                        "Warning",
+                        "WorkerReplaced",
+                        f"slot {slot}: {cause}; created {pod['metadata']['name']}",
+                    )
+                )
+            else:
+                p.actions.append(
+                    Event("Normal", "WorkerCreated", f"created worker Pod {pod['metadata']['name']}")
+                )
+        else:
+            incarnations[slot] = newest
+        for w in evict:
+            p.actions.append(DeletePod(w.name))
+            p.actions.append(
+                Event(
+                    "Warning",
+                    "Evicted",
+                    f"deleted {w.name} on {w.node_name or '?'}: {evicted[w.name].get('reason', '')}",
+                )
+            )
+        for w in pods:  # failed Pods of older incarnations are garbage once a newer one exists
+            if (
+                not w.live
+                and not w.terminating
+                and w.phase != "Succeeded"
+                and w.incarnation < incarnations[slot]
+            ):
+                p.actions.append(DeletePod(w.name, grace_period_s=0))
+    for slot, pods in by_slot.items():
+        if slot >= spec.max_nodes:
+            for w in pods:
+                if not w.terminating:
+                    p.actions.append(DeletePod(w.name))
+                    p.actions.append(
+                        Event("Normal", "ScaledDown", f"deleted {w.name}: nodes.max is {spec.max_nodes}")
+                    )
+    for slot, pods in by_slot.items():  # remember removed slots too: a later scale-up never reuses a name
+        if slot >= len(incarnations):
+            incarnations += [-1] * (slot + 1 - len(incarnations))
+        incarnations[slot] = max([incarnations[slot], *(w.incarnation for w in pods)])
+    p.status["workerIncarnations"] = incarnations
+    return replaced
+
+
+def _cleanup(
+    p: _Pass,
+    job: Mapping[str, Any],
+    workers: Sequence[PodView],
+    pods: Sequence[PodView],
+    *,
+    spec: JobSpec | None = None,
+) -> None:
+    """Deletes the finished job's Pods per spec.cleanPodPolicy (None, Running or All)."""
+    policy = spec.clean_pod_policy if spec else str((job.get("spec") or {}).get("cleanPodPolicy", "Running"))
+    if policy == "None":
+        return
+    for pod in pods:
+        if pod.terminating:
+            continue
+        if policy == "All" or pod.live:
+            p.actions.append(DeletePod(pod.name))
+
+
+def _fail(
+    p: _Pass,
+    status: Mapping[str, Any],
+    condition: Any,
+    *,
+    reason: str,
+    message: str,
+    job: Mapping[str, Any],
+    workers: Sequence[PodView],
+    pods: Sequence[PodView],
+    spec: JobSpec | None = None,
+) -> list[Action]:
+    condition("Failed", True, reason, message)
+    condition("Running", False, reason, "the job failed")
+    condition("Restarting", False, reason, "the job failed")
+    p.status["phase"] = "Failed"
+    p.actions.append(Event("Warning", "Failed", message))
+    _cleanup(p, job, workers, pods, spec=spec)
+    return _finish(p, status)
+
+
+def _finish(p: _Pass, status: Mapping[str, Any]) -> list[Action]:
+    """Adds one status patch with the fields that changed (none: no patch)."""
+    changed = {k: v for k, v in p.status.items() if status.get(k) != v}
+    if changed:
+        p.actions.append(PatchStatus(changed))
+    return p.actions

@@ -1,0 +1,131 @@
+"""A typed view of an ElasticJob's spec, and the settings it maps onto.
+
+The API server has already applied the CRD's defaults and validated the spec; :func:`parse_spec` still
+fills defaults (from :mod:`phalanx.api.settings`) so that pure code and unit tests can pass partial specs,
+and it checks the spec against the settings classes so an object that slipped past admission (an older
+CRD) fails with the settings' own message instead of a crash later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.api.errors import ConfigError
+from phalanx.api.settings import (
+    CheckpointSettings,
+    HangSettings,
+    HeartbeatSettings,
+    RendezvousSettings,
+    RestartSettings,
+    parse_duration,
+)
+from phalanx.operator.crd import CLEAN_POD_POLICIES
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """An ElasticJob's spec with every default filled in."""
+
+    rendezvous: RendezvousSettings
+    heartbeat: HeartbeatSettings
+    hang: HangSettings
+    restart: RestartSettings
+    checkpoint: CheckpointSettings
+    nproc_per_node: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    health_checks: bool = False
+    probes: tuple[str, ...] = ()
+    cordon_bad_nodes: bool = False
+    clean_pod_policy: str = "Running"
+    template: Mapping[str, Any] = field(default_factory=dict)
+    master_resources: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def min_nodes(self) -> int:
+        return self.rendezvous.min_nodes
+
+    @property
+    def max_nodes(self) -> int:
+        return self.rendezvous.max_nodes
+
+
+def _group(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = spec.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise ConfigError("expected an object", field=f"spec.{key}")
+    return value
+
+
+def _dur(group: Mapping[str, Any], key: str, default: float, where: str) -> float:
+    return parse_duration(group[key], name=f"spec.{where}.{key}") if key in group else default
+
+
+def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
+    """Builds a :class:`JobSpec` from an ElasticJob's ``spec``; raises ConfigError naming the field."""
+    nodes = _group(spec, "nodes")
+    rdzv_default = RendezvousSettings()
+    try:
+        rendezvous = RendezvousSettings(
+            min_nodes=int(nodes.get("min", 1)),
+            max_nodes=int(nodes.get("max", nodes.get("min", 1))),
+            unit=int(nodes.get("unit", 1)),
+            last_call_s=_dur(nodes, "lastCall", rdzv_default.last_call_s, "nodes"),
+            min_nodes_timeout_s=_dur(nodes, "minNodesTimeout", rdzv_default.min_nodes_timeout_s, "nodes"),
+        )
+        hb, hb_default = _group(spec, "heartbeat"), HeartbeatSettings()
+        heartbeat = HeartbeatSettings(
+            interval_s=_dur(hb, "interval", hb_default.interval_s, "heartbeat"),
+            timeout_s=_dur(hb, "timeout", hb_default.timeout_s, "heartbeat"),
+        )
+        hg, hg_default = _group(spec, "hang"), HangSettings()
+        hang = HangSettings(
+            enabled=bool(hg.get("enabled", hg_default.enabled)),
+            floor_s=_dur(hg, "floor", hg_default.floor_s, "hang"),
+            factor=float(hg.get("factor", hg_default.factor)),
+            startup_s=_dur(hg, "startup", hg_default.startup_s, "hang"),
+        )
+        rs, rs_default = _group(spec, "restart"), RestartSettings()
+        restart = RestartSettings(
+            max_restarts=int(rs.get("maxRestarts", rs_default.max_restarts)),
+            max_evictions=int(rs.get("maxEvictions", rs_default.max_evictions)),
+            grace_period_s=_dur(rs, "gracePeriod", rs_default.grace_period_s, "restart"),
+        )
+        ck, ck_default = _group(spec, "checkpoint"), CheckpointSettings()
+        checkpoint = CheckpointSettings(
+            memory_interval_steps=int(ck.get("memoryIntervalSteps", ck_default.memory_interval_steps)),
+            persist_interval_steps=int(ck.get("persistIntervalSteps", ck_default.persist_interval_steps)),
+            storage_path=str(ck.get("storagePath", ck_default.storage_path)),
+            keep_last=int(ck.get("keepLast", ck_default.keep_last)),
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"invalid ElasticJob spec: {exc}") from exc
+    par = _group(spec, "parallelism")
+    health = _group(spec, "healthChecks")
+    policy = str(spec.get("cleanPodPolicy", "Running"))
+    if policy not in CLEAN_POD_POLICIES:
+        raise ConfigError(
+            f"must be one of {', '.join(CLEAN_POD_POLICIES)}, got {policy!r}", field="cleanPodPolicy"
+        )
+    template = spec.get("template") or {}
+    containers = (template.get("spec") or {}).get("containers") or []
+    if not containers:
+        raise ConfigError("the worker template needs at least one container", field="spec.template")
+    return JobSpec(
+        rendezvous=rendezvous,
+        heartbeat=heartbeat,
+        hang=hang,
+        restart=restart,
+        checkpoint=checkpoint,
+        nproc_per_node=int(spec.get("nprocPerNode", 1)),
+        tensor=int(par.get("tensor", 1)),
+        pipeline=int(par.get("pipeline", 1)),
+        health_checks=bool(health.get("enabled", False)),
+        probes=tuple(health.get("probes", ())),
+        cordon_bad_nodes=bool(spec.get("cordonBadNodes", False)),
+        clean_pod_policy=policy,
+        template=template,
+        master_resources=(_group(spec, "master").get("resources") or {}),
+    )

@@ -1,0 +1,65 @@
+"""One real Kubernetes control plane per test session (etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler on loopback), built from the official Go modules by scripts/k8s-binaries.
+
+Without the binaries (no Go toolchain, or `make k8s-binaries` not run) the tests are skipped with a loud
+reason, except under CI=true, where a missing control plane fails the session.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from k8s_harness.cluster import Cluster
+from k8s_harness.controlplane import ControlPlane, find_binaries
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "elasticjobs.phalanx.dev.yaml"
+
+
+def _missing(reason: str) -> None:
+    message = f"NO KUBERNETES CONTROL PLANE: {reason}. Run `make k8s-binaries` (needs Go) to build it."
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message + " (CI=true: a skipped Kubernetes test is a failure)")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[ControlPlane]:
+    bin_dir = find_binaries()
+    if bin_dir is None:
+        _missing("kube-apiserver, etcd, ... not found under ~/.cache/phalanx/k8s/*/bin")
+    assert bin_dir is not None
+    state = Path(tempfile.mkdtemp(prefix="phalanx-k8s-"))
+    cp = ControlPlane(bin_dir=bin_dir, state_dir=state)
+    try:
+        cp.start()
+        cp.kubectl("apply", "--server-side", "-f", str(CRD))
+        cp.kubectl("wait", "--for=condition=Established", "crd/elasticjobs.phalanx.dev", "--timeout=30s")
+        yield cp
+    finally:
+        cp.stop()
+        if os.environ.get("PHALANX_K8S_KEEP") == "1":  # keep logs and certificates for debugging
+            print(f"\nkept the control plane's state in {state}")
+        else:
+            cp.remove()
+
+
+@pytest.fixture(scope="session")
+def cluster(control_plane: ControlPlane) -> Iterator[Cluster]:
+    """The control plane plus the test kubelet (2 process nodes, 4 simulated) and the operator."""
+    c = Cluster(cp=control_plane)
+    try:
+        c.start_kubelet()
+        c.install_operator_rbac()
+        c.start_operator()
+        yield c
+    finally:
+        c.stop()

@@ -1,0 +1,232 @@
+"""etcd + kube-apiserver + kube-controller-manager + kube-scheduler on loopback.
+
+Everything is per run: a fresh state directory with its own CA, serving and client certificates and
+service-account signing keys; etcd keeps its data in that directory (no fsync, it is throwaway). RBAC is
+on (``--authorization-mode=Node,RBAC``): the admin kubeconfig authenticates with a client certificate in
+``system:masters``; the controller manager and the scheduler have their own identities.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k8s_harness import certs
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def find_binaries() -> Path | None:
+    """The cached control-plane binaries, or None when they were not built (see scripts/k8s-binaries)."""
+    env = os.environ.get("PHALANX_K8S_BIN")
+    candidates = [Path(env)] if env else []
+    root = Path(os.environ.get("PHALANX_K8S_CACHE", Path.home() / ".cache/phalanx/k8s"))
+    candidates += sorted(root.glob("*/bin"), reverse=True)
+    needed = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+    for c in candidates:
+        if all(os.access(c / b, os.X_OK) for b in needed):
+            return c
+    return None
+
+
+def write_kubeconfig(
+    path: Path, *, server: str, ca: Path, cert: Path | None = None, key: Path | None = None, token: str = ""
+) -> Path:
+    user: dict[str, str] = {}
+    if cert and key:
+        user = {"client-certificate": str(cert), "client-key": str(key)}
+    if token:
+        user = {"token": token}
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "phalanx", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "users": [{"name": "user", "user": user}],
+        "contexts": [{"name": "phalanx", "context": {"cluster": "phalanx", "user": "user"}}],
+        "current-context": "phalanx",
+    }
+    path.write_text(json.dumps(config, indent=2))  # JSON is valid YAML; kubectl and the client read it
+    path.chmod(0o600)
+    return path
+
+
+@dataclass
+class ControlPlane:
+    """A running control plane. ``kubeconfig`` is the admin's."""
+
+    bin_dir: Path
+    state_dir: Path
+    server: str = ""
+    kubeconfig: Path = Path()
+    ca: Path = Path()
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def kubectl(self, *args: str, input_text: str | None = None, check: bool = True) -> str:
+        result = subprocess.run(
+            [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
+            input=input_text.encode() if input_text is not None else None,
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed: {result.stderr.decode()}")
+        return result.stdout.decode() + (result.stderr.decode() if not check else "")
+
+    def _start(self, name: str, args: list[str]) -> None:
+        with (self.state_dir / f"{name}.log").open("wb") as log:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen(
+                [str(self.bin_dir / name), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        (self.state_dir / f"{name}.pid").write_text(str(self.procs[name].pid))
+
+    def start(self, *, timeout_s: float = 90.0) -> ControlPlane:
+        d = self.state_dir
+        pki = d / "pki"
+        pki.mkdir(parents=True, exist_ok=True)
+        self.ca, _ = certs.make_ca(pki)
+        serving = certs.serving_cert(pki)
+        admin = certs.client_cert(pki, name="admin", cn="phalanx-admin", org="system:masters")
+        kcm = certs.client_cert(pki, name="kcm", cn="system:kube-controller-manager")
+        sched = certs.client_cert(pki, name="scheduler", cn="system:kube-scheduler")
+        sa_key, sa_pub = certs.service_account_keys(pki)
+
+        etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
+        self._start(
+            "etcd",
+            [
+                f"--data-dir={d / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}",
+                "--unsafe-no-fsync=true",  # throwaway data: durability only costs time here
+                "--log-level=warn",
+            ],
+        )
+        self.server = f"https://127.0.0.1:{api_port}"
+        self._start(
+            "kube-apiserver",
+            [
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={api_port}",
+                f"--cert-dir={pki}",
+                f"--tls-cert-file={serving.cert}",
+                f"--tls-private-key-file={serving.key}",
+                f"--client-ca-file={self.ca}",
+                "--authorization-mode=Node,RBAC",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={sa_pub}",
+                f"--service-account-signing-key-file={sa_key}",
+                "--service-cluster-ip-range=10.0.0.0/24",
+                "--allow-privileged=true",
+                "--endpoint-reconciler-type=none",  # loopback is not a valid Endpoints address
+                "--enable-priority-and-fairness=false",  # one client mix, 2 cores: APF only adds work
+                "--event-ttl=1h",
+            ],
+        )
+        self.kubeconfig = write_kubeconfig(
+            d / "admin.kubeconfig", server=self.server, ca=self.ca, cert=admin.cert, key=admin.key
+        )
+        kcm_cfg = write_kubeconfig(
+            d / "kcm.kubeconfig", server=self.server, ca=self.ca, cert=kcm.cert, key=kcm.key
+        )
+        sched_cfg = write_kubeconfig(
+            d / "scheduler.kubeconfig", server=self.server, ca=self.ca, cert=sched.cert, key=sched.key
+        )
+        self._wait_ready(admin, timeout_s=timeout_s)
+        self._start(
+            "kube-controller-manager",
+            [
+                f"--kubeconfig={kcm_cfg}",
+                f"--authentication-kubeconfig={kcm_cfg}",
+                f"--authorization-kubeconfig={kcm_cfg}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={free_port()}",
+                "--leader-elect=false",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={sa_key}",
+                f"--root-ca-file={self.ca}",
+                # Only what the tests use: fewer controllers, less CPU on a small machine.
+                "--controllers=garbage-collector-controller,serviceaccount-controller,"
+                "serviceaccount-token-controller,root-ca-certificate-publisher-controller,"
+                "namespace-controller,node-lifecycle-controller,endpointslice-controller",
+            ],
+        )
+        self._start(
+            "kube-scheduler",
+            [
+                f"--kubeconfig={sched_cfg}",
+                f"--authentication-kubeconfig={sched_cfg}",
+                f"--authorization-kubeconfig={sched_cfg}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={free_port()}",
+                "--leader-elect=false",
+            ],
+        )
+        (d / "server").write_text(self.server)
+        self._wait_default_service_account(timeout_s=timeout_s)
+        return self
+
+    def _wait_ready(self, admin: certs.ClientCert, *, timeout_s: float) -> None:
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        ctx.load_cert_chain(str(admin.cert), str(admin.key))
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    tail = (self.state_dir / f"{name}.log").read_text()[-3000:]
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"{self.server}/readyz", context=ctx, timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError as exc:
+                last = str(exc)
+            time.sleep(0.3)
+        raise RuntimeError(f"kube-apiserver not ready after {timeout_s}s: {last}")
+
+    def _wait_default_service_account(self, *, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            out = self.kubectl("get", "serviceaccount", "default", "-n", "default", "-o", "name", check=False)
+            if "serviceaccount/default" in out and "NotFound" not in out:
+                return
+            time.sleep(0.5)
+        raise RuntimeError("the controller manager did not create the default ServiceAccount")
+
+    def stop(self) -> None:
+        for name in reversed(list(self.procs)):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.state_dir, ignore_errors=True)

@@ -1,0 +1,107 @@
+"""Invalid ElasticJobs are rejected by the real kube-apiserver at admission, with messages a person
+understands (the CRD's OpenAPI bounds, enums and CEL rules)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from k8s_harness.controlplane import ControlPlane
+
+pytestmark = [pytest.mark.k8s, pytest.mark.integration]
+
+
+def _job(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "phalanx.dev/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodes": {"min": 2, "max": 4},
+            "nprocPerNode": 2,
+            "template": {"spec": {"containers": [{"name": "trainer", "image": "x", "command": ["train"]}]}},
+        },
+    }
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    job = _job("bad")
+    node = job
+    *parents, leaf = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is _DELETE:
+        del node[leaf]
+    else:
+        node[leaf] = value
+    return job
+
+
+_DELETE = object()
+
+INVALID = [
+    (
+        "min-above-max",
+        _with("spec.nodes", {"min": 5, "max": 3}),
+        "nodes.min must not be greater than nodes.max",
+    ),
+    ("min-zero", _with("spec.nodes", {"min": 0, "max": 3}), "should be greater than or equal to 1"),
+    ("no-unit-multiple", _with("spec.nodes", {"min": 3, "max": 3, "unit": 2}), "no multiple of nodes.unit"),
+    (
+        "parallelism-not-dividing",
+        _with("spec.parallelism", {"tensor": 3, "pipeline": 1}),
+        "parallelism.tensor x parallelism.pipeline must divide nprocPerNode x nodes.unit",
+    ),
+    ("bad-duration", _with("spec.heartbeat", {"timeout": "ten seconds"}), "must be a duration such as 500ms"),
+    (
+        "timeout-below-twice-interval",
+        _with("spec.heartbeat", {"interval": "5s", "timeout": "8s"}),
+        "heartbeat.timeout must be at least twice heartbeat.interval",
+    ),
+    ("nproc-zero", _with("spec.nprocPerNode", 0), "should be greater than or equal to 1"),
+    ("negative-restarts", _with("spec.restart", {"maxRestarts": -1}), "should be greater than or equal to 0"),
+    (
+        "unknown-clean-policy",
+        _with("spec.cleanPodPolicy", "Sometimes"),
+        'supported values: "None", "Running"',
+    ),
+    ("no-containers", _with("spec.template", {"spec": {"containers": []}}), "should have at least 1 items"),
+    ("missing-template", _with("spec.template", _DELETE), "spec.template: Required value"),
+    ("unknown-probe", _with("spec.healthChecks", {"probes": ["ping"]}), 'supported values: "matmul"'),
+]
+
+
+@pytest.mark.parametrize(("case", "job", "message"), INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_job_is_rejected(
+    control_plane: ControlPlane, case: str, job: dict[str, Any], message: str
+) -> None:
+    out = control_plane.kubectl("create", "-f", "-", input_text=json.dumps(job), check=False)
+    assert "created" not in out, f"{case}: the apiserver accepted an invalid job"
+    assert message in out, f"{case}: expected {message!r} in {out!r}"
+
+
+def test_long_name_is_rejected(control_plane: ControlPlane) -> None:
+    job = _job("j" * 50)
+    out = control_plane.kubectl("create", "-f", "-", input_text=json.dumps(job), check=False)
+    assert "the job name must be at most 40 characters" in out
+
+
+def test_valid_job_gets_defaults_and_immutable_fields(control_plane: ControlPlane) -> None:
+    job = _job("defaults")
+    control_plane.kubectl("create", "-f", "-", input_text=json.dumps(job))
+    try:
+        got = json.loads(control_plane.kubectl("get", "ej", "defaults", "-o", "json"))
+        spec = got["spec"]
+        assert spec["heartbeat"] == {"interval": "1s", "timeout": "10s"}
+        assert spec["parallelism"] == {"tensor": 1, "pipeline": 1}
+        assert spec["nodes"]["unit"] == 1
+        assert spec["cleanPodPolicy"] == "Running"
+        assert spec["restart"]["maxEvictions"] == 3
+        changed = copy.deepcopy(got)
+        changed["spec"]["nprocPerNode"] = 4
+        out = control_plane.kubectl("replace", "-f", "-", input_text=json.dumps(changed), check=False)
+        assert "nprocPerNode cannot be changed on a running job" in out
+    finally:
+        control_plane.kubectl("delete", "ej", "defaults", "--wait=false")

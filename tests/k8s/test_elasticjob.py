@@ -1,0 +1,349 @@
+"""End to end against the real control plane: the example ElasticJob runs to completion, and the job
+survives a killed worker, an eviction, a lost master Pod and a restarted operator."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from k8s_harness.cluster import Cluster
+
+pytestmark = [pytest.mark.k8s, pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "elasticjob.yaml"
+
+
+def _apply_example(cluster: Cluster, namespace: str, *, steps: int = 30, step_s: float = 0.2) -> None:
+    cluster.cp.kubectl("create", "namespace", namespace)
+    text = EXAMPLE.read_text().replace('value: "30"', f'value: "{steps}"')
+    text = text.replace(
+        "- name: TINY_STEPS",
+        f'- name: TINY_STEP_S\n              value: "{step_s}"\n            - name: TINY_STEPS',
+    )
+    cluster.cp.kubectl("apply", "-n", namespace, "-f", "-", input_text=text)
+
+
+def _job(cluster: Cluster, namespace: str, name: str = "tiny") -> dict[str, Any]:
+    return cluster.get_json("ej", name, "-n", namespace)
+
+
+def _phase(cluster: Cluster, namespace: str, name: str = "tiny") -> str:
+    return str(_job(cluster, namespace, name).get("status", {}).get("phase", ""))
+
+
+def _pods(cluster: Cluster, namespace: str, role: str = "worker") -> list[dict[str, Any]]:
+    items = cluster.get_json("pods", "-n", namespace, "-l", f"phalanx.dev/role={role}")["items"]
+    return list(items)
+
+
+def _live(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        p for p in pods
+        if not p["metadata"].get("deletionTimestamp")
+        and p["status"].get("phase") in (None, "Pending", "Running")
+    ]  # fmt: skip
+
+
+def _running_workers(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
+    return [p for p in _live(_pods(cluster, namespace)) if p["status"].get("phase") == "Running"]
+
+
+def _events(cluster: Cluster, namespace: str) -> list[str]:
+    items = cluster.get_json("events", "-n", namespace, "--field-selector", "involvedObject.kind=ElasticJob")[
+        "items"
+    ]
+    return [e["reason"] for e in items]
+
+
+def test_example_runs_to_success(cluster: Cluster) -> None:
+    ns = "example"
+    _apply_example(cluster, ns, steps=20, step_s=0.1)
+    cluster.wait_for("job Running", lambda: _phase(cluster, ns) in ("Running", "Succeeded"), timeout=90)
+    cluster.wait_for("job Succeeded", lambda: _phase(cluster, ns) == "Succeeded", timeout=120)
+    job = _job(cluster, ns)
+    status = job["status"]
+    assert status["step"] >= 19
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Succeeded"]["status"] == "True"
+    assert conditions["Created"]["status"] == "True"
+    assert all(c["observedGeneration"] == job["metadata"]["generation"] for c in status["conditions"])
+    assert not any(k.startswith("kopf") for k in status), "kopf must keep its bookkeeping out of the status"
+    table = cluster.cp.kubectl("get", "ej", "-n", ns)
+    header, row = table.splitlines()[:2]
+    assert header.split() == ["NAME", "PHASE", "NODES", "WORLD", "STEP", "AGE"]
+    assert row.split()[:2] == ["tiny", "Succeeded"]
+    assert row.split()[3] == "4", table  # world size: 2 nodes x 2 processes
+    reasons = _events(cluster, ns)
+    for reason in ("Created", "MasterCreated", "WorkerCreated", "Running", "Succeeded"):
+        assert reason in reasons, f"missing Event {reason}: {reasons}"
+    # cleanPodPolicy Running: Pods still running when the job finished are deleted, finished ones stay.
+    cluster.wait_for(
+        "running Pods cleaned up",
+        lambda: not _live(_pods(cluster, ns, "worker") + _pods(cluster, ns, "master")),
+        timeout=30,
+    )
+    assert any(p["status"]["phase"] == "Succeeded" for p in _pods(cluster, ns))
+
+    # Everything the operator made is owned by the job: deleting it garbage-collects the lot.
+    cluster.cp.kubectl("delete", "ej", "tiny", "-n", ns, "--wait=false")
+    cluster.wait_for(
+        "garbage collection of the job's objects",
+        lambda: not cluster.cp.kubectl(
+            "get", "pods,secrets,services,configmaps,serviceaccounts,roles,rolebindings", "-n", ns,
+            "-l", "phalanx.dev/job=tiny", "-o", "name",
+        ).strip(),
+        timeout=60,
+    )  # fmt: skip
+
+
+def _step(cluster: Cluster, namespace: str) -> int:
+    return int(_job(cluster, namespace).get("status", {}).get("step", -1))
+
+
+def test_killed_worker_is_replaced_and_lost_master_resumes(cluster: Cluster) -> None:
+    ns = "faults"
+    _apply_example(cluster, ns, steps=60, step_s=0.25)
+    cluster.wait_for(
+        "training progress", lambda: _phase(cluster, ns) == "Running" and _step(cluster, ns) >= 3, timeout=120
+    )
+
+    # A worker process dies (SIGKILL of the Pod's process): its Pod fails and is replaced.
+    victim = sorted(p["metadata"]["name"] for p in _running_workers(cluster, ns))[0]
+    os.kill(cluster.pod_pid(ns, victim), signal.SIGKILL)
+    slot = victim.split("-")[-2]
+    replacement = f"tiny-worker-{slot}-1"
+    cluster.wait_for(
+        "replacement Running",
+        lambda: any(p["metadata"]["name"] == replacement for p in _running_workers(cluster, ns)),
+        timeout=60,
+    )
+    job = _job(cluster, ns)
+    assert job["status"]["replacements"] == 1
+    assert "WorkerReplaced" in _events(cluster, ns)
+    failed = [p for p in _pods(cluster, ns) if p["metadata"]["name"] == victim]
+    assert not failed or failed[0]["status"]["phase"] == "Failed"
+    cluster.wait_for(
+        "a new rendezvous round with the replacement",
+        lambda: int(_job(cluster, ns)["status"].get("round", 0)) >= 2 and _phase(cluster, ns) == "Running",
+        timeout=90,
+    )
+
+    # The master Pod is deleted: a new master Pod (same name, state from the ConfigMap) resumes the job.
+    old_uid = _pods(cluster, ns, "master")[0]["metadata"]["uid"]
+    round_before = int(_job(cluster, ns)["status"].get("round", 0))
+    cluster.cp.kubectl("delete", "pod", "tiny-master", "-n", ns, "--wait=false")
+    cluster.wait_for(
+        "a new master Pod",
+        lambda: any(
+            p["metadata"]["uid"] != old_uid and p["status"].get("phase") == "Running"
+            for p in _pods(cluster, ns, "master")
+        ),
+        timeout=60,
+    )
+    assert "MasterRecreated" in _events(cluster, ns)
+    state = cluster.get_json("configmap", "tiny-master-state", "-n", ns)["data"]["state.json"]
+    assert json.loads(state)["job_id"] == "tiny", "the master keeps its durable state in the job's ConfigMap"
+    cluster.wait_for(
+        "job Succeeded after the master restart", lambda: _phase(cluster, ns) == "Succeeded", timeout=150
+    )
+    assert int(_job(cluster, ns)["status"]["round"]) >= round_before, (
+        "the new master resumed, not restarted, the job"
+    )
+
+
+def test_eviction_requested_by_master_moves_the_node(cluster: Cluster) -> None:
+    ns = "evict"
+    _apply_example(cluster, ns, steps=400, step_s=0.1)
+    cluster.wait_for(
+        "training progress", lambda: _phase(cluster, ns) == "Running" and _step(cluster, ns) >= 2, timeout=120
+    )
+    victim = sorted(_running_workers(cluster, ns), key=lambda p: p["metadata"]["name"])[0]
+    name, machine = victim["metadata"]["name"], victim["spec"]["nodeName"]
+    # The node hangs (SIGSTOP): the master misses its heartbeats and writes an eviction into the status.
+    pid = cluster.pod_pid(ns, name)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        evictions = cluster.wait_for(
+            "the master's eviction request", lambda: _job(cluster, ns)["status"].get("evictions"), timeout=60
+        )
+        assert evictions[0]["nodeId"] == name
+        assert evictions[0]["machine"] == machine
+        slot = name.split("-")[-2]
+        replacement = cluster.wait_for(
+            "replacement scheduled",
+            lambda: [
+                p for p in _live(_pods(cluster, ns))
+                if p["metadata"]["name"].startswith(f"tiny-worker-{slot}-") and p["metadata"]["name"] != name
+                and p["spec"].get("nodeName")
+            ],
+            timeout=60,
+        )  # fmt: skip
+        assert replacement[0]["spec"]["nodeName"] != machine, "the replacement must avoid the evicted machine"
+        terms = replacement[0]["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": [machine]} in terms[
+            "nodeSelectorTerms"
+        ][0]["matchExpressions"]
+        cluster.wait_for(
+            "evicted Pod deleted",
+            lambda: name not in [p["metadata"]["name"] for p in _pods(cluster, ns)],
+            timeout=60,
+        )
+        assert "Evicted" in _events(cluster, ns)
+        cluster.wait_for(
+            "training resumed",
+            lambda: _phase(cluster, ns) == "Running" and len(_running_workers(cluster, ns)) == 2,
+            timeout=90,
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_operator_restart_creates_no_duplicates(cluster: Cluster) -> None:
+    ns = "restart"
+    _apply_example(cluster, ns, steps=50, step_s=0.2)
+    cluster.wait_for("workers created", lambda: len(_pods(cluster, ns)) == 2, timeout=60)
+    cluster.kill_operator()  # SIGKILL mid-job: no chance to clean up
+    cluster.wait_for("training progress", lambda: _step(cluster, ns) >= 2, timeout=120)
+    cluster.start_operator()
+    seen: set[str] = set()
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and _phase(cluster, ns) != "Succeeded":
+        names = [p["metadata"]["name"] for p in _pods(cluster, ns)]
+        seen.update(names)
+        assert len(_pods(cluster, ns, "master")) == 1
+        time.sleep(1)
+    assert _phase(cluster, ns) == "Succeeded", cluster.diagnostics()
+    assert seen == {"tiny-worker-0-0", "tiny-worker-1-0"}, f"the restarted operator created Pods: {seen}"
+    assert int(_job(cluster, ns)["status"].get("replacements", 0)) == 0
+
+
+def test_200_workers_on_simulated_nodes(cluster: Cluster) -> None:
+    ns = "scale"
+    cluster.cp.kubectl("create", "namespace", ns)
+    job = {
+        "apiVersion": "phalanx.dev/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": "big", "namespace": ns},
+        "spec": {
+            "nodes": {"min": 1, "max": 200},
+            "template": {
+                "spec": {
+                    "nodeSelector": {"phalanx.dev/test-kubelet": "simulated"},
+                    "tolerations": [
+                        {"key": "phalanx.dev/simulated", "operator": "Exists", "effect": "NoSchedule"}
+                    ],
+                    "containers": [{"name": "trainer", "image": "x", "command": ["python", "train.py"]}],
+                }
+            },
+        },
+    }
+    start = time.monotonic()
+    cluster.cp.kubectl("create", "-f", "-", input_text=json.dumps(job))
+    cluster.wait_for("200 worker Pods", lambda: len(_pods(cluster, ns)) >= 200, timeout=60, interval=1)
+    created_s = time.monotonic() - start
+    cluster.wait_for(
+        "200 worker Pods Running on simulated nodes",
+        lambda: sum(p["status"].get("phase") == "Running" for p in _pods(cluster, ns)) >= 200,
+        timeout=120,
+        interval=2,
+    )
+    running_s = time.monotonic() - start
+    print(f"\nscale: 200 worker Pods created in {created_s:.1f}s, all Running in {running_s:.1f}s")
+    (Path(cluster.cp.state_dir).parent / "phalanx-k8s-scale.json").write_text(
+        json.dumps({"workers": 200, "created_s": round(created_s, 1), "running_s": round(running_s, 1)})
+    )
+    names = {p["metadata"]["name"] for p in _pods(cluster, ns)}
+    assert names == {f"big-worker-{i}-0" for i in range(200)}
+    assert created_s < 60
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+FAILING = """\
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: failing
+data:
+  train.py: |
+    import sys
+    print("loading data", flush=True)
+    raise ValueError("bad batch at step 3")
+---
+apiVersion: phalanx.dev/v1alpha1
+kind: ElasticJob
+metadata:
+  name: failing
+spec:
+  nodes: {min: 1, max: 1}
+  restart: {maxRestarts: 1}
+  template:
+    spec:
+      containers:
+        - name: trainer
+          image: x
+          command: [python, /opt/failing/train.py]
+          volumeMounts: [{name: script, mountPath: /opt/failing}]
+      volumes: [{name: script, configMap: {name: failing}}]
+"""
+
+
+def test_failed_job_reports_the_root_cause(cluster: Cluster) -> None:
+    ns = "failing"
+    cluster.cp.kubectl("create", "namespace", ns)
+    cluster.cp.kubectl("apply", "-n", ns, "-f", "-", input_text=FAILING)
+    cluster.wait_for("job Failed", lambda: _phase(cluster, ns, "failing") == "Failed", timeout=90)
+    job = _job(cluster, ns, "failing")
+    failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
+    assert failed["status"] == "True"
+    assert failed["reason"] == "MasterReportedFailure"
+    assert "ValueError" in failed["message"], failed["message"]
+    assert "Failed" in _events(cluster, ns)
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_spec_change_scales_the_job(cluster: Cluster) -> None:
+    ns = "scaling"
+    cluster.cp.kubectl("create", "namespace", ns)
+    text = EXAMPLE.read_text().replace('value: "30"', 'value: "2000"')
+    text = text.replace("min: 2\n    max: 2", "min: 1\n    max: 2").replace(
+        "nprocPerNode: 2", "nprocPerNode: 1"
+    )
+    cluster.cp.kubectl("apply", "-n", ns, "-f", "-", input_text=text)
+    cluster.wait_for(
+        "2 nodes training",
+        lambda: (
+            _job(cluster, ns).get("status", {}).get("worldSize") == 2 and _phase(cluster, ns) == "Running"
+        ),
+        timeout=120,
+    )
+    master_uid = _pods(cluster, ns, "master")[0]["metadata"]["uid"]
+    cluster.cp.kubectl("patch", "ej", "tiny", "-n", ns, "--type=merge", "-p", '{"spec":{"nodes":{"max":1}}}')
+    cluster.wait_for("slot 1 removed", lambda: len(_live(_pods(cluster, ns))) == 1, timeout=60)
+    assert "ScaledDown" in _events(cluster, ns)
+    assert "MasterReconfigured" in _events(cluster, ns)
+    cluster.wait_for(
+        "the master restarted with the new range",
+        lambda: [
+            p for p in _pods(cluster, ns, "master")
+            if p["metadata"]["uid"] != master_uid
+            and p["metadata"]["annotations"]["phalanx.dev/nodes"] == "1:1"
+        ],
+        timeout=60,
+    )  # fmt: skip
+    cluster.wait_for(
+        "training on 1 node",
+        lambda: _job(cluster, ns)["status"].get("worldSize") == 1 and _phase(cluster, ns) == "Running",
+        timeout=90,
+    )
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")

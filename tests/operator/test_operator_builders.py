@@ -1,0 +1,144 @@
+"""Pure builders: the objects the operator creates, checked without a cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from phalanx.api.errors import ConfigError
+from phalanx.api.settings import OperatorSettings
+from phalanx.operator import builders, names
+from phalanx.operator.spec import parse_spec
+
+SETTINGS = OperatorSettings(command_prefix="/opt/bin/")
+
+
+def job(**spec: Any) -> dict[str, Any]:
+    base = {
+        "nodes": {"min": 2, "max": 3},
+        "nprocPerNode": 2,
+        "template": {
+            "metadata": {"labels": {"team": "ml"}},
+            "spec": {
+                "containers": [
+                    {"name": "t", "image": "img", "command": ["python", "train.py"], "args": ["--lr", "0.1"]}
+                ]
+            },
+        },
+    }
+    base.update(spec)
+    return {
+        "apiVersion": "phalanx.dev/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": "j", "namespace": "ns", "uid": "u-1", "generation": 1},
+        "spec": base,
+    }
+
+
+def test_every_object_is_owned_by_the_job() -> None:
+    j = job()
+    spec = parse_spec(j["spec"])
+    objs = [
+        builders.token_secret(j, token="t"),
+        builders.state_config_map(j),
+        builders.master_service_account(j),
+        builders.master_role(j),
+        builders.master_role_binding(j),
+        builders.master_service(j, settings=SETTINGS),
+        builders.master_pod(j, spec, settings=SETTINGS),
+        builders.worker_pod(j, spec, slot=0, incarnation=0, settings=SETTINGS),
+    ]
+    for obj in objs:
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {
+            "apiVersion": "phalanx.dev/v1alpha1", "kind": "ElasticJob", "name": "j", "uid": "u-1",
+            "controller": True, "blockOwnerDeletion": True,
+        }  # fmt: skip
+        assert obj["metadata"]["namespace"] == "ns"
+        assert obj["metadata"]["labels"]["phalanx.dev/job"] == "j"
+
+
+def test_master_role_is_limited_to_its_own_objects() -> None:
+    rules = builders.master_role(job())["rules"]
+    scoped = [r for r in rules if r["resources"] != ["events"]]
+    assert all(r["resourceNames"] in (["j"], ["j-master-state"]) for r in scoped)
+    assert not any("create" in r["verbs"] or "delete" in r["verbs"] for r in scoped)
+    assert any(r["resources"] == ["elasticjobs/status"] and "patch" in r["verbs"] for r in rules)
+
+
+def test_master_pod_runs_phalanx_master_with_k8s_state() -> None:
+    j = job()
+    pod = builders.master_pod(j, parse_spec(j["spec"]), settings=SETTINGS)
+    c = pod["spec"]["containers"][0]
+    assert c["command"][:2] == ["/opt/bin/phalanx", "master"]
+    assert c["command"][c["command"].index("--state") + 1] == "k8s://ns/j"
+    assert c["command"][c["command"].index("--nodes") + 1] == "2:3"
+    assert pod["metadata"]["name"] == "j-master"
+    assert pod["spec"]["serviceAccountName"] == "j-master"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["PHALANX_HEARTBEAT_TIMEOUT_S"]["value"] == "10.0"
+
+
+def test_worker_pod_wraps_the_template_in_phalanx_run() -> None:
+    j = job(restart={"maxRestarts": 1, "gracePeriod": "2s"})
+    pod = builders.worker_pod(j, parse_spec(j["spec"]), slot=1, incarnation=4, settings=SETTINGS)
+    assert pod["metadata"]["name"] == "j-worker-1-4"
+    assert pod["metadata"]["labels"]["team"] == "ml"
+    assert pod["metadata"]["labels"][names.SLOT_LABEL] == "1"
+    c = pod["spec"]["containers"][0]
+    cmd = c["command"]
+    assert cmd[0] == "/opt/bin/phalanx-run"
+    assert cmd[-3:] == ["train.py", "--lr", "0.1"]
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "j-master.ns.svc:29400"
+    assert cmd[cmd.index("--node-id") + 1] == "j-worker-1-4"
+    assert cmd[cmd.index("--max-restarts") + 1] == "1"
+    assert "args" not in c
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert {"name": "phalanx-token", "mountPath": builders.TOKEN_DIR, "readOnly": True} in c["volumeMounts"]
+    assert "affinity" not in pod["spec"]
+
+
+def test_worker_pod_keeps_off_excluded_machines() -> None:
+    j = job()
+    j["spec"]["template"]["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]
+            }
+        }
+    }
+    pod = builders.worker_pod(
+        j, parse_spec(j["spec"]), slot=0, incarnation=1, settings=SETTINGS, excluded_machines=["m2", "m1"]
+    )
+    (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchExpressions"] == [
+        {"key": "gpu", "operator": "Exists"},
+        {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["m1", "m2"]},
+    ]
+    assert "affinity" not in job()["spec"]["template"]["spec"], "the template itself must not change"
+
+
+@pytest.mark.parametrize(
+    ("container", "entry"),
+    [
+        ({"command": ["python", "a.py", "x"]}, ["a.py", "x"]),
+        ({"command": ["/usr/bin/python3.11"], "args": ["-m", "pkg.train"]}, ["-m", "pkg.train"]),
+        ({"command": ["./train.sh"], "args": ["1"]}, ["--no-python", "./train.sh", "1"]),
+    ],
+)
+def test_training_entry(container: dict[str, Any], entry: list[str]) -> None:
+    assert builders.training_entry(container) == entry
+
+
+def test_training_entry_needs_a_command() -> None:
+    with pytest.raises(ConfigError, match="needs a command"):
+        builders.training_entry({"image": "x"})
+
+
+def test_worker_names_round_trip() -> None:
+    assert names.parse_worker(names.worker("my-job", slot=12, incarnation=3)) == (12, 3)
+    assert names.parse_worker("my-job-master") is None

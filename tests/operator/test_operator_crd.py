@@ -1,0 +1,90 @@
+"""The CRD is generated from one source (phalanx.operator.crd) and documents the settings it maps onto."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from phalanx.api import settings as s
+from phalanx.operator.crd import SETTINGS_FIELDS, build_crd, format_duration, render_crd_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _schema() -> dict[str, Any]:
+    return build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _prop(path: tuple[str, ...]) -> dict[str, Any]:
+    node = _schema()["properties"]["spec"]
+    for key in path:
+        node = node["properties"][key]
+    return node
+
+
+def test_committed_crd_matches_the_source() -> None:
+    assert (ROOT / "crds" / "elasticjobs.phalanx.dev.yaml").read_text() == render_crd_yaml()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen-crd"), "--check"], capture_output=True, check=False
+    )
+    assert result.returncode == 0, result.stderr.decode()
+
+
+def test_rendered_yaml_round_trips() -> None:
+    assert yaml.safe_load(render_crd_yaml()) == build_crd()
+
+
+def test_names_scope_and_subresources() -> None:
+    crd = build_crd()
+    assert crd["metadata"]["name"] == "elasticjobs.phalanx.dev"
+    names = crd["spec"]["names"]
+    assert (names["kind"], names["plural"], names["shortNames"]) == ("ElasticJob", "elasticjobs", ["ej"])
+    version = crd["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1"
+    assert version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Phase", "Nodes", "World", "Step", "Age"]
+
+
+def test_settings_fields_take_doc_and_default_from_settings() -> None:
+    for path, (cls, name) in SETTINGS_FIELDS.items():
+        field = next(f for f in dataclasses.fields(cls) if f.name == name)
+        prop = _prop(path)
+        assert prop["description"].startswith(field.metadata["doc"]), path
+        expected = format_duration(field.default) if name.endswith("_s") else field.default
+        assert prop["default"] == expected, path
+
+
+def test_heartbeat_default_is_consistent_with_settings() -> None:
+    default = _prop(("heartbeat",))["default"]
+    hb = s.HeartbeatSettings()
+    assert default == {"interval": format_duration(hb.interval_s), "timeout": format_duration(hb.timeout_s)}
+
+
+def test_structural_schema_outside_the_template() -> None:
+    """Every node has a type (or int-or-string), and unknown fields are kept only under the template."""
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        if node.get("x-kubernetes-preserve-unknown-fields"):
+            assert path.startswith("spec.template"), path
+        if "x-kubernetes-int-or-string" not in node:
+            assert "type" in node, path
+        for key, child in (node.get("properties") or {}).items():
+            walk(child, f"{path}.{key}".lstrip("."))
+        if "items" in node:
+            walk(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            walk(node["additionalProperties"], f"{path}{{}}")
+
+    walk(_schema(), "")
+
+
+def test_format_duration() -> None:
+    assert [format_duration(x) for x in (0.5, 1.0, 10.0, 60.0, 600.0, 3600.0, 90.0)] == [
+        "500ms", "1s", "10s", "1m", "10m", "1h", "90s",
+    ]  # fmt: skip

@@ -1,0 +1,263 @@
+"""Reconciliation decisions, tested as a pure function against a small fake cluster that behaves
+(created Pods appear, deleted Pods vanish, status patches merge)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.api.settings import OperatorSettings
+from phalanx.operator.reconcile import (
+    Action,
+    CordonNode,
+    Create,
+    DeletePod,
+    Event,
+    Observed,
+    PatchStatus,
+    PodView,
+    reconcile,
+)
+
+SETTINGS = OperatorSettings()
+
+
+def job_obj(**spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "nodes": {"min": 2, "max": 2},
+        "template": {"spec": {"containers": [{"name": "t", "image": "i", "command": ["python", "t.py"]}]}},
+    }
+    base.update(spec)
+    return {
+        "metadata": {"name": "j", "namespace": "ns", "uid": "u", "generation": 1},
+        "spec": base,
+        "status": {},
+    }
+
+
+@dataclass
+class FakeCluster:
+    job: dict[str, Any]
+    pods: dict[str, PodView] = field(default_factory=dict)
+    objects: set[tuple[str, str]] = field(default_factory=set)
+    events: list[Event] = field(default_factory=list)
+    cordoned: list[str] = field(default_factory=list)
+    now: float = 1000.0
+
+    def step(self) -> list[Action]:
+        observed = Observed(
+            job=copy.deepcopy(self.job), pods=list(self.pods.values()), existing=frozenset(self.objects)
+        )
+        actions = reconcile(observed, now=self.now, settings=SETTINGS, new_token="tok")
+        for a in actions:
+            if isinstance(a, Create):
+                kind, name = a.obj["kind"], a.obj["metadata"]["name"]
+                if kind == "Pod":
+                    assert name not in self.pods, f"duplicate Pod {name}"
+                    role = a.obj["metadata"]["labels"]["phalanx.dev/role"]
+                    nodes = a.obj["metadata"].get("annotations", {}).get("phalanx.dev/nodes", "")
+                    self.pods[name] = PodView(name=name, role=role, phase="Pending", nodes=nodes)
+                else:
+                    self.objects.add((kind, name))
+            elif isinstance(a, DeletePod):
+                self.pods.pop(a.name, None)
+            elif isinstance(a, PatchStatus):
+                self.job["status"].update(a.status)
+            elif isinstance(a, Event):
+                self.events.append(a)
+            elif isinstance(a, CordonNode):
+                self.cordoned.append(a.node)
+        self.now += 1
+        return actions
+
+    def run_all(self, *, node: str = "m1") -> None:
+        for name, pod in list(self.pods.items()):
+            if pod.phase == "Pending":
+                self.pods[name] = PodView(
+                    name=name, role=pod.role, phase="Running", node_name=node, nodes=pod.nodes
+                )
+
+    def master_says(self, **status: Any) -> None:
+        self.job["status"]["master"] = {"phase": "Running", **status}
+
+    def reasons(self) -> list[str]:
+        return [e.reason for e in self.events]
+
+
+def started() -> FakeCluster:
+    c = FakeCluster(job_obj())
+    c.step()
+    c.run_all()
+    c.master_says()
+    c.step()
+    return c
+
+
+def test_new_job_gets_everything_once() -> None:
+    c = FakeCluster(job_obj())
+    actions = c.step()
+    kinds = [a.obj["kind"] for a in actions if isinstance(a, Create)]
+    assert kinds == [
+        "Secret",
+        "ConfigMap",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "Pod",
+        "Pod",
+        "Pod",
+    ]
+    assert set(c.pods) == {"j-master", "j-worker-0-0", "j-worker-1-0"}
+    assert c.job["status"]["phase"] == "Created"
+    assert {"Created", "MasterCreated", "WorkerCreated"} <= set(c.reasons())
+    again = c.step()
+    assert not [a for a in again if isinstance(a, Create)], "a second pass creates nothing"
+
+
+def test_job_runs_when_master_and_min_nodes_are_up() -> None:
+    c = started()
+    assert c.job["status"]["phase"] == "Running"
+    assert c.job["status"]["nodes"] == 2
+    conds = {x["type"]: x["status"] for x in c.job["status"]["conditions"]}
+    assert conds["MasterReady"] == "True"
+    assert conds["Running"] == "True"
+    assert conds["Restarting"] == "False"
+    assert "Running" in c.reasons()
+
+
+def test_failed_worker_is_replaced_with_next_incarnation() -> None:
+    c = started()
+    c.pods["j-worker-1-0"] = PodView(
+        name="j-worker-1-0", role="worker", phase="Failed", exit_code=137, reason="Error"
+    )
+    c.step()
+    assert "j-worker-1-1" in c.pods
+    assert c.job["status"]["replacements"] == 1
+    assert c.job["status"]["phase"] == "Restarting"
+    assert c.job["status"]["workerIncarnations"] == [0, 1]
+    assert any("exit code 137" in e.message for e in c.events if e.reason == "WorkerReplaced")
+    assert "j-worker-1-0" not in c.pods, "the failed Pod is garbage once its replacement exists"
+    c.run_all()
+    c.step()
+    assert c.job["status"]["phase"] == "Running"
+
+
+def test_vanished_worker_is_replaced_without_reusing_its_name() -> None:
+    c = started()
+    del c.pods["j-worker-0-0"]
+    c.step()
+    assert "j-worker-0-1" in c.pods
+    assert c.job["status"]["replacements"] == 1
+
+
+def test_replacement_budget_exhausted_fails_the_job() -> None:
+    c = FakeCluster(job_obj(restart={"maxEvictions": 1}))
+    c.step()
+    c.run_all()
+    c.master_says()
+    c.step()
+    for _ in range(2):
+        name = next(n for n, p in c.pods.items() if p.role == "worker" and p.phase == "Running")
+        c.pods[name] = PodView(name=name, role="worker", phase="Failed", exit_code=1)
+        c.step()
+        c.run_all()
+    assert c.job["status"]["phase"] == "Failed"
+    failed = next(x for x in c.job["status"]["conditions"] if x["type"] == "Failed")
+    assert failed["reason"] == "ReplacementBudgetExhausted"
+    assert "restart.maxEvictions=1" in failed["message"]
+
+
+def test_eviction_replaces_off_the_machine_and_cordons() -> None:
+    c = FakeCluster(job_obj(cordonBadNodes=True))
+    c.step()
+    c.run_all(node="bad")
+    c.master_says()
+    c.step()
+    c.job["status"]["evictions"] = [{"nodeId": "j-worker-0-0", "machine": "bad", "reason": "no heartbeat"}]
+    actions = c.step()
+    creates = [a.obj for a in actions if isinstance(a, Create)]
+    assert [o["metadata"]["name"] for o in creates] == ["j-worker-0-1"]
+    terms = creates[0]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"][0]["matchExpressions"][-1]["values"] == ["bad"]
+    order = [type(a).__name__ for a in actions if isinstance(a, Create | DeletePod)]
+    assert order == ["Create", "DeletePod"], "the replacement exists before the evicted Pod goes"
+    assert c.cordoned == ["bad"]
+    assert c.job["status"]["excludedMachines"] == ["bad"]
+    assert {"Evicted", "NodeCordoned", "WorkerReplaced"} <= set(c.reasons())
+    c.run_all(node="good")
+    c.step()
+    assert c.cordoned == ["bad"], "a machine is cordoned once"
+    assert [a for a in c.step() if isinstance(a, Create)] == []
+
+
+def test_scaling_down_deletes_the_highest_slots() -> None:
+    c = FakeCluster(job_obj(nodes={"min": 1, "max": 3}))
+    c.step()
+    c.run_all()
+    c.job["spec"]["nodes"] = {"min": 1, "max": 1}
+    c.step()
+    assert sorted(p for p in c.pods if "worker" in p) == ["j-worker-0-0"]
+    assert "ScaledDown" in c.reasons()
+    assert "MasterReconfigured" in c.reasons()
+    assert "j-master" not in c.pods, "the master restarts with the new range"
+    c.step()
+    assert c.pods["j-master"].nodes == "1:1"
+    c.run_all()
+    c.job["spec"]["nodes"] = {"min": 1, "max": 2}
+    c.step()
+    assert "j-worker-1-1" in c.pods, "a slot that existed before gets a new incarnation"
+
+
+def test_master_success_ends_the_job_and_cleans_up_running_pods() -> None:
+    c = started()
+    c.pods["j-worker-0-0"] = PodView(name="j-worker-0-0", role="worker", phase="Succeeded", exit_code=0)
+    c.master_says(phase="Succeeded")
+    c.step()
+    assert c.job["status"]["phase"] == "Succeeded"
+    assert set(c.pods) == {"j-worker-0-0"}, "cleanPodPolicy Running deletes what still runs"
+    assert [a for a in c.step() if isinstance(a, Create)] == []
+
+
+def test_master_failure_carries_the_root_cause() -> None:
+    c = started()
+    c.master_says(phase="Failed", reason="rank 3 raised ValueError: bad batch")
+    c.step()
+    failed = next(x for x in c.job["status"]["conditions"] if x["type"] == "Failed")
+    assert failed["status"] == "True"
+    assert failed["message"] == "rank 3 raised ValueError: bad batch"
+    assert c.job["status"]["phase"] == "Failed"
+
+
+def test_lost_master_is_recreated() -> None:
+    c = started()
+    c.pods["j-master"] = PodView(name="j-master", role="master", phase="Failed", exit_code=137)
+    c.step()
+    assert "j-master" not in c.pods
+    assert "MasterLost" in c.reasons()
+    c.step()
+    assert "j-master" in c.pods
+    assert "MasterRecreated" in c.reasons()
+
+
+def test_terminating_pods_are_waited_for() -> None:
+    c = started()
+    c.pods["j-master"] = PodView(name="j-master", role="master", phase="Running", terminating=True)
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, Create | DeletePod)]
+
+
+def test_invalid_spec_fails_with_the_settings_message() -> None:
+    c = FakeCluster(job_obj(heartbeat={"interval": "5s", "timeout": "3s"}))
+    c.step()
+    failed = next(x for x in c.job["status"]["conditions"] if x["type"] == "Failed")
+    assert failed["reason"] == "InvalidSpec"
+    assert "timeout_s" in failed["message"]
+    assert not c.pods
+
+
+def test_no_status_patch_when_nothing_changed() -> None:
+    c = started()
+    c.step()
+    assert not [a for a in c.step() if isinstance(a, PatchStatus)]
