@@ -1,0 +1,159 @@
+"""Recovery after a worker SIGKILL: torchrun vs phalanx-run, same script, same fault, same measurement.
+
+Both launchers run ``examples/ddp_mlp.py`` (1 node x 2 processes, gloo, a small MLP, ``torch.save``
+checkpoint every step) with ``--max-restarts 3 --standalone``. When rank 0 has logged step ``--kill-step``,
+rank 1 is killed with SIGKILL. Recovery time is from the kill to the first step completed afterwards
+(the script appends one JSON line per completed step with ``time.time()``); steps lost are the completed
+steps that had to be redone. Medians over ``--runs`` runs each, printed as JSON.
+
+    .venv/bin/python benchmarks/recovery.py --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "ddp_mlp.py"
+
+
+def launcher(name: str) -> list[str]:
+    common = ["--max-restarts", "3", "--nproc-per-node", "2", "--standalone"]
+    if name == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *common]
+    return [sys.executable, "-m", "phalanx.cli.run", *common]
+
+
+def read_steps(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip().endswith("}")]
+
+
+def one_run(name: str, *, steps: int, kill_step: int, step_time: float, timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        d = Path(tmp)
+        log, pids = d / "steps.jsonl", d / "pids"
+        pids.mkdir()
+        args = ["--steps", str(steps), "--ckpt", str(d / "ckpt.pt"), "--step-log", str(log)]
+        args += ["--step-time", str(step_time), "--pid-dir", str(pids)]
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        out = (d / "launcher.log").open("w")
+        proc = subprocess.Popen(
+            [*launcher(name), str(SCRIPT), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        t_kill = None
+        deadline = time.monotonic() + timeout
+        result: dict[str, Any] = {"launcher": name, "ok": False}
+        try:
+            while time.monotonic() < deadline and proc.poll() is None:
+                lines = read_steps(log)
+                if t_kill is None and lines and lines[-1]["step"] >= kill_step:
+                    killed_after = lines[-1]["step"]
+                    victim = int((pids / "rank1.pid").read_text())
+                    t_kill = time.time()
+                    os.kill(victim, signal.SIGKILL)
+                    result["killed_after_step"] = killed_after
+                time.sleep(0.005)
+            code = proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait()
+        lines = read_steps(log)
+        after = [entry for entry in lines if t_kill is not None and entry["time"] > t_kill]
+        result["exit_code"] = code
+        if t_kill is not None and after:
+            first = after[0]
+            result["recovery_s"] = first["time"] - t_kill
+            result["resumed_at_step"] = first["step"]
+            result["steps_lost"] = max(0, result["killed_after_step"] - first["step"] + 1)
+        result["final_step"] = lines[-1]["step"] if lines else -1
+        result["ok"] = code == 0 and "recovery_s" in result and result["final_step"] == steps - 1
+        if not result["ok"]:
+            result["log_tail"] = (d / "launcher.log").read_text()[-2000:]
+        return result
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in runs if r["ok"]]
+    return {
+        "attempted": len(runs),
+        "succeeded": len(ok),
+        "median_recovery_s": statistics.median(r["recovery_s"] for r in ok) if ok else None,
+        "median_steps_lost": statistics.median(r["steps_lost"] for r in ok) if ok else None,
+        "recovery_s": [round(r["recovery_s"], 3) for r in ok],
+        "steps_lost": [r["steps_lost"] for r in ok],
+        "failed_runs": [r for r in runs if not r["ok"]],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--kill-step", type=int, default=120, help="kill after rank 0 logged this step")
+    p.add_argument("--step-time", type=float, default=0.05)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--launchers", default="torchrun,phalanx")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    report: dict[str, Any] = {
+        "setup": {
+            "nodes": 1,
+            "nproc_per_node": 2,
+            "backend": "gloo",
+            "steps": args.steps,
+            "kill_step": args.kill_step,
+            "step_time_s": args.step_time,
+            "runs": args.runs,
+            "cpus": os.cpu_count(),
+        }
+    }
+    names = args.launchers.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for i in range(args.runs):
+        for name in names:  # interleaved, so drifting machine load hits both alike
+            r = one_run(
+                name,
+                steps=args.steps,
+                kill_step=args.kill_step,
+                step_time=args.step_time,
+                timeout=args.timeout,
+            )
+            runs[name].append(r)
+            print(
+                f"run {i} {name}: recovery {r.get('recovery_s', float('nan')):.3f}s "
+                f"lost {r.get('steps_lost')} ok {r['ok']}",
+                file=sys.stderr,
+                flush=True,
+            )
+    for name in names:
+        report[name] = summarise(runs[name])
+    t, ph = report.get("torchrun", {}), report.get("phalanx", {})
+    if t.get("median_recovery_s") and ph.get("median_recovery_s"):
+        report["ratio_phalanx_to_torchrun"] = round(ph["median_recovery_s"] / t["median_recovery_s"], 3)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""A plain torchrun-style DDP training script (gloo, small MLP) that phalanx can keep alive.
+
+Runs unchanged under ``torchrun`` and ``phalanx-run``. It checkpoints every step with ``torch.save`` (to a
+temporary file, then an atomic rename) so a restart loses at most the step in flight, reports each step
+to the agent with ``phalanx.report_step`` (a no-op under torchrun), and, with ``--step-log``, appends one
+JSON line per completed step on rank 0: ``{"step", "time", "world_size", "restart"}``.
+
+    torchrun --nproc-per-node 2 --standalone examples/ddp_mlp.py --steps 50 --ckpt /tmp/ckpt.pt
+    phalanx-run --nproc-per-node 2 --standalone examples/ddp_mlp.py --steps 50 --ckpt /tmp/ckpt.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+
+try:
+    from phalanx import report_step
+except ImportError:  # the script stays runnable where phalanx is not installed
+
+    def report_step(step: int) -> None:
+        del step
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--ckpt", default="", help="checkpoint file (saved every step by rank 0)")
+    p.add_argument("--step-log", default="", help="append a JSON line per completed step (rank 0)")
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (simulated compute)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--fail-at", type=int, default=-1, help="raise a ValueError at this step on every rank")
+    p.add_argument("--pid-dir", default="", help="write rank<N>.pid here at start (for fault injection)")
+    return p.parse_args()
+
+
+def save(path: Path, state: dict[str, object]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+@record
+def main() -> None:
+    args = parse()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.pid_dir:
+        Path(args.pid_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = 0
+    ckpt = Path(args.ckpt) if args.ckpt else None
+    if ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = int(state["step"]) + 1
+    ddp = DistributedDataParallel(model)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if rank == 0:
+        print(f"world size {world}, starting at step {start} (restart {restart})", flush=True)
+    for step in range(start, args.steps):
+        if step == args.fail_at:
+            raise ValueError(f"bad batch at step {step}: loss is NaN")
+        x = torch.randn(64, 32, generator=gen)
+        y = x.sum(dim=1, keepdim=True)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if args.step_time:
+            time.sleep(args.step_time)
+        if rank == 0 and ckpt is not None:
+            save(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step})
+        # Every rank waits for the checkpoint of this step before counting it as done.
+        dist.barrier()
+        report_step(step)
+        if rank == 0:
+            if args.step_log:
+                with open(args.step_log, "a") as f:
+                    f.write(
+                        json.dumps(
+                            {"step": step, "time": time.time(), "world_size": world, "restart": restart}
+                        )
+                    )
+                    f.write("\n")
+            if step % 10 == 0:
+                print(f"step {step} loss {loss.item():.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

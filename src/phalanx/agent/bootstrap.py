@@ -1,0 +1,89 @@
+"""Worker bootstrap: ``python -m phalanx.agent.bootstrap [--preimport M,..] --script|--module|--exec TARGET``.
+
+Runs inside the worker process (so it may import torch). It pre-imports the heavy modules, then waits on
+stdin for one JSON line ``{"env": {...}, "stack_file": "..."}`` carrying the worker's round; it then
+installs a faulthandler on SIGUSR1 that dumps all threads' stacks to the stack file, and runs the target
+exactly as ``python script.py args`` (or ``python -m module args``) would. This lets the agent keep warm
+spares that have already paid for ``import torch`` when a round completes. End of input without a line
+means the spare is not needed: exit 0 quietly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import importlib
+import json
+import os
+import runpy
+import signal
+import sys
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+READY_ENV_VAR = "PHALANX_BOOTSTRAP_READY_FILE"
+
+
+def _die_with_parent() -> None:
+    """A worker must not outlive its agent (a killed node takes its workers with it)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def _preimport(names: str) -> None:
+    for name in filter(None, names.split(",")):
+        # A missing optional module only costs the speed-up.
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
+def _receive() -> dict[str, Any] | None:
+    line = sys.stdin.buffer.readline()
+    if not line.strip():
+        return None
+    data = json.loads(line)
+    if not isinstance(data, dict):
+        raise SystemExit("phalanx bootstrap: malformed hand-over")
+    return data
+
+
+def main(argv: list[str]) -> None:
+    preimport = ""
+    if argv[:1] == ["--preimport"]:
+        preimport, argv = argv[1], argv[2:]
+    mode, target, args = argv[0], argv[1], argv[2:]
+    _die_with_parent()
+    _preimport(preimport)
+    ready = os.environ.pop(READY_ENV_VAR, "")
+    if ready:  # tells the agent this spare paid for its imports and can start at once
+        with open(ready, "w") as f:
+            f.write(str(os.getpid()))
+    handover = _receive()
+    if handover is None:
+        os._exit(0)
+    os.environ.update({str(k): str(v) for k, v in handover["env"].items()})
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # the hand-over pipe is done; the script reads stdin like under torchrun (nothing)
+    os.close(devnull)
+    stack_file = open(handover["stack_file"], "a")  # noqa: SIM115 - must stay open for the process' life
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    if mode == "--exec":
+        os.execvp(target, [target, *args])  # noqa: S606 - the user asked for --no-python
+    if mode == "--module":
+        sys.argv = [target, *args]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return
+    sys.argv = [target, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(target))
+    runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,95 @@
+"""The agent's side of the gRPC contract: a thin client with the job token, timeouts and error mapping."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from phalanx.api.errors import AuthenticationError, TransportError
+from phalanx.api.v1 import master_pb2 as pb
+from phalanx.api.v1 import master_pb2_grpc as pb_grpc
+
+R = TypeVar("R")
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+# The master answers this when it does not know the node at all (e.g. it lost its state): register again.
+# FAILED_PRECONDITION (evicted, replaced) is final and surfaces as a TransportError.
+_UNKNOWN_NODE = {grpc.StatusCode.NOT_FOUND}
+
+
+class MasterUnavailableError(TransportError):
+    """The master did not answer (restarting, network); the call may be retried."""
+
+
+class UnknownNodeError(TransportError):
+    """The master does not know this incarnation; the agent must register again."""
+
+
+def backoff_s(
+    attempt: int, *, base: float = 0.2, cap: float = 5.0, rng: random.Random | None = None
+) -> float:
+    """Exponential backoff with full jitter between half and the whole step (never synchronised herds)."""
+    step = min(cap, base * (2 ** min(attempt, 16)))
+    return float(step * (0.5 + 0.5 * (rng or random).random()))
+
+
+class MasterClient:
+    """Calls the master with the job's bearer token. Thread-safe (one channel, shared)."""
+
+    def __init__(self, *, address: str, token: str) -> None:
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+        )
+        self._stub = pb_grpc.MasterStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: Callable[..., Any], request: Any, timeout: float) -> Any:
+        try:
+            return method(request, metadata=self._metadata, timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            detail = exc.details() if hasattr(exc, "details") else str(exc)
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                raise AuthenticationError(f"the master refused the job token: {detail}") from exc
+            if code in _RETRYABLE:
+                raise MasterUnavailableError(f"master unavailable ({code}): {detail}") from exc
+            if code in _UNKNOWN_NODE:
+                raise UnknownNodeError(f"master does not know this node ({code}): {detail}") from exc
+            raise TransportError(f"master call failed ({code}): {detail}") from exc
+
+    def register(self, req: pb.RegisterNodeRequest, timeout: float = 5.0) -> pb.RegisterNodeResponse:
+        return self._call(self._stub.RegisterNode, req, timeout)  # type: ignore[no-any-return]
+
+    def heartbeat(self, req: pb.HeartbeatRequest, timeout: float = 2.0) -> pb.HeartbeatResponse:
+        return self._call(self._stub.Heartbeat, req, timeout)  # type: ignore[no-any-return]
+
+    def join(self, req: pb.JoinRendezvousRequest, timeout: float = 5.0) -> pb.JoinRendezvousResponse:
+        return self._call(self._stub.JoinRendezvous, req, timeout)  # type: ignore[no-any-return]
+
+    def get_rendezvous(self, req: pb.GetRendezvousRequest, timeout: float) -> pb.GetRendezvousResponse:
+        return self._call(self._stub.GetRendezvous, req, timeout)  # type: ignore[no-any-return]
+
+    def report_failure(self, req: pb.ReportFailureRequest, timeout: float = 5.0) -> pb.ReportFailureResponse:
+        return self._call(self._stub.ReportFailure, req, timeout)  # type: ignore[no-any-return]
+
+    def report_completion(
+        self, req: pb.ReportCompletionRequest, timeout: float = 5.0
+    ) -> pb.ReportCompletionResponse:
+        return self._call(self._stub.ReportCompletion, req, timeout)  # type: ignore[no-any-return]
+
+    def report_logs(self, req: pb.ReportLogsRequest, timeout: float = 2.0) -> pb.ReportLogsResponse:
+        return self._call(self._stub.ReportLogs, req, timeout)  # type: ignore[no-any-return]
+
+    def report_stacks(self, req: pb.ReportStacksRequest, timeout: float = 5.0) -> pb.ReportStacksResponse:
+        return self._call(self._stub.ReportStacks, req, timeout)  # type: ignore[no-any-return]

@@ -1,0 +1,86 @@
+"""The environment of a worker process: what torchrun sets, plus phalanx's own channels. Pure functions.
+
+The environment comes in two parts because workers may be started before their round is known (warm
+spares): :func:`static_env` is fixed for a local rank for the life of the agent and is given when the
+process starts; :func:`round_env` carries the round (ranks, store address, restart count) and is handed
+over when the round completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from phalanx.api import beacon
+from phalanx.api import round as round_file
+from phalanx.api.round import RoundInfo
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerPaths:
+    """Per-worker files of one round."""
+
+    beacon: Path
+    error_file: Path
+    stack_file: Path
+    regroup_file: Path
+    stdout_log: Path
+    stderr_log: Path
+
+
+def static_env(
+    base: Mapping[str, str], *, local_rank: int, local_world_size: int, job_id: str, node_id: str
+) -> dict[str, str]:
+    """The part of a worker's environment that does not depend on the round."""
+    env = dict(base)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: N processes must not each take all cores
+    env.update(
+        {
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_world_size),
+            "TORCHELASTIC_RUN_ID": job_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "PHALANX_NODE_ID": node_id,
+            "PHALANX_JOB_ID": job_id,
+            "PYTHONUNBUFFERED": base.get("PYTHONUNBUFFERED", "1"),
+        }
+    )
+    # A token is the agent's business, not the workers'.
+    env.pop("PHALANX_TOKEN_FILE", None)
+    return env
+
+
+def round_env(
+    info: RoundInfo,
+    *,
+    local_rank: int,
+    role: str,
+    max_restarts: int,
+    paths: WorkerPaths,
+    round_path: Path,
+) -> dict[str, str]:
+    """The part of a worker's environment that a completed round determines."""
+    rank = info.rank(local_rank)
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(info.world_size),
+        "GROUP_RANK": str(info.group_rank),
+        "GROUP_WORLD_SIZE": str(len(info.members) or 1),
+        "ROLE_NAME": role,
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(info.world_size),
+        "MASTER_ADDR": info.store_host,
+        "MASTER_PORT": str(info.store_port),
+        "TORCHELASTIC_RESTART_COUNT": str(info.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_ERROR_FILE": str(paths.error_file),
+        beacon.ENV_VAR: str(paths.beacon),
+        round_file.ENV_VAR: str(round_path),
+        round_file.REGROUP_ENV_VAR: str(paths.regroup_file),
+    }
+
+
+def beacon_path(*, shm_dir: Path, job_id: str, node_id: str, local_rank: int) -> Path:
+    """Where a worker's beacon lives; the name is stable so ``phalanx local`` can find it."""
+    return shm_dir / f"phalanx-{job_id}-{node_id}-{local_rank}.beacon"

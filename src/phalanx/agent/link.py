@@ -1,0 +1,177 @@
+"""The agent's background link to the master: heartbeats (with per-rank progress) and log shipping.
+
+It runs on its own thread so that a slow stop of workers or a long rendezvous poll never delays a
+heartbeat, and a master that is away (restarting) only makes it back off: the workers keep running.
+Actions from heartbeat responses are queued for the supervisor's loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+
+from phalanx.agent.client import MasterClient, MasterUnavailableError, UnknownNodeError, backoff_s
+from phalanx.api.errors import PhalanxError
+from phalanx.api.settings import LogSettings
+from phalanx.api.v1 import master_pb2 as pb
+
+log = logging.getLogger("phalanx.agent")
+
+
+class LogShipper:
+    """Bounded, rate-limited queue of worker lines for ReportLogs. Lines over the rate are dropped and
+    counted, so a worker printing in a tight loop cannot flood the master."""
+
+    def __init__(self, settings: LogSettings, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._settings = settings
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._lines: collections.deque[pb.LogLine] = collections.deque()
+        self._dropped = 0
+        self._tokens = float(settings.max_lines_per_s)
+        self._last = clock()
+
+    def offer(self, *, rank: int, local_rank: int, stream: int, text: str) -> None:
+        with self._lock:
+            now = self._clock()
+            rate = float(self._settings.max_lines_per_s)
+            self._tokens = min(rate, self._tokens + (now - self._last) * rate)
+            self._last = now
+            if self._tokens < 1.0 or len(self._lines) >= 10 * self._settings.max_lines_per_s:
+                self._dropped += 1
+                return
+            self._tokens -= 1.0
+            data = text.encode()[: self._settings.max_line_bytes].decode(errors="ignore")
+            self._lines.append(
+                pb.LogLine(
+                    rank=rank,
+                    local_rank=local_rank,
+                    stream=stream,  # type: ignore[arg-type]
+                    text=data,
+                    unix_ns=time.time_ns(),
+                )
+            )
+
+    def take(self, limit: int = 1000) -> tuple[list[pb.LogLine], int]:
+        with self._lock:
+            batch = [self._lines.popleft() for _ in range(min(limit, len(self._lines)))]
+            dropped, self._dropped = self._dropped, 0
+            return batch, dropped
+
+    def put_back(self, batch: list[pb.LogLine], dropped: int) -> None:
+        with self._lock:
+            self._lines.extendleft(reversed(batch))
+            self._dropped += dropped
+
+
+class Link(threading.Thread):
+    """Heartbeats every ``interval_s`` with the snapshot the supervisor last published."""
+
+    def __init__(
+        self,
+        *,
+        client: MasterClient,
+        node_id: str,
+        incarnation: str,
+        interval_s: float,
+        shipper: LogShipper,
+        reregister: Callable[[], None],
+    ) -> None:
+        super().__init__(daemon=True, name="phalanx-link")
+        self._client = client
+        self._node_id = node_id
+        self._incarnation = incarnation
+        self.interval_s = interval_s
+        self._shipper = shipper
+        self._reregister = reregister
+        self._lock = threading.Lock()
+        self._state: int = pb.NODE_STATE_IDLE
+        self._round = 0
+        self._ranks: list[pb.RankProgress] = []
+        self._restart_count = 0
+        self._stop = threading.Event()
+        self.actions: queue.Queue[pb.Action] = queue.Queue()
+        self.master_round = 0
+        self.last_ok = time.monotonic()
+        self._rng = random.Random()
+
+    def publish(
+        self,
+        *,
+        state: int,
+        round: int,
+        ranks: list[pb.RankProgress] | None = None,
+        restart_count: int | None = None,
+    ) -> None:
+        with self._lock:
+            self._state, self._round = state, round
+            if ranks is not None:
+                self._ranks = ranks
+            if restart_count is not None:
+                self._restart_count = restart_count
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def beat_now(self) -> None:
+        self._beat()
+
+    def _beat(self) -> None:
+        with self._lock:
+            req = pb.HeartbeatRequest(
+                node_id=self._node_id,
+                incarnation=self._incarnation,
+                state=self._state,  # type: ignore[arg-type]
+                round=self._round,
+                ranks=list(self._ranks),
+                restart_count=self._restart_count,
+                sent_unix_ns=time.time_ns(),
+            )
+        resp = self._client.heartbeat(req)
+        self.last_ok = time.monotonic()
+        self.master_round = resp.round
+        for action in resp.actions:
+            if action.kind not in (pb.ACTION_KIND_NONE, pb.ACTION_KIND_UNSPECIFIED):
+                self.actions.put(action)
+
+    def _ship(self) -> None:
+        batch, dropped = self._shipper.take()
+        if not batch and not dropped:
+            return
+        try:
+            self._client.report_logs(
+                pb.ReportLogsRequest(
+                    node_id=self._node_id, incarnation=self._incarnation, lines=batch, dropped=dropped
+                )
+            )
+        except MasterUnavailableError:
+            self._shipper.put_back(batch, dropped)
+            raise
+
+    def run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                self._beat()
+                self._ship()
+                failures = 0
+                wait = self.interval_s
+            except UnknownNodeError:
+                log.warning("master does not know this incarnation; registering again")
+                try:
+                    self._reregister()
+                except PhalanxError as exc:
+                    log.warning("registering again failed: %s", exc)
+                failures += 1
+                wait = backoff_s(failures, rng=self._rng)
+            except PhalanxError as exc:
+                failures += 1
+                wait = min(self.interval_s, backoff_s(failures, rng=self._rng))
+                if failures in (1, 5) or failures % 20 == 0:
+                    log.warning("heartbeat failed (%d in a row): %s", failures, exc)
+            self._stop.wait(wait)

@@ -1,0 +1,652 @@
+"""The node agent's main loop: register, rendezvous, start workers, watch them, and carry out the master's
+decisions. Decisions come from :mod:`phalanx.agent.decisions` and :mod:`phalanx.diagnostics.hang`; this
+module is the executor that does the I/O."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from phalanx import __version__
+from phalanx.agent import decisions, errorfile, workers
+from phalanx.agent import env as worker_env
+from phalanx.agent.client import MasterClient, MasterUnavailableError, UnknownNodeError, backoff_s
+from phalanx.agent.config import AgentConfig
+from phalanx.agent.link import Link, LogShipper
+from phalanx.api import beacon
+from phalanx.api import round as round_file
+from phalanx.api.errors import RendezvousClosedError, TransportError
+from phalanx.api.round import RoundInfo
+from phalanx.api.v1 import master_pb2 as pb
+from phalanx.diagnostics import hang
+from phalanx.diagnostics.classify import FailureClass, classify
+
+T = TypeVar("T")
+
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+MASTER_AWAY_LIMIT_S = 600.0  # how long blocking calls keep retrying a master that does not answer
+USER_ERROR_SETTLE_S = 1.0  # how long other local workers get to fail too after a user error
+SPARE_WARMUP_LIMIT_S = 300.0  # a node joins after this long even if its spares are still importing
+
+
+@dataclass
+class Event:
+    """What ended a stretch of monitoring."""
+
+    kind: str  # failed | hang | succeeded | rejoin | exit | stacks
+    local_ranks: list[int] = field(default_factory=list)
+    action: pb.Action | None = None
+    reason: str = ""
+
+
+class AgentExit(Exception):
+    """Ends the agent with an exit code."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class Supervisor:
+    """Runs one node's workers for the life of the job."""
+
+    def __init__(
+        self, config: AgentConfig, *, client: MasterClient, base_env: Mapping[str, str], log_dir: Path
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.base_env = dict(base_env)
+        self.log_dir = log_dir
+        self.incarnation = uuid.uuid4().hex
+        self.spec = workers.LaunchSpec(
+            script=config.script,
+            script_args=config.script_args,
+            module=config.module,
+            no_python=config.no_python,
+            preimport="torch" if config.warm_spares else "",
+        )
+        self.shipper = LogShipper(config.logs)
+        self.link: Link | None = None
+        self.workers: dict[int, workers.Worker] = {}
+        self.spares: dict[int, workers.Worker] = {}
+        self.histories: dict[int, hang.RankHistory] = {}
+        self.round: RoundInfo | None = None
+        self.last_round = 0
+        self.restarts = 0  # failure restarts, counted against --max-restarts
+        self.total_restarts = 0
+        self.round_path = log_dir / "round.json"
+        self._echo_lock = threading.Lock()
+        self._spawned = 0
+
+    # -------------------------------------------------------------------------------------------------
+    # plumbing
+
+    def say(self, message: str) -> None:
+        r = self.round.round if self.round else 0
+        print(
+            f"[phalanx-run {self.config.job_id}/{self.config.node_id} r{r}] {message}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _on_line(self, rank: int, local_rank: int, stream: int, text: str) -> None:
+        with self._echo_lock:
+            out = sys.stdout if stream == 1 else sys.stderr
+            out.write(f"[rank{rank}]:{text}\n")
+            out.flush()
+        self.shipper.offer(rank=rank, local_rank=local_rank, stream=stream, text=text)
+
+    def _retry(self, call: Callable[[], T], what: str) -> T:
+        """Retries a call while the master is away (restarting), re-registering if it forgot us."""
+        deadline = time.monotonic() + MASTER_AWAY_LIMIT_S
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except UnknownNodeError:
+                self.say(f"{what}: master does not know this incarnation; registering again")
+                self._register()
+            except MasterUnavailableError as exc:
+                if time.monotonic() > deadline:
+                    raise TransportError(
+                        f"{what}: the master did not answer for {MASTER_AWAY_LIMIT_S:g}s"
+                    ) from exc
+                if attempt in (0, 5):
+                    self.say(f"{what}: master unavailable, retrying with backoff")
+            attempt += 1
+            time.sleep(backoff_s(attempt))
+
+    def _register(self) -> pb.RegisterNodeResponse:
+        req = pb.RegisterNodeRequest(
+            job_id=self.config.job_id,
+            node_id=self.config.node_id,
+            incarnation=self.incarnation,
+            host=self.config.host,
+            nproc_per_node=self.config.nproc_per_node,
+            agent_version=__version__,
+            machine=self.base_env.get("PHALANX_MACHINE", ""),
+        )
+        return self.client.register(req)
+
+    def _reregister(self) -> None:
+        self._register()
+
+    def _paths(self, info: RoundInfo, local_rank: int) -> worker_env.WorkerPaths:
+        d = self.log_dir / f"round{info.round}" / str(local_rank)
+        return worker_env.WorkerPaths(
+            beacon=worker_env.beacon_path(
+                shm_dir=SHM_DIR, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=local_rank
+            ),
+            error_file=d / "error.json",
+            stack_file=d / "stacks.txt",
+            regroup_file=self.log_dir / "regroup" / f"{local_rank}.pid",
+            stdout_log=d / "stdout.log",
+            stderr_log=d / "stderr.log",
+        )
+
+    # -------------------------------------------------------------------------------------------------
+    # spares and workers
+
+    def _spawn(self, local_rank: int) -> workers.Worker:
+        env = worker_env.static_env(
+            self.base_env,
+            local_rank=local_rank,
+            local_world_size=self.config.nproc_per_node,
+            job_id=self.config.job_id,
+            node_id=self.config.node_id,
+        )
+        self._spawned += 1
+        return workers.spawn(
+            self.spec,
+            local_rank=local_rank,
+            env=env,
+            cwd=None,
+            max_line_bytes=self.config.logs.max_line_bytes,
+            ready_file=self.log_dir / "spares" / f"{local_rank}-{self._spawned}.ready",
+        )
+
+    def _fill_spares(self) -> None:
+        for lr in range(self.config.nproc_per_node):
+            spare = self.spares.get(lr)
+            if spare is None or spare.proc.poll() is not None:
+                self.spares[lr] = self._spawn(lr)
+
+    def _take(self, local_rank: int) -> workers.Worker:
+        spare = self.spares.pop(local_rank, None)
+        if spare is not None and spare.proc.poll() is None:
+            return spare
+        return self._spawn(local_rank)
+
+    def _start_workers(self, info: RoundInfo) -> None:
+        round_file.write(self.round_path, info)  # always before the workers start
+        (self.log_dir / "regroup").mkdir(parents=True, exist_ok=True)
+        now = time.monotonic()
+        self.workers = {}
+        for lr in range(self.config.nproc_per_node):
+            w = self._take(lr)
+            paths = self._paths(info, lr)
+            beacon.create(paths.beacon)
+            env = worker_env.round_env(
+                info,
+                local_rank=lr,
+                role=self.config.role,
+                max_restarts=self.config.max_restarts,
+                paths=paths,
+                round_path=self.round_path,
+            )
+            w.hand_over(env=env, paths=paths, rank=info.rank(lr), sink=self._on_line)
+            self.workers[lr] = w
+            self.histories[lr] = hang.RankHistory(started_at=now)
+        self.say(
+            f"started {len(self.workers)} workers: ranks {info.rank_offset}.."
+            f"{info.rank(len(self.workers) - 1)} "
+            f"of {info.world_size}, store {info.store_host}:{info.store_port}"
+        )
+
+    def _stop_workers(self) -> dict[int, int]:
+        codes = workers.stop(list(self.workers.values()), grace_period_s=self.config.grace_period_s)
+        self.workers = {}
+        return codes
+
+    def _regroup_capable(self) -> bool:
+        if not self.workers:
+            return False
+        for lr, w in self.workers.items():
+            try:
+                announced = int(self._paths(self.round or _NO_ROUND, lr).regroup_file.read_text().strip())
+            except (OSError, ValueError):
+                return False
+            if announced != w.pid:
+                return False
+        return True
+
+    def _progress(self, now: float) -> tuple[list[pb.RankProgress], Event | None]:
+        ranks: list[pb.RankProgress] = []
+        hung: Event | None = None
+        for lr, w in self.workers.items():
+            assert w.paths is not None
+            try:
+                reader = beacon.BeaconReader(w.paths.beacon)
+                b = reader.read()
+                reader.close()
+            except (OSError, RuntimeError, ValueError):
+                continue
+            history = self.histories[lr]
+            history.observe(step=b.step, now=now)
+            age = now - (history.last_change_at if history.last_change_at is not None else history.started_at)
+            ranks.append(
+                pb.RankProgress(
+                    rank=w.rank,
+                    local_rank=lr,
+                    step=b.step,
+                    step_unix_ns=b.unix_ns,
+                    beacon_age_s=age,
+                    pid=w.pid,
+                )
+            )
+            v = hang.verdict(history, self.config.hang, now=now)
+            if v.hung and hung is None and w.proc.poll() is None:
+                hung = Event("hang", [lr], reason=f"rank {w.rank} hung: {v.reason}")
+        return ranks, hung
+
+    # -------------------------------------------------------------------------------------------------
+    # rendezvous
+
+    def _rendezvous(self) -> RoundInfo:
+        while True:
+            store_port = _free_port(self.config.host)
+            joined = self._retry(
+                lambda port=store_port: self.client.join(  # type: ignore[misc]
+                    pb.JoinRendezvousRequest(
+                        node_id=self.config.node_id,
+                        incarnation=self.incarnation,
+                        nproc_per_node=self.config.nproc_per_node,
+                        store_host=self.config.host,
+                        store_port=port,
+                        last_round=self.last_round,
+                    )
+                ),
+                "join rendezvous",
+            )
+            self.link_publish(pb.NODE_STATE_RENDEZVOUS, joined.round)
+            while True:
+                self._drain_exit_actions()
+                resp = self._retry(
+                    lambda r=joined.round: self.client.get_rendezvous(  # type: ignore[misc]
+                        pb.GetRendezvousRequest(
+                            node_id=self.config.node_id, incarnation=self.incarnation, round=r, wait_s=2.0
+                        ),
+                        timeout=10.0,
+                    ),
+                    "rendezvous",
+                )
+                if resp.status == pb.RENDEZVOUS_STATUS_COMPLETE:
+                    return self._round_info(resp)
+                if resp.status == pb.RENDEZVOUS_STATUS_CLOSED:
+                    raise RendezvousClosedError("the job is over (rendezvous closed)")
+                if resp.status == pb.RENDEZVOUS_STATUS_NOT_MEMBER:
+                    self.say(f"round {resp.round} completed without this node; joining the next one")
+                    time.sleep(0.2)
+                    break
+
+    def _round_info(self, resp: pb.GetRendezvousResponse) -> RoundInfo:
+        members = [m.node_id for m in resp.members]
+        previous = set(self.round.members) if self.round else set()
+        return RoundInfo(
+            round=resp.round,
+            group_rank=resp.group_rank,
+            rank_offset=resp.rank_offset,
+            world_size=resp.world_size,
+            local_world_size=self.config.nproc_per_node,
+            store_host=resp.store_host,
+            store_port=resp.store_port,
+            restart_count=resp.restart_count,
+            members=members,
+            joined=[m for m in members if m not in previous] if previous else [],
+        )
+
+    def link_publish(self, state: int, round: int, ranks: list[pb.RankProgress] | None = None) -> None:
+        if self.link is not None:
+            self.link.publish(state=state, round=round, ranks=ranks, restart_count=self.total_restarts)
+
+    def _drain_exit_actions(self) -> None:
+        """While not running workers only EXIT matters; the rest is stale."""
+        assert self.link is not None
+        while not self.link.actions.empty():
+            action = self.link.actions.get_nowait()
+            if action.kind == pb.ACTION_KIND_EXIT:
+                raise AgentExit(action.exit_code, action.reason or "told to exit")
+
+    # -------------------------------------------------------------------------------------------------
+    # monitoring
+
+    def _monitor(self) -> Event:
+        assert self.link is not None
+        assert self.round is not None
+        while True:
+            now = time.monotonic()
+            codes = {lr: w.proc.poll() for lr, w in self.workers.items()}
+            outcome, failed = decisions.workers_outcome(codes)
+            if outcome is decisions.Outcome.FAILED:
+                return Event("failed", failed)
+            if outcome is decisions.Outcome.SUCCEEDED:
+                return Event("succeeded")
+            ranks, hung = self._progress(now)
+            self.link_publish(pb.NODE_STATE_RUNNING, self.round.round, ranks)
+            if hung is not None:
+                return hung
+            while not self.link.actions.empty():
+                action = self.link.actions.get_nowait()
+                if action.kind == pb.ACTION_KIND_EXIT:
+                    return Event("exit", action=action, reason=action.reason)
+                if decisions.is_new_rejoin(action, current_round=self.round.round):
+                    return Event("rejoin", action=action, reason=action.reason)
+                if action.kind == pb.ACTION_KIND_DUMP_STACKS:
+                    self._send_stacks()
+            if self.config.warm_spares:
+                self._maybe_refill(now)
+            time.sleep(self.config.monitor_interval_s)
+
+    def _maybe_refill(self, now: float) -> None:
+        handed = [w.handed_over_at for w in self.workers.values() if w.handed_over_at is not None]
+        since = now - min(handed) if handed else 0.0
+        stepped = all(h.last_step >= 0 for h in self.histories.values())
+        alive = sum(1 for s in self.spares.values() if s.proc.poll() is None)
+        if decisions.refill_due(
+            spares=alive, wanted=self.config.nproc_per_node, since_handover_s=since, workers_stepped=stepped
+        ):
+            self._fill_spares()
+
+    def _send_stacks(self, reason: str = "") -> None:
+        stacks = workers.dump_stacks(list(self.workers.values()))
+        now = time.monotonic()
+        entries = []
+        for lr, w in self.workers.items():
+            h = self.histories.get(lr)
+            entries.append(
+                pb.RankStacks(
+                    rank=w.rank,
+                    local_rank=lr,
+                    stacks=stacks.get(lr, "<no stack dump: the process did not answer SIGUSR1>"),
+                    last_step=h.last_step if h else -1,
+                    beacon_age_s=now - (h.last_change_at or h.started_at) if h else 0.0,
+                )
+            )
+        round_no = self.round.round if self.round else 0
+        with contextlib.suppress(TransportError):
+            self.client.report_stacks(
+                pb.ReportStacksRequest(
+                    node_id=self.config.node_id, incarnation=self.incarnation, round=round_no, ranks=entries
+                )
+            )
+        self.say(f"sent stacks of {len(entries)} ranks {reason}".rstrip())
+
+    # -------------------------------------------------------------------------------------------------
+    # failures
+
+    def _failure_report(self, event: Event) -> pb.ReportFailureRequest:
+        assert self.round is not None
+        kind = pb.FAILURE_KIND_HANG if event.kind == "hang" else pb.FAILURE_KIND_WORKER_EXIT
+        failures = []
+        for lr in event.local_ranks:
+            w = self.workers[lr]
+            if event.kind != "hang":
+                for t in w._threads:  # let the pumps drain what the worker wrote before dying
+                    t.join(0.5)
+            report = errorfile.read(w.paths.error_file) if w.paths else None
+            tail = list(w.tail)[-20:]
+            code = w.proc.returncode if w.proc.returncode is not None else 0
+            if event.kind == "hang":
+                cls = FailureClass.HANG
+            else:
+                cls = classify(exit_code=code, log_tail=tail, error_message=report.message if report else "")
+            h = self.histories.get(lr)
+            failures.append(
+                pb.WorkerFailure(
+                    rank=w.rank,
+                    local_rank=lr,
+                    exit_code=code,
+                    failure_class=int(cls),  # type: ignore[arg-type]
+                    observed_unix_ns=time.time_ns(),
+                    error_message=(report.message if report else "")
+                    or (event.reason if event.kind == "hang" else ""),
+                    error_traceback=report.traceback if report else "",
+                    error_unix_ns=report.unix_ns if report else 0,
+                    log_tail=tail,
+                    last_step=h.last_step if h else -1,
+                )
+            )
+        return pb.ReportFailureRequest(
+            node_id=self.config.node_id,
+            incarnation=self.incarnation,
+            round=self.round.round,
+            kind=kind,
+            failures=failures,
+        )
+
+    def _classify_local(self, local_rank: int) -> FailureClass:
+        w = self.workers[local_rank]
+        for t in w._threads:  # let the pumps drain what the worker wrote before dying
+            t.join(0.5)
+        report = errorfile.read(w.paths.error_file) if w.paths else None
+        code = w.proc.returncode if w.proc.returncode is not None else 0
+        return classify(
+            exit_code=code, log_tail=list(w.tail)[-20:], error_message=report.message if report else ""
+        )
+
+    def _settle(self, event: Event) -> Event:
+        """A user error usually hits every rank at once: give the other local workers a moment to fail on
+        their own, so the report shows all of them (the master fails the job at once when every rank
+        raised the same error). A kill or a crash is reported without waiting."""
+        if event.kind != "failed" or not any(
+            self._classify_local(lr) is FailureClass.USER for lr in event.local_ranks
+        ):
+            return event
+        deadline = time.monotonic() + USER_ERROR_SETTLE_S
+        while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers.values()):
+            time.sleep(0.05)
+        failed = sorted(lr for lr, w in self.workers.items() if w.proc.poll() not in (None, 0))
+        return Event("failed", failed)
+
+    def _handle_failure(self, event: Event) -> decisions.Next:
+        event = self._settle(event)
+        if event.kind == "hang":
+            self.say(event.reason)
+            self._send_stacks("(hang)")
+        else:
+            desc = ", ".join(
+                f"rank {self.workers[lr].rank} exit {self.workers[lr].proc.returncode}"
+                for lr in event.local_ranks
+            )
+            self.say(f"worker failure: {desc}")
+        request = self._failure_report(event)
+        self.link_publish(pb.NODE_STATE_RESTARTING, self.round.round if self.round else 0)
+        self._stop_workers()
+        resp = self._retry(lambda: self.client.report_failure(request), "report failure")
+        nxt = decisions.after_failure(
+            resp.action, restarts_used=self.restarts, max_restarts=self.config.max_restarts
+        )
+        while nxt.kind == "wait":
+            action = self._next_action(timeout=1.0)
+            if action is not None:
+                nxt = decisions.after_failure(
+                    action, restarts_used=self.restarts, max_restarts=self.config.max_restarts
+                )
+        return nxt
+
+    def _next_action(self, timeout: float) -> pb.Action | None:
+        assert self.link is not None
+        try:
+            return self.link.actions.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    # -------------------------------------------------------------------------------------------------
+    # the loop
+
+    def run(self) -> int:
+        reg = self._retry(self._register, "register")
+        interval = reg.heartbeat_interval_s or 1.0
+        self.link = Link(
+            client=self.client,
+            node_id=self.config.node_id,
+            incarnation=self.incarnation,
+            interval_s=interval,
+            shipper=self.shipper,
+            reregister=self._reregister,
+        )
+        self.link.start()
+        self.say(f"registered with the master (heartbeat every {interval:g}s); joining the rendezvous")
+        if self.config.warm_spares:
+            # Join only once the spares are warm: a node that joins a running job must not make the
+            # others wait in a new round while it is still importing torch.
+            self._fill_spares()
+            deadline = time.monotonic() + SPARE_WARMUP_LIMIT_S
+            while not all(s.ready() for s in self.spares.values()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.say("warm spares ready")
+        try:
+            return self._loop()
+        except AgentExit as exc:
+            self.say(f"exiting with code {exc.code}: {exc.reason}")
+            return exc.code
+        except RendezvousClosedError as exc:
+            self.say(str(exc))
+            return 0
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> int:
+        regroup = False
+        while True:
+            info = self._rendezvous()
+            previous, self.round = self.round, info
+            self.last_round = info.round
+            if regroup and self.workers and all(w.proc.poll() is None for w in self.workers.values()):
+                round_file.write(self.round_path, info)
+                for lr, w in self.workers.items():
+                    w.rank = info.rank(lr)
+                self.say(f"regrouped in place: round {info.round}, world size {info.world_size}")
+            else:
+                if self.workers:
+                    self._stop_workers()
+                if previous is not None:
+                    self.total_restarts += 1
+                self._start_workers(info)
+            regroup = False
+            self.link_publish(pb.NODE_STATE_RUNNING, info.round)
+            event = self._monitor()
+            if event.kind in ("failed", "hang"):
+                nxt = self._handle_failure(event)
+                if nxt.kind == "exit":
+                    raise AgentExit(nxt.exit_code, nxt.reason)
+                self.restarts += 1
+                self.say(f"restarting in place ({self.restarts}/{self.config.max_restarts}): {nxt.reason}")
+            elif event.kind == "succeeded":
+                done = self._complete()
+                if done is not None:
+                    raise AgentExit(*done)
+                self.say("a new round opened after this node finished; rejoining")
+            elif event.kind == "exit":
+                assert event.action is not None
+                raise AgentExit(event.action.exit_code, event.reason or "told to exit")
+            elif event.kind == "rejoin":
+                mode = decisions.rejoin_mode(
+                    own_failure=False,
+                    regroup_capable=self._regroup_capable(),
+                    workers_alive=all(w.proc.poll() is None for w in self.workers.values()),
+                )
+                self.say(f"membership changed ({event.reason}); {mode.value}")
+                if mode is decisions.RejoinMode.REGROUP:
+                    regroup = True
+                else:
+                    self.link_publish(pb.NODE_STATE_RESTARTING, info.round)
+                    self._stop_workers()
+
+    def _complete(self) -> tuple[int, str] | None:
+        """Reports success; returns the exit code and reason, or None when the node must rejoin (another
+        node failed before the job finished: the workers resume from the last checkpoint)."""
+        assert self.round is not None
+        self.say("all local workers finished successfully")
+        ranks, _ = self._progress(time.monotonic())
+        self.link_publish(pb.NODE_STATE_SUCCEEDED, self.round.round, ranks)
+        if self.link is not None:
+            # The master learns the final steps before it hears of the completion.
+            with contextlib.suppress(TransportError):
+                self.link.beat_now()
+        self.workers_done()
+        resp = self._retry(
+            lambda: self.client.report_completion(
+                pb.ReportCompletionRequest(
+                    node_id=self.config.node_id,
+                    incarnation=self.incarnation,
+                    round=self.round.round if self.round else 0,
+                )
+            ),
+            "report completion",
+        )
+        action: pb.Action | None = resp.action
+        while True:
+            if action is not None and action.kind == pb.ACTION_KIND_EXIT:
+                return action.exit_code, action.reason or "job finished"
+            if action is not None and decisions.is_new_rejoin(action, current_round=self.round.round):
+                self.workers = {}
+                return None
+            action = self._next_action(timeout=1.0)
+
+    def workers_done(self) -> None:
+        for w in self.workers.values():
+            w.close_logs()
+
+    def _shutdown(self) -> None:
+        for spare in self.spares.values():
+            spare.discard()
+        self.spares = {}
+        if self.workers:
+            self._stop_workers()
+        if self.link is not None:
+            self.link.stop()
+            # One last heartbeat-free moment: give queued log lines a chance to reach the master.
+            with contextlib.suppress(TransportError):
+                batch, dropped = self.shipper.take()
+                if batch or dropped:
+                    self.client.report_logs(
+                        pb.ReportLogsRequest(
+                            node_id=self.config.node_id,
+                            incarnation=self.incarnation,
+                            lines=batch,
+                            dropped=dropped,
+                        ),
+                        timeout=1.0,
+                    )
+        for lr in range(self.config.nproc_per_node):
+            with contextlib.suppress(OSError):
+                worker_env.beacon_path(
+                    shm_dir=SHM_DIR, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=lr
+                ).unlink()
+
+
+_NO_ROUND = RoundInfo(
+    round=0, group_rank=0, rank_offset=0, world_size=0, local_world_size=0, store_host="", store_port=0
+)
+
+
+def _free_port(host: str) -> int:
+    """A port free right now on this host; fresh for every round so no stale c10d store is reused."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError:
+            s.bind(("", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,395 @@
+"""``phalanx local``: a master and N node agents on this machine, evictions carried out, faults injected.
+
+It plays the operator's part: it starts ``phalanx master`` and one ``phalanx-run`` per node (node ids
+``node-0``, ``node-1``, ...), polls the master's HTTP API, kills evicted nodes and starts replacements
+(new node ids) within a budget, injects the requested faults, shows live progress, and at the end
+writes the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from phalanx.agent.env import beacon_path
+from phalanx.agent.supervisor import SHM_DIR
+from phalanx.local import procs
+from phalanx.local.inject import Injection
+from phalanx.local.report import FailureRecord, Summary, table
+
+POLL_S = 0.05
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalOptions:
+    min_nodes: int
+    max_nodes: int
+    initial: int
+    nproc_per_node: int
+    script: str
+    script_args: list[str]
+    workdir: Path
+    injections: list[Injection] = field(default_factory=list)
+    summary_json: Path | None = None
+    max_replacements: int = 3
+    max_restarts: int = 3
+    heartbeat_timeout_s: float | None = None
+    agent_args: list[str] = field(default_factory=list)
+    master_args: list[str] = field(default_factory=list)
+    timeout_s: float = 3600.0
+    replace_delay_s: float = 0.0
+    """Time between an eviction and the start of its replacement (a Kubernetes Pod takes a while too)."""
+    show_output: bool = False
+    job_id: str = ""
+
+
+class LocalCluster:
+    def __init__(self, options: LocalOptions, *, out: TextIO = sys.stdout) -> None:
+        self.o = options
+        self.out = out
+        self.job_id = options.job_id or f"local-{secrets.token_hex(3)}"
+        self.workdir = options.workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.token = secrets.token_hex(24)
+        self.token_file = self.workdir / "token"
+        self.token_file.write_text(self.token)
+        self.token_file.chmod(0o600)
+        master_args = [
+            "--job-id", self.job_id, "--nodes", f"{options.min_nodes}:{options.max_nodes}",
+            "--port", "0", "--http-port", "0", "--token-file", str(self.token_file),
+            "--state", str(self.workdir / "master-state.json"), "--max-restarts", str(options.max_restarts),
+            *options.master_args,
+        ]  # fmt: skip
+        if options.heartbeat_timeout_s is not None:
+            master_args += ["--heartbeat-timeout", f"{options.heartbeat_timeout_s:g}"]
+        self.master = procs.MasterProc(args=master_args, log=self.workdir / "master.log")
+        self.nodes: dict[str, procs.NodeProc] = {}
+        self.next_index = 0
+        self.replacements = 0
+        self.handled_evictions: set[str] = set()
+        self.due_replacements: list[tuple[float, str]] = []
+        self.pending: list[Injection] = list(options.injections)
+        self.summary = Summary(job_id=self.job_id)
+        self.t0 = 0.0
+        self.t0_unix_ns = 0
+        self.events_seq = 0
+        self.events: list[dict[str, Any]] = []
+        self.job: dict[str, Any] = {}
+        self.max_step = -1
+        self.last_status = ""
+        self.last_status_at = 0.0
+        self.master_down_since: float | None = None
+        self.http: httpx.Client | None = None
+
+    # -------------------------------------------------------------------------------------------------
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def say(self, text: str) -> None:
+        print(f"[{self.elapsed():7.2f}s] {text}", file=self.out, flush=True)
+
+    def _agent_argv(self, node_id: str) -> list[str]:
+        o = self.o
+        return [
+            sys.executable, "-m", "phalanx.cli.run",
+            "--nnodes", f"{o.min_nodes}:{o.max_nodes}", "--nproc-per-node", str(o.nproc_per_node),
+            "--rdzv-endpoint", self.master.grpc_addr, "--rdzv-id", self.job_id, "--node-id", node_id,
+            "--token-file", str(self.token_file), "--log-dir", str(self.workdir / node_id),
+            "--max-restarts", str(o.max_restarts), "--local-addr", "127.0.0.1", *o.agent_args,
+            o.script, *o.script_args,
+        ]  # fmt: skip
+
+    def start_node(self) -> procs.NodeProc:
+        index = self.next_index
+        self.next_index += 1
+        node_id = f"node-{index}"
+        env = dict(os.environ)
+        env.pop("PHALANX_TOKEN_FILE", None)
+        node = procs.start_node(
+            index=index,
+            node_id=node_id,
+            argv=self._agent_argv(node_id),
+            log=self.workdir / f"{node_id}.log",
+            env=env,
+            now=self.elapsed(),
+        )
+        self.nodes[node_id] = node
+        return node
+
+    def kill_node(self, node: procs.NodeProc) -> None:
+        procs.kill_tree(node.proc.pid)
+        node.proc.wait()
+        node.killed = True
+
+    # -------------------------------------------------------------------------------------------------
+    # observation
+
+    def _get(self, path: str) -> Any:
+        assert self.http is not None
+        resp = self.http.get(path)
+        resp.raise_for_status()
+        return resp.json()
+
+    def _poll_master(self) -> bool:
+        try:
+            self.job = self._get("/v1/job")
+            batch = self._get(f"/v1/events?since={self.events_seq}")
+        except (httpx.HTTPError, ValueError):
+            if self.master_down_since is None:
+                self.master_down_since = self.elapsed()
+            return False
+        if self.master_down_since is not None:
+            self.master_down_since = None
+            self.say("master answers again")
+        for f in self.summary.failures:
+            # For a master kill, "detected" is when the restarted master serves the job again.
+            if f.kind == "kill-master" and f.detected_at is None:
+                f.detected_at = self.elapsed()
+        items = batch.get("events", batch) if isinstance(batch, dict) else batch
+        for ev in items:
+            self.events_seq = max(self.events_seq, int(ev.get("seq", 0)))
+            event = {**ev, "at": self.elapsed()}
+            self.events.append(event)
+            self._on_event(event)
+        return True
+
+    def _on_event(self, ev: dict[str, Any]) -> None:
+        kind, node = ev.get("kind", ""), ev.get("node", "")
+        text = f"{kind:<18} {node:<8} {ev.get('message', '')}".rstrip()
+        self.say(f"event {text}")
+        if kind in ("failure", "node_lost", "hang", "eviction_requested"):
+            for f in self.summary.failures:
+                if f.detected_at is None and (not node or node == f.node) and f.kind != "kill-master":
+                    f.detected_at = ev["at"]
+                    if kind == "eviction_requested":
+                        f.action = f"evicted {node}"
+
+    def _steps(self) -> dict[tuple[str, int], tuple[int, int, int]]:
+        """(node id, local rank) -> (step, unix_ns, pid) of every live node's workers."""
+        out = {}
+        for node in self.nodes.values():
+            if not node.alive:
+                continue
+            for lr in range(self.o.nproc_per_node):
+                b = procs.read_beacon(
+                    beacon_path(shm_dir=SHM_DIR, job_id=self.job_id, node_id=node.node_id, local_rank=lr)
+                )
+                if b is not None:
+                    out[(node.node_id, lr)] = (b.step, b.unix_ns, b.pid)
+        return out
+
+    def _track_recovery(self, steps: dict[tuple[str, int], tuple[int, int, int]]) -> None:
+        round_now = int(self.job.get("round", 0) or 0)
+        for f in self.summary.failures:
+            if f.recovered_at is not None:
+                continue
+            # Recovery means a step completed by the recovered job: after a new round formed (workers
+            # restarted), or, for a master kill, after the master answers again (workers never stopped).
+            if f.kind == "kill-master":
+                if f.detected_at is None:
+                    continue
+                since_ns = self.t0_unix_ns + int(f.injected_at * 1e9)
+            else:
+                if round_now <= f.round_at_injection or self.job.get("phase") != "Running":
+                    continue
+                if f.recovery_round_seen_ns == 0:
+                    f.recovery_round_seen_ns = time.time_ns()
+                    f.action = f.action or f"restarted in round {round_now}"
+                since_ns = f.recovery_round_seen_ns
+            fresh = [s for (s, ns, _) in steps.values() if ns > since_ns and s >= 0]
+            if not fresh:
+                continue
+            f.resumed_step = min(fresh)
+            f.recovered_at = self.elapsed()
+            f.steps_lost = max(0, f.step_at_injection - f.resumed_step + 1)
+            self.say(
+                f"recovered from {f.kind} on {f.node}: step {f.resumed_step} completed "
+                f"{f.recovered_at - f.injected_at:.2f}s after the fault, {f.steps_lost} steps lost"
+            )
+
+    # -------------------------------------------------------------------------------------------------
+    # actions
+
+    def _inject(self, steps: dict[tuple[str, int], tuple[int, int, int]]) -> None:
+        for inj in list(self.pending):
+            target = f"node-{inj.node}"
+            if inj.kind == "kill-master":
+                step = self.max_step
+            else:
+                step = steps.get((target, inj.rank), (-1, 0, 0))[0]
+            if not inj.due(step=step, elapsed_s=self.elapsed()):
+                continue
+            node = self.nodes.get(target)
+            if inj.kind != "kill-master" and (node is None or not node.alive):
+                continue
+            pid = steps.get((target, inj.rank), (-1, 0, 0))[2]
+            if inj.kind in ("kill-worker", "hang-worker") and pid <= 0:
+                continue
+            self.pending.remove(inj)
+            record = FailureRecord(
+                kind=inj.kind,
+                node=target if inj.kind != "kill-master" else "master",
+                rank=inj.rank if inj.kind in ("kill-worker", "hang-worker") else -1,
+                injected_at=self.elapsed(),
+                step_at_injection=self.max_step,
+                round_at_injection=int(self.job.get("round", 0) or 0),
+            )
+            if inj.kind == "kill-worker":
+                os.kill(pid, 9)
+                what = f"SIGKILL worker pid {pid} (local rank {inj.rank})"
+            elif inj.kind == "hang-worker":
+                os.kill(pid, 19)
+                what = f"SIGSTOP worker pid {pid} (local rank {inj.rank})"
+            elif inj.kind == "kill-node":
+                assert node is not None
+                self.kill_node(node)
+                what = "SIGKILL agent and workers"
+            else:
+                self.master.kill()
+                what = "SIGKILL master"
+            self.summary.failures.append(record)
+            self.say(f"INJECT {inj.kind} on {record.node} at step {self.max_step}: {what}")
+            if inj.kind == "kill-master":
+                self.master.start()
+                record.action = "master restarted on the same state"
+                self.say(f"master restarted at {self.master.grpc_addr}")
+
+    def _carry_out_evictions(self) -> None:
+        for ev in self.job.get("evictions", []) or []:
+            node_id = ev.get("node_id", "")
+            if not node_id or node_id in self.handled_evictions:
+                continue
+            self.handled_evictions.add(node_id)
+            node = self.nodes.get(node_id)
+            if node is not None:
+                node.evicted = True
+                if node.alive:
+                    self.kill_node(node)
+            for f in self.summary.failures:
+                if f.node == node_id and "evicted" not in f.action:
+                    f.action = f"evicted {node_id}" + (f" ({ev.get('reason')})" if ev.get("reason") else "")
+            entry = {**ev, "at": round(self.elapsed(), 3)}
+            if self.replacements < self.o.max_replacements:
+                self.replacements += 1
+                self.due_replacements.append((self.elapsed() + self.o.replace_delay_s, node_id))
+                self.say(f"evicted {node_id} ({ev.get('reason', '')}); a replacement follows")
+            else:
+                self.say(f"evicted {node_id}; replacement budget ({self.o.max_replacements}) spent")
+            self.summary.evictions.append(entry)
+
+    def _start_replacements(self) -> None:
+        for due, node_id in list(self.due_replacements):
+            if self.elapsed() < due:
+                continue
+            self.due_replacements.remove((due, node_id))
+            new = self.start_node()
+            self.say(f"started {new.node_id} to replace {node_id}")
+            for entry in self.summary.evictions:
+                if entry.get("node_id") == node_id and "replacement" not in entry:
+                    entry["replacement"] = new.node_id
+            for f in self.summary.failures:
+                if f.node == node_id and "replaced" not in f.action:
+                    f.action += f", replaced by {new.node_id}"
+
+    def _status(self) -> None:
+        j = self.job
+        alive = [n.node_id for n in self.nodes.values() if n.alive]
+        line = (
+            f"step {self.max_step:>5} | {j.get('phase', '?'):<10} | round {j.get('round', '?')} | "
+            f"world {j.get('world_size', '?')} | nodes {' '.join(alive)}"
+        )
+        if line != self.last_status and self.elapsed() - self.last_status_at >= 1.0:
+            self.last_status, self.last_status_at = line, self.elapsed()
+            self.say(line)
+
+    # -------------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.t0 = time.monotonic()
+        self.t0_unix_ns = time.time_ns()
+        self.master.start()
+        self.http = httpx.Client(
+            base_url=f"http://{self.master.http_addr}",
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=2.0,
+        )
+        self.say(
+            f"job {self.job_id}: master at {self.master.grpc_addr} (http {self.master.http_addr}); "
+            f"starting {self.o.initial} nodes x {self.o.nproc_per_node} processes; logs in {self.workdir}"
+        )
+        try:
+            for _ in range(self.o.initial):
+                self.start_node()
+            return self._loop()
+        finally:
+            for node in self.nodes.values():
+                if node.alive:
+                    self.kill_node(node)
+            self.master.kill()
+            self.http.close()
+            # Killed agents could not remove their beacons.
+            for stale in SHM_DIR.glob(f"phalanx-{self.job_id}-*.beacon"):
+                stale.unlink(missing_ok=True)
+            self._finish()
+
+    def _loop(self) -> int:
+        end_seen_at: float | None = None
+        idle_since: float | None = None
+        while True:
+            up = self._poll_master()
+            steps = self._steps()
+            if steps:
+                self.max_step = max(self.max_step, *(s for s, _, _ in steps.values()))
+            self._track_recovery(steps)
+            self._inject(steps)
+            if up:
+                self._carry_out_evictions()
+            self._start_replacements()
+            if up:
+                self._status()
+            phase = self.job.get("phase", "")
+            if phase in ("Succeeded", "Failed"):
+                end_seen_at = end_seen_at if end_seen_at is not None else self.elapsed()
+                if not any(n.alive for n in self.nodes.values()) or self.elapsed() - end_seen_at > 15.0:
+                    self.summary.exit = "succeeded" if phase == "Succeeded" else "failed"
+                    self.summary.reason = str(self.job.get("reason", ""))
+                    return 0 if phase == "Succeeded" else 1
+            if (
+                not any(n.alive for n in self.nodes.values())
+                and not self.pending
+                and not self.due_replacements
+            ):
+                idle_since = idle_since if idle_since is not None else self.elapsed()
+                if self.elapsed() - idle_since > 10.0:
+                    self.summary.reason = (
+                        "every node exited but the master did not report the job as finished"
+                    )
+                    return 1
+            else:
+                idle_since = None
+            if self.elapsed() > self.o.timeout_s:
+                self.summary.reason = f"timed out after {self.o.timeout_s:g}s"
+                return 1
+            time.sleep(POLL_S)
+
+    def _finish(self) -> None:
+        s = self.summary
+        s.wall_seconds = self.elapsed()
+        s.rounds = int(self.job.get("round", 0) or 0)
+        max_step = self.job.get("max_step")
+        s.steps_completed = max(self.max_step, int(max_step) if isinstance(max_step, int) else -1) + 1
+        if not s.reason and self.job.get("reason"):
+            s.reason = str(self.job["reason"])
+        self.say("done")
+        print(table(s), file=self.out, flush=True)
+        if self.o.summary_json is not None:
+            self.o.summary_json.write_text(json.dumps(s.to_json(), indent=2))

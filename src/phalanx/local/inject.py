@@ -1,0 +1,99 @@
+"""Fault-injection specs for ``phalanx local --inject``: a pure parser with clear errors.
+
+Form: ``KIND@key=value,...``. Kinds: ``kill-worker`` (SIGKILL one rank), ``kill-node`` (SIGKILL an agent
+and its workers), ``hang-worker`` (SIGSTOP one rank), ``kill-master`` (SIGKILL the master and restart it
+on the same state). Keys: ``step=`` (fire when the rank's beacon reaches that step), ``after=`` (seconds
+since the job started), ``node=`` (node index, default 0), ``rank=`` (local rank, default 0). A spec
+needs ``step`` or ``after``; with both, both must hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phalanx.api.errors import ConfigError
+from phalanx.api.settings import parse_duration
+
+KINDS = ("kill-worker", "kill-node", "hang-worker", "kill-master")
+_KEYS = {
+    "kill-worker": {"step", "after", "node", "rank"},
+    "hang-worker": {"step", "after", "node", "rank"},
+    "kill-node": {"step", "after", "node"},
+    "kill-master": {"step", "after"},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Injection:
+    kind: str
+    step: int | None = None
+    after_s: float | None = None
+    node: int = 0
+    rank: int = 0
+    spec: str = ""
+
+    def due(self, *, step: int, elapsed_s: float) -> bool:
+        """Whether the fault fires, given the target rank's step and the time since the job started."""
+        if self.step is not None and step < self.step:
+            return False
+        return not (self.after_s is not None and elapsed_s < self.after_s)
+
+
+def _int(value: str, *, key: str, spec: str) -> int:
+    try:
+        number = int(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}= needs a whole number, got {value!r} in {spec!r}", field="inject") from exc
+    if number < 0:
+        raise ConfigError(f"{key}= cannot be negative in {spec!r}", field="inject")
+    return number
+
+
+def parse(spec: str) -> Injection:
+    """Parses one ``--inject`` value."""
+    kind, sep, rest = spec.strip().partition("@")
+    if kind not in KINDS:
+        raise ConfigError(
+            f"unknown fault {kind!r} in {spec!r}; use one of {', '.join(KINDS)}", field="inject"
+        )
+    if not sep or not rest.strip():
+        raise ConfigError(
+            f"{spec!r} needs a trigger, e.g. {kind}@step=20 or {kind}@after=10s", field="inject"
+        )
+    values: dict[str, str] = {}
+    for part in rest.split(","):
+        key, eq, value = part.strip().partition("=")
+        if not eq or not value:
+            raise ConfigError(f"expected key=value, got {part!r} in {spec!r}", field="inject")
+        if key not in _KEYS[kind]:
+            raise ConfigError(
+                f"{kind} does not take {key}=; it takes {', '.join(sorted(_KEYS[kind]))} (in {spec!r})",
+                field="inject",
+            )
+        if key in values:
+            raise ConfigError(f"{key}= given twice in {spec!r}", field="inject")
+        values[key] = value
+    if "step" not in values and "after" not in values:
+        raise ConfigError(f"{spec!r} needs step= or after= to say when it fires", field="inject")
+    return Injection(
+        kind=kind,
+        step=_int(values["step"], key="step", spec=spec) if "step" in values else None,
+        after_s=parse_duration(values["after"], name="inject after") if "after" in values else None,
+        node=_int(values.get("node", "0"), key="node", spec=spec),
+        rank=_int(values.get("rank", "0"), key="rank", spec=spec),
+        spec=spec,
+    )
+
+
+def validate(injections: list[Injection], *, initial_nodes: int, nproc_per_node: int) -> None:
+    """Checks the targets exist in the cluster as it starts."""
+    for inj in injections:
+        if inj.node >= initial_nodes:
+            raise ConfigError(
+                f"node={inj.node} in {inj.spec!r}, but only {initial_nodes} nodes start", field="inject"
+            )
+        if inj.rank >= nproc_per_node:
+            raise ConfigError(
+                f"rank={inj.rank} in {inj.spec!r}, but each node runs {nproc_per_node} processes",
+                field="inject",
+            )

@@ -1,0 +1,85 @@
+"""The run summary of ``phalanx local``: the ``--summary-json`` document and the table a person reads."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class FailureRecord:
+    """One injected fault and what became of it; times are seconds since the job started."""
+
+    kind: str
+    node: str
+    rank: int
+    injected_at: float
+    step_at_injection: int = -1
+    detected_at: float | None = None
+    recovered_at: float | None = None
+    action: str = ""
+    steps_lost: int | None = None
+    resumed_step: int | None = None
+    round_at_injection: int = 0
+    recovery_round_seen_ns: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for key in ("step_at_injection", "resumed_step", "round_at_injection", "recovery_round_seen_ns"):
+            data.pop(key)
+        return data
+
+
+@dataclass
+class Summary:
+    job_id: str
+    exit: str = "failed"
+    reason: str = ""
+    steps_completed: int = 0
+    wall_seconds: float = 0.0
+    rounds: int = 0
+    failures: list[FailureRecord] = field(default_factory=list)
+    evictions: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "exit": self.exit,
+            "reason": self.reason,
+            "steps_completed": self.steps_completed,
+            "wall_seconds": round(self.wall_seconds, 3),
+            "rounds": self.rounds,
+            "failures": [f.to_json() for f in self.failures],
+            "evictions": self.evictions,
+        }
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
+def table(summary: Summary) -> str:
+    """A fixed-width table of the failures: detection latency, recovery time and steps lost."""
+    lines = [
+        f"job {summary.job_id}: {summary.exit.upper()} after {summary.wall_seconds:.1f}s, "
+        f"{summary.steps_completed} steps, {summary.rounds} rounds"
+        + (f" - {summary.reason}" if summary.reason else ""),
+    ]
+    if not summary.failures:
+        lines.append("no faults injected")
+        return "\n".join(lines)
+    cols = ("fault", "node", "rank", "at", "detected", "recovered", "lost")
+    header = "{:<12} {:<8} {:>4} {:>8} {:>9} {:>10} {:>5}  action".format(*cols)
+    lines += [header, "-" * len(header)]
+    for f in summary.failures:
+        detect = None if f.detected_at is None else f.detected_at - f.injected_at
+        recover = None if f.recovered_at is None else f.recovered_at - f.injected_at
+        lost = "-" if f.steps_lost is None else str(f.steps_lost)
+        lines.append(
+            f"{f.kind:<12} {f.node:<8} {f.rank:>4} {f.injected_at:>7.2f}s {_s(detect):>9} {_s(recover):>10} "
+            f"{lost:>5}  {f.action}"
+        )
+    lines.append(
+        "detected/recovered: seconds after the fault; recovered = first completed step after recovery"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""The supervisor's pure decisions, the error-file reader, the worker environment and the flag parser."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from phalanx.agent import config, decisions, env, errorfile
+from phalanx.agent.client import backoff_s
+from phalanx.agent.link import LogShipper
+from phalanx.api.errors import ConfigError
+from phalanx.api.round import RoundInfo
+from phalanx.api.settings import LogSettings
+from phalanx.api.v1 import master_pb2 as pb
+
+Outcome = decisions.Outcome
+
+
+def test_workers_outcome() -> None:
+    assert decisions.workers_outcome({0: None, 1: None}) == (Outcome.RUNNING, [])
+    assert decisions.workers_outcome({0: 0, 1: None}) == (Outcome.RUNNING, [])
+    assert decisions.workers_outcome({0: 0, 1: 0}) == (Outcome.SUCCEEDED, [])
+    assert decisions.workers_outcome({0: None, 1: -9}) == (Outcome.FAILED, [1])
+    assert decisions.workers_outcome({0: 1, 1: 0, 2: -9}) == (Outcome.FAILED, [0, 2])
+
+
+def test_rejoin_mode() -> None:
+    regroup = decisions.RejoinMode.REGROUP
+    restart = decisions.RejoinMode.RESTART
+    assert decisions.rejoin_mode(own_failure=False, regroup_capable=True, workers_alive=True) is regroup
+    assert decisions.rejoin_mode(own_failure=True, regroup_capable=True, workers_alive=True) is restart
+    assert decisions.rejoin_mode(own_failure=False, regroup_capable=False, workers_alive=True) is restart
+    assert decisions.rejoin_mode(own_failure=False, regroup_capable=True, workers_alive=False) is restart
+
+
+def test_after_failure() -> None:
+    rejoin = pb.Action(kind=pb.ACTION_KIND_REJOIN, round=4, reason="restart in place")
+    assert decisions.after_failure(rejoin, restarts_used=0, max_restarts=3) == decisions.Next(
+        "rejoin", round=4, reason="restart in place"
+    )
+    spent = decisions.after_failure(rejoin, restarts_used=3, max_restarts=3)
+    assert spent.kind == "exit"
+    assert spent.exit_code == 1
+    assert "--max-restarts=3" in spent.reason
+    out = decisions.after_failure(
+        pb.Action(kind=pb.ACTION_KIND_EXIT, exit_code=3, reason="evicted"), restarts_used=0, max_restarts=3
+    )
+    assert out == decisions.Next("exit", exit_code=3, reason="evicted")
+    assert (
+        decisions.after_failure(pb.Action(kind=pb.ACTION_KIND_NONE), restarts_used=0, max_restarts=1).kind
+        == "wait"
+    )
+
+
+def test_is_new_rejoin() -> None:
+    assert decisions.is_new_rejoin(pb.Action(kind=pb.ACTION_KIND_REJOIN, round=5), current_round=4)
+    assert not decisions.is_new_rejoin(pb.Action(kind=pb.ACTION_KIND_REJOIN, round=4), current_round=4)
+    assert not decisions.is_new_rejoin(pb.Action(kind=pb.ACTION_KIND_EXIT, round=5), current_round=4)
+
+
+def test_refill_due() -> None:
+    assert not decisions.refill_due(spares=2, wanted=2, since_handover_s=100, workers_stepped=True)
+    assert not decisions.refill_due(spares=0, wanted=2, since_handover_s=1, workers_stepped=False)
+    assert decisions.refill_due(spares=0, wanted=2, since_handover_s=1, workers_stepped=True)
+    assert decisions.refill_due(spares=1, wanted=2, since_handover_s=6, workers_stepped=False)
+
+
+def test_backoff_grows_and_is_jittered() -> None:
+    rng = random.Random(0)
+    values = [backoff_s(a, rng=rng) for a in range(12)]
+    assert all(0.1 <= v <= 5.0 for v in values)
+    assert values[-1] > values[0]
+    assert len(set(values)) == len(values)
+
+
+def test_errorfile_parses_torch_elastic_format() -> None:
+    text = json.dumps(
+        {
+            "message": {
+                "message": "ValueError: bad batch",
+                "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1700000000"},
+            }
+        }
+    )
+    report = errorfile.parse(text)
+    assert report == errorfile.ErrorReport("ValueError: bad batch", "Traceback ...", 1_700_000_000 * 10**9)
+    assert errorfile.parse("not json") is None
+    assert errorfile.parse("[1]") is None
+    assert errorfile.read(Path("/nonexistent/error.json")) is None
+
+
+def test_worker_env_has_what_torchrun_sets(tmp_path: Path) -> None:
+    info = RoundInfo(
+        round=3,
+        group_rank=1,
+        rank_offset=2,
+        world_size=6,
+        local_world_size=2,
+        store_host="10.0.0.1",
+        store_port=29511,
+        restart_count=2,
+        members=["a", "b", "c"],
+    )
+    paths = env.WorkerPaths(
+        beacon=tmp_path / "b",
+        error_file=tmp_path / "e",
+        stack_file=tmp_path / "s",
+        regroup_file=tmp_path / "g",
+        stdout_log=tmp_path / "o",
+        stderr_log=tmp_path / "r",
+    )
+    static = env.static_env(
+        {"PATH": "/bin", "PHALANX_TOKEN_FILE": "/secret"},
+        local_rank=1,
+        local_world_size=2,
+        job_id="j",
+        node_id="n",
+    )
+    assert static["OMP_NUM_THREADS"] == "1"
+    assert "PHALANX_TOKEN_FILE" not in static
+    assert (
+        env.static_env({"OMP_NUM_THREADS": "4"}, local_rank=0, local_world_size=1, job_id="j", node_id="n")[
+            "OMP_NUM_THREADS"
+        ]
+        == "4"
+    )
+    full = {
+        **static,
+        **env.round_env(
+            info,
+            local_rank=1,
+            role="trainer",
+            max_restarts=3,
+            paths=paths,
+            round_path=tmp_path / "round.json",
+        ),
+    }
+    expected = {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "6",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "3",
+        "ROLE_RANK": "3",
+        "ROLE_WORLD_SIZE": "6",
+        "ROLE_NAME": "trainer",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29511",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+        "TORCHELASTIC_RUN_ID": "j",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_ERROR_FILE": str(tmp_path / "e"),
+        "PHALANX_BEACON_FILE": str(tmp_path / "b"),
+        "PHALANX_ROUND_FILE": str(tmp_path / "round.json"),
+        "PHALANX_REGROUP_FILE": str(tmp_path / "g"),
+        "PHALANX_NODE_ID": "n",
+        "PHALANX_JOB_ID": "j",
+    }
+    assert {k: full[k] for k in expected} == expected
+
+
+def test_config_accepts_torchrun_flags() -> None:
+    cfg = config.parse(
+        [
+            "--nnodes",
+            "1:3",
+            "--nproc_per_node",
+            "2",
+            "--max-restarts",
+            "5",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "h:1",
+            "--rdzv-id",
+            "job1",
+            "--node-rank",
+            "0",
+            "--master-port",
+            "1234",
+            "--tee",
+            "3",
+            "--redirects",
+            "3",
+            "--start-method",
+            "spawn",
+            "--role",
+            "r",
+            "--monitor-interval",
+            "0.5",
+            "train.py",
+            "--lr",
+            "0.1",
+        ],
+        {"PHALANX_TOKEN_FILE": "/t", "PHALANX_NODE_ID": "n7"},
+    )
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node, cfg.max_restarts) == (1, 3, 2, 5)
+    assert (cfg.master_addr, cfg.job_id, cfg.node_id, cfg.token_file) == ("h:1", "job1", "n7", "/t")
+    assert cfg.script == "train.py"
+    assert cfg.script_args == ["--lr", "0.1"]
+    assert cfg.monitor_interval_s == 0.5
+    assert len(cfg.notes) == 2  # --node-rank and --master-port are ignored with a note
+    mod = config.parse(["--standalone", "-m", "pkg.train", "x"], {})
+    assert mod.module
+    assert mod.standalone
+    assert (mod.min_nodes, mod.max_nodes) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train.py"],
+        ["--standalone", "--nnodes", "3:2", "t.py"],
+        ["--standalone", "--nproc-per-node", "0", "t"],
+    ],
+)
+def test_config_errors(argv: list[str]) -> None:
+    with pytest.raises(ConfigError):
+        config.parse(argv, {})
+
+
+def test_log_shipper_rate_limits_and_counts_drops() -> None:
+    now = [0.0]
+    shipper = LogShipper(LogSettings(max_lines_per_s=10, max_line_bytes=8), clock=lambda: now[0])
+    for i in range(25):
+        shipper.offer(rank=0, local_rank=0, stream=1, text=f"line {i} is long")
+    batch, dropped = shipper.take()
+    assert len(batch) == 10
+    assert dropped == 15
+    assert batch[0].text == "line 0 i"
+    now[0] = 1.0
+    shipper.offer(rank=0, local_rank=0, stream=1, text="later")
+    assert [line.text for line in shipper.take()[0]] == ["later"]

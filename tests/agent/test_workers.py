@@ -1,0 +1,138 @@
+"""Worker processes through the bootstrap: hand-over, script semantics, output capture, stacks, stopping.
+Real processes, no master."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx.agent import workers
+from phalanx.agent.env import WorkerPaths
+
+pytestmark = pytest.mark.integration
+
+
+def _paths(tmp: Path, lr: int = 0) -> WorkerPaths:
+    d = tmp / f"w{lr}"
+    return WorkerPaths(
+        beacon=d / "beacon", error_file=d / "error.json", stack_file=d / "stacks.txt",
+        regroup_file=d / "regroup.pid", stdout_log=d / "stdout.log", stderr_log=d / "stderr.log",
+    )  # fmt: skip
+
+
+def _start(
+    tmp: Path, body: str, *args: str, env: dict[str, str] | None = None
+) -> tuple[workers.Worker, list]:
+    script = tmp / "scripts" / "prog.py"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(textwrap.dedent(body))
+    spec = workers.LaunchSpec(script=str(script), script_args=list(args), preimport="json")
+    w = workers.spawn(spec, local_rank=0, env={**os.environ, **(env or {})}, cwd=str(tmp), max_line_bytes=100)
+    lines: list = []
+    w.hand_over(
+        env={"RANK": "5"}, paths=_paths(tmp), rank=5, sink=lambda r, lr, s, t: lines.append((r, lr, s, t))
+    )
+    return w, lines
+
+
+def test_runs_the_script_like_python_does(tmp_path: Path) -> None:
+    w, lines = _start(
+        tmp_path,
+        """
+        import os, sys
+        print("name", __name__)
+        print("argv", sys.argv[1:], os.path.basename(sys.argv[0]))
+        print("path0", sys.path[0])
+        print("rank", os.environ["RANK"])
+        print("x" * 500)
+        print("err", file=sys.stderr)
+        """,
+        "--lr",
+        "0.1",
+    )
+    assert w.proc.wait(20) == 0
+    w.close_logs()
+    out = [t for (_, _, s, t) in lines if s == 1]
+    assert out[0] == "name __main__"
+    assert out[1] == "argv ['--lr', '0.1'] prog.py"
+    assert out[2] == f"path0 {tmp_path / 'scripts'}"
+    assert out[3] == "rank 5"
+    assert out[4] == "x" * 100  # bounded line length
+    assert (5, 0, 2, "err") in lines
+    assert "rank 5" in (tmp_path / "w0" / "stdout.log").read_text()
+    assert (tmp_path / "w0" / "stderr.log").read_text() == "err\n"
+
+
+def test_unhandled_exception_exits_1_with_traceback(tmp_path: Path) -> None:
+    w, _ = _start(tmp_path, "raise ValueError('boom')\n")
+    assert w.proc.wait(20) == 1
+    w.close_logs()
+    assert list(w.tail)[-1] == "ValueError: boom"
+    assert w.tail[0].startswith("Traceback")
+
+
+def test_spare_without_hand_over_exits_quietly(tmp_path: Path) -> None:
+    spec = workers.LaunchSpec(script="/nonexistent.py", script_args=[], preimport="")
+    w = workers.spawn(spec, local_rank=0, env=dict(os.environ), cwd=None, max_line_bytes=100)
+    assert w.proc.stdin is not None
+    w.proc.stdin.close()
+    assert w.proc.wait(20) == 0
+
+
+def test_stack_dump_and_stop_kills_the_group(tmp_path: Path) -> None:
+    w, _ = _start(
+        tmp_path,
+        """
+        import signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a worker that ignores SIGTERM gets SIGKILL
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print("child", child.pid, flush=True)
+        def deep_in_training():
+            time.sleep(60)
+        deep_in_training()
+        """,
+    )
+    deadline = time.monotonic() + 20
+    while not any(t.startswith("child") for t in w.tail) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(next(t for t in w.tail if t.startswith("child")).split()[1])
+    stacks = workers.dump_stacks([w], wait_s=3.0)
+    assert "deep_in_training" in stacks[0]
+    start = time.monotonic()
+    codes = workers.stop([w], grace_period_s=0.5)
+    assert codes == {0: -signal.SIGKILL}
+    assert time.monotonic() - start < 5
+    time.sleep(0.2)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_stopped_worker_is_killed_without_grace(tmp_path: Path) -> None:
+    w, _ = _start(tmp_path, "import time\ntime.sleep(60)\n")
+    time.sleep(0.5)
+    os.kill(w.pid, signal.SIGSTOP)
+    time.sleep(0.1)
+    assert workers.is_stopped(w.pid)
+    assert "stopped" in workers.dump_stacks([w])[0]
+    start = time.monotonic()
+    assert workers.stop([w], grace_period_s=10.0) == {0: -signal.SIGKILL}
+    assert time.monotonic() - start < 3
+
+
+def test_bootstrap_runs_modules(tmp_path: Path) -> None:
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text("import sys\nprint('mod', __name__, sys.argv[1:])\n")
+    spec = workers.LaunchSpec(script="mypkg.train", script_args=["a"], module=True, preimport="")
+    w = workers.spawn(spec, local_rank=0, env=dict(os.environ), cwd=str(tmp_path), max_line_bytes=100)
+    w.hand_over(env={}, paths=_paths(tmp_path), rank=0, sink=lambda *a: None)
+    assert w.proc.wait(20) == 0
+    w.close_logs()
+    assert list(w.tail) == ["mod __main__ ['a']"]
+    assert sys.executable

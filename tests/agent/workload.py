@@ -1,0 +1,55 @@
+"""A torch-free training stand-in for agent and cluster tests: steps on a timer, checkpoints the step to a
+JSON file (rank 0, atomically), reports each step with phalanx.report_step and appends one JSON line per
+step to <log-dir>/steps-<pid>.jsonl. Real process, real beacons, no collectives (tests that need those
+use examples/ddp_mlp.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import phalanx
+from phalanx.api import round as round_file
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--step-time", type=float, default=0.1)
+    p.add_argument("--fail-at", type=int, default=-1)
+    p.add_argument("--regroup", action="store_true", help="announce in-process regroup capability")
+    args = p.parse_args()
+    d = Path(args.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ckpt = d / "ckpt.json"
+    start = json.loads(ckpt.read_text())["step"] + 1 if ckpt.exists() else 0
+    if args.regroup:
+        round_file.announce_regroup()
+    log = (d / f"steps-{os.getpid()}.jsonl").open("a")
+    print(f"rank {rank}/{world} starting at step {start}", flush=True)
+    for step in range(start, args.steps):
+        if step == args.fail_at:
+            raise ValueError(f"bad batch at step {step}")
+        time.sleep(args.step_time)
+        info = round_file.read(Path(os.environ["PHALANX_ROUND_FILE"]))
+        if info is not None:
+            rank, world = info.rank(int(os.environ["LOCAL_RANK"])), info.world_size
+        if rank == 0:
+            tmp = ckpt.with_name(f".ckpt.{os.getpid()}")
+            tmp.write_text(json.dumps({"step": step}))
+            tmp.replace(ckpt)
+        phalanx.report_step(step)
+        entry = {"step": step, "time": time.time(), "rank": rank, "world": world, "pid": os.getpid()}
+        entry["round"] = info.round if info else 0
+        entry["node"] = os.environ["PHALANX_NODE_ID"]
+        log.write(json.dumps(entry) + "\n")
+        log.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""`phalanx local` end to end with real faults: SIGKILLed workers and nodes, a SIGSTOPped worker, a killed
+master, and a user error on every rank. The workload is tests/agent/workload.py (torch-free, real beacons)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.agent.helpers import WORKLOAD, phalanx_local, steps
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+BASE = ["--heartbeat-timeout", "2s", "--agent-arg=--no-warm-spares", "--agent-arg=--grace-period=1s"]
+
+
+def run(tmp: Path, *args: str, workload: list[str], timeout: float = 80) -> tuple[int, dict[str, Any], str]:
+    summary = tmp / "summary.json"
+    proc = phalanx_local(
+        [
+            *BASE,
+            "--workdir",
+            str(tmp / "wd"),
+            "--summary-json",
+            str(summary),
+            *args,
+            "--",
+            str(WORKLOAD),
+            "--dir",
+            str(tmp / "d"),
+            *workload,
+        ],
+        cwd=tmp,
+        timeout=timeout,
+    )
+    out = proc.stdout + proc.stderr
+    assert summary.exists(), out
+    return proc.returncode, json.loads(summary.read_text()), out
+
+
+def test_worker_sigkill_restarts_in_place(tmp_path: Path) -> None:
+    code, s, out = run(
+        tmp_path,
+        "--nodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--inject",
+        "kill-worker@step=8,node=1,rank=1",
+        workload=["--steps", "30", "--step-time", "0.1"],
+    )
+    assert code == 0, out
+    assert s["exit"] == "succeeded"
+    (f,) = s["failures"]
+    assert f["kind"] == "kill-worker"
+    assert f["node"] == "node-1"
+    assert f["detected_at"] is not None
+    assert f["recovered_at"] is not None
+    assert f["steps_lost"] == 0
+    assert s["evictions"] == []
+    assert s["rounds"] >= 2
+    lines = steps(tmp_path / "d")
+    assert max(e["step"] for e in lines) == 29
+    # The node's workers were restarted: new processes in a later round, same world size.
+    later = [e for e in lines if e["round"] >= 2]
+    assert later
+    assert {e["world"] for e in later} == {4}
+    assert {e["pid"] for e in later}.isdisjoint({e["pid"] for e in lines if e["round"] == 1})
+
+
+def test_node_sigkill_survivors_shrink_then_replacement_joins(tmp_path: Path) -> None:
+    code, s, out = run(
+        tmp_path,
+        "--nodes",
+        "2:3",
+        "--nproc-per-node",
+        "2",
+        "--replace-delay",
+        "4s",
+        "--inject",
+        "kill-node@step=8,node=2",
+        workload=["--steps", "110", "--step-time", "0.1"],
+    )
+    assert code == 0, out
+    (ev,) = s["evictions"]
+    assert ev["node_id"] == "node-2"
+    assert ev["replacement"] == "node-3"
+    (f,) = s["failures"]
+    assert f["recovered_at"] is not None
+    assert "evicted node-2" in f["action"]
+    lines = steps(tmp_path / "d")
+    rounds: dict[int, set[str]] = {}
+    for e in lines:
+        rounds.setdefault(e["round"], set()).add(e["node"])
+    assert rounds[1] == {"node-0", "node-1", "node-2"}
+    # First the survivors alone (world 4), then a later round with the replacement (world 6).
+    small = [r for r, nodes in rounds.items() if nodes == {"node-0", "node-1"}]
+    grown = [r for r, nodes in rounds.items() if nodes == {"node-0", "node-1", "node-3"}]
+    assert small, rounds
+    assert grown, rounds
+    assert min(grown) > min(small)
+    assert {e["world"] for e in lines if e["round"] == min(small)} == {4}
+    assert max(e["step"] for e in lines) == 109
+
+
+def test_hung_worker_is_detected_and_recovered(tmp_path: Path) -> None:
+    code, s, out = run(
+        tmp_path,
+        "--nodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--agent-arg=--hang-floor=2s",
+        "--inject",
+        "hang-worker@step=8,node=0,rank=1",
+        workload=["--steps", "50", "--step-time", "0.1"],
+    )
+    assert code == 0, out
+    (f,) = s["failures"]
+    assert f["kind"] == "hang-worker"
+    assert f["detected_at"] is not None
+    assert 1.5 < f["detected_at"] - f["injected_at"] < 10
+    assert f["recovered_at"] is not None
+    assert "hung: no progress past step" in (tmp_path / "wd" / "node-0.log").read_text()
+    assert max(e["step"] for e in steps(tmp_path / "d")) == 49
+
+
+def test_master_restart_does_not_interrupt_training(tmp_path: Path) -> None:
+    code, s, out = run(
+        tmp_path,
+        "--nodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--inject",
+        "kill-master@step=10",
+        workload=["--steps", "60", "--step-time", "0.1"],
+    )
+    assert code == 0, out
+    assert "master_resumed" in out
+    (f,) = s["failures"]
+    assert f["kind"] == "kill-master"
+    assert f["recovered_at"] is not None
+    lines = steps(tmp_path / "d")
+    # The same four worker processes ran every step, in round 1: nothing was restarted.
+    assert len({e["pid"] for e in lines}) == 4
+    assert {e["round"] for e in lines} == {1}
+    assert max(e["step"] for e in lines) == 59
+    assert s["rounds"] == 1
+
+
+def test_user_error_on_every_rank_fails_fast(tmp_path: Path) -> None:
+    code, s, _ = run(
+        tmp_path,
+        "--nodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        workload=["--steps", "50", "--step-time", "0.05", "--fail-at", "5"],
+    )
+    assert code != 0
+    assert s["exit"] == "failed"
+    assert "bad batch at step 5" in s["reason"], s
+    assert s["wall_seconds"] < 30
+    assert s["rounds"] == 1  # failed at once, no restart
+
+
+def test_regroup_capable_workers_survive_membership_changes(tmp_path: Path) -> None:
+    code, s, out = run(
+        tmp_path,
+        "--nodes",
+        "2:3",
+        "--nproc-per-node",
+        "2",
+        "--replace-delay",
+        "3s",
+        "--inject",
+        "kill-node@step=8,node=2",
+        workload=["--steps", "100", "--step-time", "0.1", "--regroup"],
+    )
+    assert code == 0, out
+    assert s["evictions"][0]["replacement"] == "node-3"
+    lines = steps(tmp_path / "d")
+    survivors = [e for e in lines if e["node"] in ("node-0", "node-1")]
+    # The survivors' processes were never restarted: the agents rewrote the round file instead.
+    assert len({e["pid"] for e in survivors}) == 4
+    worlds = [e["world"] for e in survivors]
+    assert worlds[0] == 6
+    assert 4 in worlds
+    assert worlds[-1] == 6  # the replacement joined a later round
+    assert {e["node"] for e in lines if e["round"] == max(e["round"] for e in lines)} == {
+        "node-0",
+        "node-1",
+        "node-3",
+    }
+    assert "regrouped in place" in (tmp_path / "wd" / "node-0.log").read_text()

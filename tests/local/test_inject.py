@@ -1,0 +1,56 @@
+"""The --inject spec parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx.api.errors import ConfigError
+from phalanx.local.inject import Injection, parse, validate
+
+
+def test_parse_forms() -> None:
+    assert parse("kill-worker@step=20,node=1,rank=1") == Injection(
+        kind="kill-worker", step=20, node=1, rank=1, spec="kill-worker@step=20,node=1,rank=1"
+    )
+    node = parse("kill-node@after=2.5s,node=2")
+    assert (node.kind, node.after_s, node.node, node.step) == ("kill-node", 2.5, 2, None)
+    assert parse("kill-master@after=500ms").after_s == 0.5
+    hang = parse("hang-worker@step=3,after=1")
+    assert (hang.step, hang.after_s, hang.node, hang.rank) == (3, 1.0, 0, 0)
+
+
+def test_due() -> None:
+    both = parse("kill-worker@step=10,after=5")
+    assert not both.due(step=10, elapsed_s=4)
+    assert not both.due(step=9, elapsed_s=6)
+    assert both.due(step=10, elapsed_s=5)
+    assert parse("kill-worker@step=10").due(step=11, elapsed_s=0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("kill-gpu@step=1", "unknown fault 'kill-gpu'"),
+        ("kill-worker", "needs a trigger"),
+        ("kill-worker@", "needs a trigger"),
+        ("kill-worker@node=1", "needs step= or after="),
+        ("kill-worker@step", "expected key=value"),
+        ("kill-worker@step=x", "whole number"),
+        ("kill-worker@step=-1", "cannot be negative"),
+        ("kill-node@step=1,rank=1", "kill-node does not take rank="),
+        ("kill-master@step=1,node=0", "kill-master does not take node="),
+        ("kill-worker@step=1,step=2", "given twice"),
+        ("kill-worker@after=soon", "duration"),
+    ],
+)
+def test_errors_say_what_is_wrong(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(spec)
+
+
+def test_validate_targets() -> None:
+    validate([parse("kill-worker@step=1,node=2,rank=1")], initial_nodes=3, nproc_per_node=2)
+    with pytest.raises(ConfigError, match="only 3 nodes"):
+        validate([parse("kill-node@step=1,node=3")], initial_nodes=3, nproc_per_node=2)
+    with pytest.raises(ConfigError, match="runs 2 processes"):
+        validate([parse("kill-worker@step=1,rank=2")], initial_nodes=3, nproc_per_node=2)
