@@ -1,0 +1,151 @@
+"""Static checks of the Dockerfile and .dockerignore: what would break `docker build` or ship a bad image.
+
+No Docker engine runs on the development machines, so these read the files and compare them with the
+repository: COPY sources exist and are in the build context, the targets exist, extras exist in
+pyproject.toml, the runtime user is not root, nothing is fetched with ADD.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.shipping.dockerfile import DockerIgnore, Stage, copy_sources, exec_form, files_under, stages
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXT = (ROOT / "Dockerfile").read_text()
+STAGES = {s.name: s for s in stages(TEXT)}
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+IGNORE = DockerIgnore((ROOT / ".dockerignore").read_text())
+
+
+def _chain(name: str) -> list[Stage]:
+    """The stage and the stages it builds FROM, nearest first."""
+    chain = []
+    while name in STAGES:
+        chain.append(STAGES[name])
+        name = STAGES[name].base
+    return chain
+
+
+def _last(name: str, keyword: str) -> str | None:
+    for stage in _chain(name):
+        for kw, args in reversed(stage.instructions):
+            if kw == keyword:
+                return args
+    return None
+
+
+def _installed_extras(name: str) -> set[str]:
+    extras: set[str] = set()
+    for stage in _chain(name):
+        for kw, args in stage.instructions:
+            if kw == "RUN" and "pip install" in args:
+                # `pip install "${wheel}[a,b]"`, `pip install ".[a]"` or `pip install x.whl[a]`
+                for group in re.findall(r"(?:\}|\.whl|\.)\[([\w,\s-]+)\]", args):
+                    extras.update(e.strip() for e in group.split(",") if e.strip())
+    return extras
+
+
+def test_targets_and_base_images() -> None:
+    assert {"base", "train"} <= STAGES.keys()
+    assert _chain("train")[1].name == "base", "train must build on base (one tested install, plus torch)"
+    arg = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", TEXT, flags=re.MULTILINE)
+    assert arg
+    assert arg[1] == "python:3.11-slim"
+    minimum = PYPROJECT["project"]["requires-python"].removeprefix(">=")
+    assert tuple(map(int, arg[1].split(":")[1].split("-")[0].split("."))) >= tuple(
+        map(int, minimum.split("."))
+    )
+    for stage in STAGES.values():
+        assert stage.base in STAGES or stage.base == "${PYTHON_IMAGE}", (
+            f"{stage.name}: unpinned base {stage.base}"
+        )
+
+
+def test_copy_sources_exist_and_are_in_the_build_context() -> None:
+    copied: list[str] = []
+    for stage in STAGES.values():
+        for kw, args in stage.instructions:
+            assert kw != "ADD", "use COPY (ADD fetches URLs and unpacks archives implicitly)"
+            if kw != "COPY":
+                continue
+            sources, from_stage = copy_sources(args)
+            if from_stage:
+                continue
+            for src in sources:
+                assert (ROOT / src).exists(), f"COPY {src}: no such file in the repository"
+                files = files_under(ROOT, src)
+                assert files, f"COPY {src}: empty"
+                excluded = [f for f in files if IGNORE.excluded(f) and "__pycache__" not in f]
+                assert not excluded, f"COPY {src}: .dockerignore leaves out {excluded[:5]}"
+                copied.append(src)
+    # What the wheel build reads must be copied: the project table and the files it names.
+    assert "pyproject.toml" in copied
+    assert "src" in {c.rstrip("/") for c in copied}
+    assert PYPROJECT["project"]["readme"] in copied
+
+
+def test_dockerignore_keeps_local_state_out() -> None:
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/shipping/test_dockerfile.py",
+        "charts/phalanx/Chart.yaml",
+    ):
+        assert IGNORE.excluded(path), path
+    assert IGNORE.excluded("src/phalanx/__pycache__/x.cpython-311.pyc")
+    assert not IGNORE.excluded("src/phalanx/__init__.py")
+
+
+def test_extras_exist_and_base_stays_free_of_torch() -> None:
+    optional = PYPROJECT["project"]["optional-dependencies"]
+    base, train = _installed_extras("base"), _installed_extras("train")
+    assert base
+    assert train > base
+    assert (base | train) <= optional.keys(), f"unknown extras {(base | train) - optional.keys()}"
+    base_requirements = " ".join(
+        PYPROJECT["project"]["dependencies"] + [r for e in base for r in optional[e]]
+    )
+    assert "torch" not in base_requirements, "the base image (operator, master) must not install torch"
+    assert any(r.startswith("torch") for r in optional["train"])
+    assert "train" in train
+
+
+@pytest.mark.parametrize("target", ["base", "train"])
+def test_runs_as_non_root_with_the_phalanx_entrypoint(target: str) -> None:
+    user = _last(target, "USER")
+    assert user is not None, f"{target}: no USER"
+    assert user.split(":")[0] not in ("root", "0"), f"{target} runs as {user}"
+    entrypoint = _last(target, "ENTRYPOINT")
+    assert entrypoint is not None
+    program = exec_form(entrypoint)[0]
+    assert program in PYPROJECT["project"]["scripts"], f"{program} is not a console script of phalanx"
+    assert program == "phalanx"
+    # The uid the chart's securityContext names must be the image's.
+    chart = (ROOT / "charts" / "phalanx" / "templates" / "deployment.yaml").read_text()
+    uid = user.split(":")[0]
+    assert f"runAsUser: {uid}" in chart
+
+
+def test_labels_name_the_image() -> None:
+    labels = " ".join(args for kw, args in STAGES["base"].instructions if kw == "LABEL")
+    for key in ("title", "source", "licenses", "version"):
+        assert f"org.opencontainers.image.{key}=" in labels
+    assert f'licenses="{PYPROJECT["project"]["license"]}"' in labels
+    version = re.search(r"^ARG VERSION=(\S+)$", TEXT, flags=re.MULTILINE)
+    assert version
+    assert version[1] == PYPROJECT["project"]["version"]
+
+
+def test_dockerignore_reader_follows_dockers_rules() -> None:
+    rules = DockerIgnore("# comment\n**\n!src/\n**/*.pyc\n!src/keep.pyc\ndocs/*.md\n")
+    assert rules.excluded("README.md")
+    assert not rules.excluded("src/a/b.py")  # re-included folder covers what is inside
+    assert rules.excluded("src/a/b.pyc")
+    assert not rules.excluded("src/keep.pyc")  # the last matching pattern wins
+    assert DockerIgnore("docs/*.md\n").excluded("docs/x.md")
+    assert not DockerIgnore("docs/*.md\n").excluded("docs/sub/x.md")  # `*` stops at a slash
