@@ -1,0 +1,319 @@
+"""Flash-checkpoint benchmark: phalanx against torch.save, DCP async_save and DLRover's flash checkpoint.
+
+Saves the same state (8 fp32 Linear layers plus their Adam state, ``--size-gb`` GiB in all) with every
+method and prints one JSON object with medians of ``--repeats`` saves. DLRover runs in a throwaway venv
+(``--dlrover-python``, e.g. made with ``python -m venv /tmp/dlrover-venv && /tmp/dlrover-venv/bin/pip
+install 'dlrover[torch]==0.6.1' grpcio``); without it the result says why.
+
+    python benchmarks/checkpoint.py --size-gb 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def build_state(size_bytes: int) -> dict[str, Any]:
+    """8 Linear layers and an Adam state after one step: parameters + exp_avg + exp_avg_sq = size."""
+    params = size_bytes // 12  # fp32 parameter + two fp32 Adam moments
+    d = int(math.sqrt(params / 8))
+    model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(8)])
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+
+
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors_of(v)]
+    if isinstance(state, list | tuple):
+        return [t for v in state for t in tensors_of(v)]
+    return []
+
+
+def nbytes(state: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_of(state))
+
+
+def median_of(fn: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def memcpy_limit(state: Any, repeats: int) -> dict[str, float]:
+    """Copying the tensors into already-touched memory: the floor for any in-memory save."""
+    tensors = tensors_of(state)
+    dst = [torch.empty_like(t) for t in tensors]
+    for d in dst:
+        d.fill_(0)  # touch every page
+
+    def copy() -> None:
+        for d, t in zip(dst, tensors, strict=True):
+            d.copy_(t)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    one = median_of(copy, repeats)
+    torch.set_num_threads(threads)
+    many = median_of(copy, repeats)
+    fresh_started = time.perf_counter()
+    fresh = [torch.empty_like(t) for t in tensors]
+    for d, t in zip(fresh, tensors, strict=True):
+        d.copy_(t)
+    fresh_s = time.perf_counter() - fresh_started
+    return {"one_thread_s": one, f"{threads}_threads_s": many, "fresh_memory_s": fresh_s}
+
+
+def bench_phalanx(state: Any, repeats: int, workdir: Path) -> dict[str, Any]:
+    from phalanx.checkpoint import Checkpointer
+    from phalanx.checkpoint import host as host_mod
+
+    results: dict[str, Any] = {}
+    for prepared in (False, True):
+        job = f"bench-{uuid.uuid4().hex[:8]}"
+        store = workdir / f"phalanx-{job}"
+        handle = host_mod.start(job_id=job, storage=str(store), socket_path=workdir / f"{job}.sock")
+        try:
+            ckpt = Checkpointer(
+                job_id=job, storage=str(store), host_socket=str(handle.socket_path), rank=0, world_size=1
+            )
+            if prepared:
+                ckpt.prepare(state)  # what a training script does once its state exists
+                ckpt.wait_prepared()
+            started = time.perf_counter()
+            ckpt.save(1, state)
+            first = time.perf_counter() - started
+            if not prepared:
+                results["first_unprepared_blocking_s"] = first
+                ckpt.close()
+                continue
+            results["first_blocking_s"] = first
+            steps = iter(range(2, 2 + 10 * repeats))
+            saves = []
+            for _ in range(max(repeats, 5)):
+                started = time.perf_counter()
+                ckpt.save(next(steps), state)
+                saves.append(time.perf_counter() - started)
+            results["blocking_s"] = statistics.median(saves)
+            persists, persist_blocking = [], []
+            for _ in range(3):
+                step = next(steps)
+                started = time.perf_counter()
+                ckpt.save(step, state, persist=True)
+                persist_blocking.append(time.perf_counter() - started)
+                ckpt.wait()
+                persists.append(time.perf_counter() - started)
+            results["persist_s"] = statistics.median(persists)
+            results["persist_blocking_s"] = statistics.median(persist_blocking)
+            started = time.perf_counter()
+            ckpt.load()
+            results["load_from_memory_s"] = time.perf_counter() - started
+            ckpt.close()
+        finally:
+            handle.stop()
+            shutil.rmtree(store, ignore_errors=True)
+    return results
+
+
+def bench_torch_save(state: Any, repeats: int, directory: Path) -> dict[str, Any]:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"bench-{uuid.uuid4().hex[:8]}.pt"
+    try:
+        first_started = time.perf_counter()
+        torch.save(state, path)
+        first = time.perf_counter() - first_started
+        return {"first_blocking_s": first, "blocking_s": median_of(lambda: torch.save(state, path), repeats)}
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def bench_dcp(state: Any, repeats: int, workdir: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/dcp-store", rank=0, world_size=1)
+    blocking, total = [], []
+    for i in range(repeats):
+        target = workdir / f"dcp-{i}"
+        started = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=str(target))
+        blocking.append(time.perf_counter() - started)
+        future.result()
+        total.append(time.perf_counter() - started)
+        shutil.rmtree(target, ignore_errors=True)
+    dist.destroy_process_group()
+    return {
+        "first_blocking_s": blocking[0],
+        "blocking_s": statistics.median(blocking),
+        "total_s": statistics.median(total),
+    }
+
+
+DLROVER_SCRIPT = r"""
+import json, math, os, shutil, statistics, sys, time
+import torch, torch.distributed as dist
+from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+size, repeats, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{workdir}/dl-store", rank=0, world_size=1)
+params = size // 12
+d = int(math.sqrt(params / 8))
+model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(8)])
+opt = torch.optim.Adam(model.parameters())
+for p in model.parameters():
+    p.grad = torch.full_like(p, 1e-3)
+opt.step()
+state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+ckpt = DdpCheckpointer(os.path.join(workdir, "dlrover-ckpt"))
+ours = None
+if os.environ.get("BENCH_PHALANX_SRC"):  # phalanx in the same process, saves interleaved with DLRover's
+    sys.path.insert(0, os.environ["BENCH_PHALANX_SRC"])
+    os.environ["PYTHONPATH"] = os.environ["BENCH_PHALANX_SRC"]  # for the host process
+    from phalanx.checkpoint import Checkpointer
+    from phalanx.checkpoint import host as host_mod
+    job = f"bench-dl-{os.getpid()}"
+    handle = host_mod.start(job_id=job, socket_path=os.path.join(workdir, "dl-ph.sock"))
+    ours = Checkpointer(job_id=job, host_socket=str(handle.socket_path), rank=0, world_size=1)
+    ours.prepare(state)
+    ours.wait_prepared()
+times, mine = [], []
+for step in range(1, repeats + 2):
+    t = time.perf_counter()
+    ckpt.save_checkpoint(step, state, storage_type=StorageType.MEMORY)
+    times.append(time.perf_counter() - t)
+    if ours is not None:
+        t = time.perf_counter()
+        ours.save(step, state)
+        mine.append(time.perf_counter() - t)
+t = time.perf_counter()
+path = os.path.join(workdir, "dlrover-ckpt", "x.pt")
+ckpt.save_checkpoint(repeats + 2, state, path, storage_type=StorageType.DISK)
+disk_blocking = time.perf_counter() - t
+result = {"first_blocking_s": times[0], "blocking_s": statistics.median(times[1:])}
+result["disk_blocking_s"] = disk_blocking
+if ours is not None:
+    result["phalanx_interleaved"] = {"first_blocking_s": mine[0], "blocking_s": statistics.median(mine[1:])}
+    ours.close()
+    handle.stop()
+print("RESULT " + json.dumps(result), flush=True)
+os._exit(0)
+"""
+
+
+DLROVER_SOCKETS = "/tmp/ckpt_sock"  # DLRover's fixed socket directory (dlrover.python.common.multi_process)
+
+
+def bench_dlrover(python: str, size: int, repeats: int, workdir: Path) -> dict[str, Any]:
+    if not Path(python).exists():
+        return {"error": f"no DLRover environment at {python} (pip install 'dlrover[torch]==0.6.1' there)"}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["BENCH_PHALANX_SRC"] = str(Path(__file__).resolve().parents[1] / "src")
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", NODE_RANK="0", GROUP_RANK="0")
+    shutil.rmtree(DLROVER_SOCKETS, ignore_errors=True)  # stale sockets of an earlier, killed run
+    before = set(os.listdir("/dev/shm"))
+    log = (workdir / "dlrover.log").open("w")
+    proc = subprocess.Popen(
+        [python, "-c", DLROVER_SCRIPT, str(size), str(repeats), str(workdir)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,  # DLRover's saver process outlives the script; the group is killed below
+    )
+    assert proc.stdout is not None
+    result: dict[str, Any] = {}
+    deadline = time.monotonic() + 600
+    try:
+        for line in proc.stdout:  # DLRover's saver keeps the process alive after the script ends
+            if line.startswith("RESULT "):
+                result = json.loads(line[7:])
+                break
+            if time.monotonic() > deadline:
+                result = {"error": "DLRover did not finish within 600 s"}
+                break
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        log.close()
+        if not result:
+            tail = [line for line in (workdir / "dlrover.log").read_text().splitlines() if "INFO" not in line]
+            result = {"error": f"DLRover exited {proc.returncode} without a result: {tail[-3:]}"}
+        shutil.rmtree(DLROVER_SOCKETS, ignore_errors=True)
+        for name in set(os.listdir("/dev/shm")) - before:  # DLRover's segments (ckpt_shm_*)
+            path = Path("/dev/shm") / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workdir", default="")
+    parser.add_argument("--dlrover-python", default="/tmp/dlrover-venv/bin/python")
+    parser.add_argument(
+        "--only", default="", help="comma-separated subset: memcpy,phalanx,disk,shm,dcp,dlrover"
+    )
+    args = parser.parse_args()
+    only = set(args.only.split(",")) if args.only else {"memcpy", "phalanx", "disk", "shm", "dcp", "dlrover"}
+    size = int(args.size_gb * (1 << 30))
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="phalanx-bench-", dir="/tmp"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    state = build_state(size)
+    out: dict[str, Any] = {
+        "name": "checkpoint",
+        "size_bytes": nbytes(state),
+        "torch_threads": torch.get_num_threads(),
+    }
+    results: dict[str, Any] = {}
+    try:
+        if "memcpy" in only:
+            limits = memcpy_limit(state, args.repeats)
+            out["memcpy_limit_s"] = limits["one_thread_s"]
+            out["memcpy"] = limits
+        if "phalanx" in only:
+            results["phalanx"] = bench_phalanx(state, args.repeats, workdir)
+        if "disk" in only:
+            results["torch_save_disk"] = bench_torch_save(state, args.repeats, workdir / "disk")
+        if "shm" in only:
+            results["torch_save_shm"] = bench_torch_save(state, args.repeats, Path("/dev/shm") / workdir.name)
+        if "dcp" in only:
+            results["dcp_async"] = bench_dcp(state, args.repeats, workdir)
+        if "dlrover" in only:
+            results["dlrover"] = bench_dlrover(args.dlrover_python, size, args.repeats, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(Path("/dev/shm") / workdir.name, ignore_errors=True)
+    out["results"] = results
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

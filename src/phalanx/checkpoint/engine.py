@@ -1,0 +1,401 @@
+"""The training-side flash checkpoint: :class:`Checkpointer`.
+
+``save`` copies the state's tensors raw into this rank's shared-memory slot and returns; the node's
+checkpoint host (see :mod:`phalanx.checkpoint.host`) persists it in the background when asked.
+``load`` returns the newest step every rank holds, from memory when this node kept it, else from
+storage (see :mod:`phalanx.checkpoint.restore`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phalanx.api.errors import CheckpointError, PersistError
+from phalanx.checkpoint import codec, protocol, shm
+from phalanx.checkpoint.storage import LocalStorage, open_storage
+
+_GROWTH = 1.1  # headroom when a slot is (re)allocated, so a slightly bigger state does not reallocate
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+class _Slots:
+    """This rank's two slots, mapped, with a uint8 tensor view over each."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.segments = [shm.Segment(p) for p in paths]
+        self.views = [torch.frombuffer(s.buf, dtype=torch.uint8) for s in self.segments]
+        self.size = min(s.size for s in self.segments)
+        self.registered = False
+        self._prefaulting: list[threading.Thread] = []
+
+    def prefault_async(self, indices: list[int]) -> None:
+        """Populates this process's page tables of some slots on a background thread (madvise releases
+        the GIL), so the next copy into them takes no page faults."""
+
+        def run() -> None:
+            for i in indices:
+                with contextlib.suppress(OSError, ValueError):
+                    self.segments[i].prefault()
+
+        thread = threading.Thread(target=run, name="phalanx-ckpt-prefault", daemon=True)
+        thread.start()
+        self._prefaulting.append(thread)
+
+    def register_cuda(self) -> None:
+        """Pins the slots for fast device-to-host copies (cudaHostRegister)."""
+        if self.registered or not torch.cuda.is_available():
+            return
+        for view in self.views:
+            torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+                view.data_ptr(), view.numel(), 0
+            )
+        self.registered = True
+
+    def close(self) -> None:
+        for thread in self._prefaulting:  # never unmap under a running madvise
+            thread.join()
+        if self.registered:
+            for view in self.views:
+                with contextlib.suppress(RuntimeError):
+                    torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
+                        view.data_ptr()
+                    )
+        self.views.clear()  # the buffer exports must go before the mmaps can close
+        for seg in self.segments:
+            seg.close()
+
+
+class Checkpointer:
+    """Saves a rank's training state to node-local shared memory and loads the newest consistent one.
+
+    Ranks and the job come from the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``PHALANX_CHECKPOINT_*``) unless given. Without a host advertised in the environment, local rank 0
+    starts one (detached, so it survives the training process) and the other local ranks connect to it.
+    """
+
+    def __init__(
+        self,
+        *,
+        storage: str | None = None,
+        keep_last: int = 2,
+        rank: int | None = None,
+        world_size: int | None = None,
+        local_rank: int | None = None,
+        job_id: str | None = None,
+        shm_dir: str | None = None,
+        host_socket: str | None = None,
+        host_idle_exit_s: float = 300.0,
+        copy_threads: int = 1,
+    ) -> None:
+        env = os.environ
+        self.rank = rank if rank is not None else _env_int("RANK", 0)
+        self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
+        self.local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK", 0)
+        self.job_id = job_id or protocol.job_id_from_env(env)
+        self.shm_dir = Path(shm_dir or env.get(protocol.ENV_SHM_DIR) or "/dev/shm")
+        location = storage if storage is not None else env.get(protocol.ENV_STORAGE, "")
+        self.storage_location = location
+        self.storage: LocalStorage | None = open_storage(location) if location else None
+        self.keep_last = keep_last
+        self.host_socket = host_socket or env.get(protocol.ENV_SOCKET) or self._default_socket()
+        self.host_idle_exit_s = host_idle_exit_s
+        # A copy into memory is bound by memory bandwidth: one thread reaches it, and more threads only
+        # take cores from the training process's neighbours (measured: benchmarks/checkpoint.py).
+        self.copy_threads = copy_threads
+        self._client: protocol.HostClient | None = None
+        self._own_host: Any = None  # the HostHandle of a host this process started
+        self._slots: _Slots | None = None
+        self._prepare: threading.Thread | None = None
+        self._prepare_error: BaseException | None = None
+        self._persisting: list[int] = []
+        self.last_load: dict[str, Any] = {}
+        self.last_save: dict[str, Any] = {}
+
+    def _default_socket(self) -> str:
+        import tempfile
+
+        return str(
+            Path(tempfile.gettempdir()) / f"phalanx-ckpt-{shm.sanitize_job(self.job_id)}-{os.getuid()}.sock"
+        )
+
+    # ---------------------------------------------------------------------------------------------
+    # The host
+
+    def client(self) -> protocol.HostClient:
+        """The connection to this node's checkpoint host, starting the host if this is local rank 0."""
+        if self._client is not None:
+            return self._client
+        try:
+            self._client = protocol.HostClient(self.host_socket, timeout_s=2.0)
+            return self._client
+        except CheckpointError:
+            if self.local_rank != 0 or protocol.ENV_SOCKET in os.environ:
+                return self._connect_retry()
+        from phalanx.checkpoint import host
+
+        self._own_host = host.start(
+            job_id=self.job_id,
+            storage=self.storage_location,
+            keep_last=self.keep_last,
+            shm_dir=self.shm_dir,
+            socket_path=self.host_socket,
+            idle_exit_s=self.host_idle_exit_s,
+            watch_parent=False,
+            detach=True,
+        )
+        return self._connect_retry()
+
+    def _connect_retry(self, timeout_s: float = 30.0) -> protocol.HostClient:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._client = protocol.HostClient(self.host_socket, timeout_s=2.0)
+                return self._client
+            except CheckpointError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    # ---------------------------------------------------------------------------------------------
+    # Memory
+
+    def _open_existing(self) -> _Slots | None:
+        paths = [shm.slot_path(self.shm_dir, self.job_id, self.rank, s) for s in range(shm.SLOTS)]
+        if not all(p.exists() for p in paths):
+            return None
+        try:
+            return _Slots(paths)
+        except (OSError, ValueError):
+            return None
+
+    def _allocate(self, size: int, *, prefault: bool) -> None:
+        reply = self.client().call({"op": "alloc", "rank": self.rank, "size": size})
+        if not reply.get("ok"):
+            raise CheckpointError(str(reply.get("error")))
+        slots = _Slots([Path(p) for p in reply["paths"]])
+        if prefault:
+            for seg in slots.segments:
+                seg.prefault()
+        old, self._slots = self._slots, slots
+        if old is not None:
+            old.close()
+
+    def _needed(self, flat: codec.Flat, meta_len: int) -> int:
+        return shm.align(shm.HEADER_SIZE + meta_len, shm.PAGE) + flat.data_len
+
+    def prepare(self, state: Any) -> None:
+        """Allocates and prefaults the slots for a state like ``state`` on a background thread, so that
+        the first :meth:`save` costs what every later one does. Optional; call it as early as the
+        state's shape is known (for Adam: after the first optimizer step)."""
+        flat = codec.flatten(state)
+        size = int(self._needed(flat, 2 * len(json.dumps(flat.skeleton)) + 65536) * _GROWTH)
+
+        def run() -> None:
+            try:
+                existing = self._slots or self._open_existing()
+                if existing is not None and existing.size >= size:
+                    self._slots = existing
+                    for seg in existing.segments:
+                        seg.prefault()
+                    return
+                if existing is not None:
+                    existing.close()
+                self._allocate(size, prefault=True)
+            except BaseException as exc:
+                self._prepare_error = exc
+
+        self._prepare = threading.Thread(target=run, name="phalanx-ckpt-prepare", daemon=True)
+        self._prepare.start()
+
+    def wait_prepared(self) -> None:
+        """Waits for a :meth:`prepare` in progress; raises CheckpointError if it failed."""
+        if self._prepare is not None:
+            self._prepare.join()
+            self._prepare = None
+        if self._prepare_error is not None:
+            error, self._prepare_error = self._prepare_error, None
+            raise CheckpointError(f"preparing the checkpoint memory failed: {error}") from error
+
+    def _ensure(self, size: int) -> _Slots:
+        self.wait_prepared()
+        if self._slots is None:
+            self._slots = self._open_existing()
+        if self._slots is None or self._slots.size < size:
+            self._allocate(int(size * _GROWTH), prefault=False)
+            assert self._slots is not None
+            self._slots.prefault_async([1])  # this save fills slot 0 itself; the next one uses slot 1
+        assert self._slots is not None
+        return self._slots
+
+    def _pick_slot(self, slots: _Slots) -> tuple[int, int]:
+        """The slot to write and the next sequence number: never the one the persister has pinned, else
+        the one not holding the newest complete snapshot."""
+        headers = [seg.header() for seg in slots.segments]
+        seq = max(h.seq for h in headers) + 1
+        if headers[0].pin:
+            return 1, seq
+        if headers[1].pin:
+            return 0, seq
+        for i, h in enumerate(headers):
+            if not h.complete:
+                return i, seq
+        return (0 if headers[0].seq < headers[1].seq else 1), seq
+
+    def save(self, step: int, state: Any, *, persist: bool = False) -> None:
+        """Copies ``state`` into shared memory; returns once the copy is complete.
+
+        With ``persist=True`` the host then writes this snapshot to storage in the background; see
+        :meth:`wait`. A crash during the copy leaves the previous snapshot intact.
+        """
+        started = time.perf_counter()
+        flat = codec.flatten(state)
+        meta = json.dumps(
+            {
+                "format": 1,
+                "step": step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "skeleton": flat.skeleton,
+                "tensors": flat.table,
+            },
+            separators=(",", ":"),
+        ).encode()
+        data_off = shm.align(shm.HEADER_SIZE + len(meta), shm.PAGE)
+        slots = self._ensure(data_off + flat.data_len)
+        index, seq = self._pick_slot(slots)
+        seg, view = slots.segments[index], slots.views[index]
+        writing = shm.SlotHeader(
+            state=shm.STATE_WRITING, seq=seq, step=step, rank=self.rank, world_size=self.world_size
+        )
+        shm.pack_header(seg.buf, writing)
+        seg.buf[shm.HEADER_SIZE : shm.HEADER_SIZE + len(meta)] = meta
+        on_device = any(t.is_cuda for t in flat.tensors)
+        if on_device:
+            slots.register_cuda()
+        threads = torch.get_num_threads()
+        if self.copy_threads and threads != self.copy_threads:
+            torch.set_num_threads(self.copy_threads)
+        try:
+            for t, entry in zip(flat.tensors, flat.table, strict=True):
+                start = data_off + entry["offset"]
+                dst = view[start : start + entry["nbytes"]].view(t.dtype).view(t.shape)
+                dst.copy_(t, non_blocking=on_device)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+        if on_device:
+            torch.cuda.synchronize()
+        shm.pack_header(
+            seg.buf,
+            shm.SlotHeader(
+                state=shm.STATE_COMPLETE,
+                seq=seq,
+                step=step,
+                meta_len=len(meta),
+                data_off=data_off,
+                data_len=flat.data_len,
+                rank=self.rank,
+                world_size=self.world_size,
+            ),
+        )
+        self.last_save = {"step": step, "slot": index, "seconds": time.perf_counter() - started}
+        if persist:
+            self.persist(step)
+
+    def persist(self, step: int) -> None:
+        """Asks the host to persist the in-memory snapshot of ``step`` in the background."""
+        if self.storage is None:
+            raise PersistError(
+                "persisting needs a checkpoint storage location (storage= or PHALANX_CHECKPOINT_STORAGE)"
+            )
+        # Pin the slot now, not when the host gets to it: later saves then go to the other slot and
+        # cannot overwrite this snapshot while it waits in the host's queue. The host unpins it.
+        pinned = None
+        for seg in self.memory_slots(self.rank):
+            header = seg.header()
+            if header.complete and header.step == step:
+                pinned = seg
+                shm.set_pin(seg.buf, 1)
+        reply = self.client().call({"op": "persist", "rank": self.rank, "step": step})
+        if not reply.get("ok"):
+            if pinned is not None:
+                shm.set_pin(pinned.buf, 0)
+            raise PersistError(str(reply.get("error")))
+        self._persisting.append(step)
+
+    def wait(self, *, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Waits for this rank's pending persistence; raises PersistError if any of it failed (the
+        memory snapshot and training are unaffected)."""
+        if not self._persisting:
+            return []
+        self._persisting.clear()
+        reply = self.client().call({"op": "wait", "rank": self.rank, "step": None, "timeout": timeout_s})
+        if not reply.get("ok"):
+            raise PersistError(f"persisting the checkpoint failed: {reply.get('error')}")
+        results: list[dict[str, Any]] = reply.get("results", [])
+        return results
+
+    # ---------------------------------------------------------------------------------------------
+    # Loading and closing
+
+    def load(
+        self,
+        *,
+        shard_rank: int | None = None,
+        replica_group: Any = None,
+    ) -> tuple[int, Any] | None:
+        """The newest ``(step, state)`` every rank holds, or None; see :mod:`phalanx.checkpoint.restore`.
+
+        ``shard_rank`` picks whose saved shard to load (default: this rank). With ``replica_group`` (a
+        process group of ranks holding the same shard), one member reads from storage and broadcasts.
+        """
+        from phalanx.checkpoint import restore
+
+        return restore.load(
+            self, shard_rank=self.rank if shard_rank is None else shard_rank, replica_group=replica_group
+        )
+
+    def memory_slots(self, shard_rank: int) -> list[shm.Segment]:
+        """The mapped slots holding ``shard_rank``'s snapshots on this node ([] when there are none)."""
+        if shard_rank == self.rank:
+            if self._slots is None:
+                self._slots = self._open_existing()
+                if self._slots is not None:  # a restarted process: get the mapping ready for its saves
+                    self._slots.prefault_async([0, 1])
+            return list(self._slots.segments) if self._slots else []
+        paths = [shm.slot_path(self.shm_dir, self.job_id, shard_rank, s) for s in range(shm.SLOTS)]
+        return [shm.Segment(p) for p in paths if p.exists()]
+
+    def close(self, *, stop_host: bool = False) -> None:
+        """Unmaps the slots; with ``stop_host`` also stops the host, which unlinks the job's memory."""
+        if self._prepare is not None:
+            self._prepare.join()
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
+        if self._client is not None:
+            if stop_host:
+                with contextlib.suppress(CheckpointError):
+                    self._client.call({"op": "stop"})
+            self._client.close()
+            self._client = None
+            if stop_host and self._own_host is not None:
+                self._own_host.stop()
+        elif stop_host:
+            with contextlib.suppress(CheckpointError, socket.error):
+                client = protocol.HostClient(self.host_socket, timeout_s=2.0)
+                client.call({"op": "stop"})
+                client.close()

@@ -1,0 +1,491 @@
+"""The checkpoint host: one torch-free process per node that owns the flash-checkpoint shared memory and
+persists it in the background.
+
+Contract for the node agent (``phalanx-run``), which must not import torch::
+
+    from phalanx.checkpoint.host import start
+    handle = start(job_id="j1", storage="/ckpt", keep_last=2, master_addr="10.0.0.1:5000",
+                   token_file="/run/token", node_id="node-0", incarnation="abc")
+    worker_env.update(handle.env())   # PHALANX_CHECKPOINT_{SOCKET,SHM_DIR,JOB,STORAGE}
+    ...
+    handle.persist_now()              # workers failed: save the last complete snapshot first
+    handle.stop()                     # job over: drain persistence, unlink every segment, exit
+
+The host outlives training processes, so a restarted process finds its snapshot in memory. It creates
+and prefaults (fallocate) each rank's two slots when the rank first asks, adopts slots it finds in
+``shm_dir`` after its own restart, unlinks them at :meth:`HostHandle.stop` (or when its parent dies,
+or, when it was started by a training process itself, after ``idle_exit_s`` without any client).
+
+Without ``phalanx-run`` the Checkpointer on local rank 0 starts a host itself (same module, same
+protocol). Requests on the socket (JSON lines; see :mod:`phalanx.checkpoint.protocol`)::
+
+    {"op": "alloc", "rank": r, "size": n}        -> {"ok": true, "paths": [slot0, slot1]}
+    {"op": "persist", "rank": r, "step": s}      -> {"ok": true}            (queued)
+    {"op": "wait", "rank": r, "step": s|null}    -> {"ok": bool, "error": ..., "results": [...]}
+    {"op": "persist_now"}                        -> {"ok": bool, "steps": {rank: step}, "errors": [...]}
+    {"op": "ping"} / {"op": "stop"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from phalanx.api.errors import CheckpointError, PersistError
+from phalanx.checkpoint import protocol, shm
+from phalanx.checkpoint.persister import PersistResult, choose_slot, persist_shard
+from phalanx.checkpoint.storage import LocalStorage, open_storage
+
+if TYPE_CHECKING:
+    from phalanx.checkpoint.report import MasterReporter
+
+log = logging.getLogger("phalanx.checkpoint")
+
+
+@dataclass
+class _Rank:
+    paths: list[Path]
+    segments: list[shm.Segment] = field(default_factory=list)
+    pending: int = 0
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+
+class HostServer:
+    """The host's state and request handling; :func:`main` runs it in its own process."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        socket_path: Path,
+        shm_dir: Path,
+        storage: LocalStorage | None,
+        keep_last: int,
+        reporter: MasterReporter | None = None,
+        idle_exit_s: float = 0.0,
+        parent_pid: int = 0,
+    ) -> None:
+        self.job_id = job_id
+        self.socket_path = socket_path
+        self.shm_dir = shm_dir
+        self.storage = storage
+        self.keep_last = keep_last
+        self.reporter = reporter
+        self.idle_exit_s = idle_exit_s
+        self.parent_pid = parent_pid
+        self._ranks: dict[int, _Rank] = {}
+        self._cond = threading.Condition()
+        self._queue: queue.Queue[tuple[int, int | None] | None] = queue.Queue()
+        self._clients = 0
+        self._last_client = time.monotonic()
+        self._stopping = threading.Event()
+        for rank, paths in shm.list_job_slots(shm_dir, job_id).items():  # adopt after a host restart
+            self._ranks[rank] = _Rank(paths=paths, segments=[shm.Segment(p) for p in paths])
+
+    # ---------------------------------------------------------------------------------------------
+    # Requests
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Answers one request."""
+        op = request.get("op")
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid()}
+        if op == "alloc":
+            return self._alloc(int(request["rank"]), int(request["size"]))
+        if op == "persist":
+            return self._enqueue(int(request["rank"]), request.get("step"))
+        if op == "wait":
+            return self._wait(int(request["rank"]), request.get("step"), request.get("timeout"))
+        if op == "persist_now":
+            return self.persist_now()
+        if op == "stop":
+            self._stopping.set()
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown request {op!r}"}
+
+    def _alloc(self, rank: int, size: int) -> dict[str, Any]:
+        paths = [shm.slot_path(self.shm_dir, self.job_id, rank, s) for s in range(shm.SLOTS)]
+        try:
+            for path in paths:
+                shm.grow(path, size)
+        except OSError as exc:
+            return {
+                "ok": False,
+                "error": f"cannot allocate {size} bytes of shared memory in {self.shm_dir}: {exc}",
+            }
+        with self._cond:
+            old = self._ranks.get(rank)
+            if old is not None:
+                for seg in old.segments:
+                    seg.close()
+            entry = _Rank(paths=paths, segments=[shm.Segment(p) for p in paths])
+            if old is not None:
+                entry.pending, entry.results = old.pending, old.results
+            self._ranks[rank] = entry
+        return {"ok": True, "paths": [str(p) for p in paths]}
+
+    def _enqueue(self, rank: int, step: int | None) -> dict[str, Any]:
+        with self._cond:
+            entry = self._ranks.get(rank)
+            if entry is None:
+                return {"ok": False, "error": f"rank {rank} has no shared memory on this node"}
+            entry.pending += 1
+        self._queue.put((rank, step))
+        return {"ok": True}
+
+    def _wait(self, rank: int, step: int | None, timeout: float | None) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        with self._cond:
+            entry = self._ranks.get(rank)
+            if entry is None:
+                return {"ok": True, "results": []}
+            while entry.pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return {"ok": False, "error": f"persisting rank {rank} did not finish in {timeout}s"}
+                self._cond.wait(left)
+            results = [r for r in entry.results if step is None or r["step"] == step]
+            entry.results = []
+        errors = [r["error"] for r in results if r.get("error")]
+        return {"ok": not errors, "error": "; ".join(errors), "results": results}
+
+    def persist_now(self) -> dict[str, Any]:
+        """Persists the newest complete snapshot of every rank on this node, and waits for it."""
+        if self.storage is None:
+            return {"ok": False, "error": "no checkpoint storage is configured"}
+        with self._cond:
+            ranks = sorted(self._ranks)
+        steps: dict[str, int] = {}
+        errors: list[str] = []
+        for rank in ranks:
+            chosen = choose_slot(self._ranks[rank].segments, None)
+            if chosen is None:
+                continue
+            self._enqueue(rank, chosen[1].step)
+            reply = self._wait(rank, None, None)
+            if reply["ok"]:
+                steps[str(rank)] = chosen[1].step
+            else:
+                errors.append(reply["error"])
+        return {"ok": not errors, "steps": steps, "errors": errors}
+
+    # ---------------------------------------------------------------------------------------------
+    # Background persistence
+
+    def _persist_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:  # stop
+                return
+            rank, step = item
+            result: dict[str, Any] = {"rank": rank, "step": step}
+            try:
+                if self.storage is None:
+                    raise PersistError("no checkpoint storage is configured")
+                done: PersistResult = persist_shard(
+                    segments=self._ranks[rank].segments,
+                    store=self.storage,
+                    step=step,
+                    keep_last=self.keep_last,
+                )
+                result.update(step=done.step, path=done.path, committed=done.committed, size=done.size_bytes)
+                log.info("persisted step %d of rank %d in %.2fs", done.step, rank, done.duration_s)
+                if self.reporter is not None:
+                    self.reporter.report(
+                        step=done.step,
+                        ranks=[rank],
+                        world_size=done.world_size,
+                        path=done.path,
+                        size_bytes=done.size_bytes,
+                        duration_s=done.duration_s,
+                    )
+            except Exception as exc:  # reported to the trainer and the master; persistence goes on
+                result["error"] = (
+                    str(exc) if isinstance(exc, PersistError) else f"{type(exc).__name__}: {exc}"
+                )
+                log.error("persisting step %s of rank %d failed: %s", step, rank, result["error"])
+                if self.reporter is not None and isinstance(step, int):
+                    self.reporter.report(step=step, ranks=[rank], world_size=0, error=result["error"])
+            with self._cond:
+                entry = self._ranks[rank]
+                entry.results.append(result)
+                entry.pending -= 1
+                self._cond.notify_all()
+
+    # ---------------------------------------------------------------------------------------------
+    # Serving
+
+    def _serve_client(self, conn: socket.socket) -> None:
+        reader = protocol.LineReader(conn)
+        try:
+            while True:
+                request = reader.read()
+                if request is None:
+                    return
+                try:
+                    reply = self.handle(request)
+                except (KeyError, ValueError, TypeError) as exc:
+                    reply = {"ok": False, "error": f"bad request: {exc}"}
+                protocol.send(conn, reply)
+        except OSError:
+            return
+        finally:
+            conn.close()
+            with self._cond:
+                self._clients -= 1
+                self._last_client = time.monotonic()
+
+    def _should_exit(self) -> bool:
+        if self._stopping.is_set():
+            return True
+        if self.parent_pid and os.getppid() != self.parent_pid:
+            log.warning("the checkpoint host's parent %d is gone; releasing shared memory", self.parent_pid)
+            return True
+        with self._cond:
+            idle = self._clients == 0 and time.monotonic() - self._last_client > self.idle_exit_s
+        return bool(self.idle_exit_s) and idle
+
+    def serve(self, ready: socket.socket | None = None) -> None:
+        """Serves until stopped, then drains persistence and unlinks every segment of the job."""
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.socket_path))
+        listener.listen(64)
+        listener.settimeout(0.2)
+        worker = threading.Thread(target=self._persist_loop, name="persister", daemon=True)
+        worker.start()
+        print(json.dumps({"ready": str(self.socket_path), "pid": os.getpid()}), flush=True)
+        with contextlib.suppress(OSError):
+            sys.stdout.close()  # the starter reads one line; a closed pipe must not kill a later print
+        try:
+            while not self._should_exit():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                conn.settimeout(None)
+                with self._cond:
+                    self._clients += 1
+                threading.Thread(target=self._serve_client, args=(conn,), daemon=True).start()
+        finally:
+            listener.close()
+            self._queue.put(None)
+            worker.join(timeout=600)
+            self.release()
+
+    def release(self) -> None:
+        """Unlinks the socket and every shared-memory segment of the job."""
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        for entry in self._ranks.values():
+            for seg in entry.segments:
+                seg.close()
+        for paths in shm.list_job_slots(self.shm_dir, self.job_id).values():
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+
+# -------------------------------------------------------------------------------------------------
+# The agent's API
+
+
+@dataclass
+class HostHandle:
+    """A running checkpoint host, as seen by the process that started it."""
+
+    process: subprocess.Popen[bytes] | None  # None when the host was detached (daemonized)
+    pid: int
+    socket_path: Path
+    shm_dir: Path
+    job_id: str
+    storage: str
+
+    def env(self) -> dict[str, str]:
+        """The environment variables training processes need to find this host."""
+        return {
+            protocol.ENV_SOCKET: str(self.socket_path),
+            protocol.ENV_SHM_DIR: str(self.shm_dir),
+            protocol.ENV_JOB: self.job_id,
+            protocol.ENV_STORAGE: self.storage,
+        }
+
+    def _call(self, message: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
+        client = protocol.HostClient(str(self.socket_path))
+        try:
+            return client.call(message, timeout_s=timeout_s)
+        finally:
+            client.close()
+
+    def persist_now(self, *, timeout_s: float | None = 600.0) -> dict[str, Any]:
+        """Persists the newest complete in-memory snapshot of every local rank; returns the host's reply
+        (``ok``, ``steps`` by rank, ``errors``). Call it when workers failed, before restarting them."""
+        return self._call({"op": "persist_now"}, timeout_s)
+
+    def alive(self) -> bool:
+        """Whether the host process still runs."""
+        if self.process is not None:
+            return self.process.poll() is None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def stop(self, *, timeout_s: float = 60.0) -> int:
+        """Drains persistence, unlinks the shared memory and waits for the host to exit; returns its exit
+        code (0 for a detached host that exited)."""
+        if self.alive():
+            with contextlib.suppress(CheckpointError):
+                self._call({"op": "stop"}, timeout_s)
+        if self.process is None:
+            deadline = time.monotonic() + timeout_s
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return 0
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        return int(self.process.returncode)
+
+
+def start(
+    *,
+    job_id: str,
+    storage: str = "",
+    keep_last: int = 2,
+    shm_dir: str | Path = "/dev/shm",
+    socket_path: str | Path | None = None,
+    master_addr: str = "",
+    token_file: str = "",
+    node_id: str = "",
+    incarnation: str = "",
+    idle_exit_s: float = 0.0,
+    watch_parent: bool = True,
+    detach: bool = False,
+    timeout_s: float = 30.0,
+) -> HostHandle:
+    """Starts a checkpoint host process and waits until it accepts connections."""
+    if socket_path is None:
+        socket_path = (
+            Path(tempfile.gettempdir()) / f"phalanx-ckpt-{shm.sanitize_job(job_id)}-{os.getuid()}.sock"
+        )
+    argv = [
+        sys.executable,
+        "-m",
+        "phalanx.checkpoint.host",
+        f"--job-id={job_id}",
+        f"--socket={socket_path}",
+        f"--shm-dir={shm_dir}",
+        f"--storage={storage}",
+        f"--keep-last={keep_last}",
+        f"--master-addr={master_addr or os.environ.get('PHALANX_MASTER_ADDR', '')}",
+        f"--token-file={token_file or os.environ.get('PHALANX_TOKEN_FILE', '')}",
+        f"--node-id={node_id}",
+        f"--incarnation={incarnation}",
+        f"--idle-exit-s={idle_exit_s}",
+    ]
+    if watch_parent:
+        argv.append(f"--parent-pid={os.getpid()}")
+    if detach:
+        argv.append("--daemon")  # a host started by a trainer must survive that trainer's SIGKILL
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    line = _read_line(proc, timeout_s)
+    proc.stdout.close()  # nothing more is printed there; the host logs to stderr
+    try:
+        pid = int(json.loads(line)["pid"])
+    except (ValueError, KeyError, TypeError):
+        proc.kill()
+        proc.wait()
+        raise CheckpointError(f"the checkpoint host did not start (exit code {proc.returncode})") from None
+    if detach:
+        proc.wait()  # the launcher exits once the daemon is ready
+    return HostHandle(
+        process=None if detach else proc,
+        pid=pid,
+        socket_path=Path(socket_path),
+        shm_dir=Path(shm_dir),
+        job_id=job_id,
+        storage=storage,
+    )
+
+
+def _read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
+    result: list[bytes] = [b""]
+
+    def read() -> None:
+        assert proc.stdout is not None
+        result[0] = proc.stdout.readline()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return result[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m phalanx.checkpoint.host``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m phalanx.checkpoint.host", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--shm-dir", default="/dev/shm")
+    parser.add_argument("--storage", default="")
+    parser.add_argument("--keep-last", type=int, default=2)
+    parser.add_argument("--master-addr", default=os.environ.get("PHALANX_MASTER_ADDR", ""))
+    parser.add_argument("--token-file", default=os.environ.get("PHALANX_TOKEN_FILE", ""))
+    parser.add_argument("--node-id", default="")
+    parser.add_argument("--incarnation", default="")
+    parser.add_argument("--idle-exit-s", type=float, default=0.0)
+    parser.add_argument("--parent-pid", type=int, default=0)
+    parser.add_argument("--daemon", action="store_true", help="detach from the starting process")
+    args = parser.parse_args(argv)
+    if args.daemon:
+        if os.fork() > 0:
+            os._exit(0)  # the launcher; the daemon prints the ready line on the inherited stdout
+        os.setsid()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s checkpoint-host %(levelname)s %(message)s")
+    reporter = None
+    if args.master_addr:  # grpc and the generated stubs load only when there is a master to report to
+        from phalanx.checkpoint.report import MasterReporter
+
+        reporter = MasterReporter(
+            addr=args.master_addr,
+            token_file=args.token_file,
+            node_id=args.node_id,
+            incarnation=args.incarnation,
+        )
+    server = HostServer(
+        job_id=args.job_id,
+        socket_path=Path(args.socket),
+        shm_dir=Path(args.shm_dir),
+        storage=open_storage(args.storage) if args.storage else None,
+        keep_last=args.keep_last,
+        reporter=reporter,
+        idle_exit_s=args.idle_exit_s,
+        parent_pid=args.parent_pid,
+    )
+    server.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Persisting one rank's in-memory snapshot to storage (torch-free; runs in the checkpoint host).
+
+The tensor bytes go from the shared-memory slot straight into a safetensors file (8-byte little-endian
+header length, JSON header, raw data), so the host needs no torch. The crc32 of the whole file is
+computed while writing and recorded in the shard manifest, and in the slot header so a process that
+reloads the slot from memory can check it too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from phalanx.api.errors import PersistError
+from phalanx.checkpoint import shm, storage
+from phalanx.checkpoint.storage import SAFETENSORS_DTYPES, Storage
+
+
+@dataclass(frozen=True)
+class PersistResult:
+    """What persisting one shard achieved."""
+
+    step: int
+    rank: int
+    world_size: int
+    path: str
+    size_bytes: int
+    duration_s: float
+    committed: bool
+
+
+def read_meta(seg: shm.Segment, header: shm.SlotHeader) -> dict[str, Any]:
+    """The JSON metadata of a slot."""
+    meta = json.loads(bytes(seg.buf[shm.HEADER_SIZE : shm.HEADER_SIZE + header.meta_len]))
+    if not isinstance(meta, dict):
+        raise ValueError("slot metadata is not a JSON object")
+    return meta
+
+
+def safetensors_header(meta: dict[str, Any]) -> bytes:
+    """The length prefix and JSON header of a safetensors file holding the slot's tensors, packed."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt", "producer": "phalanx"}}
+    offset = 0
+    for t in meta["tensors"]:
+        code = SAFETENSORS_DTYPES.get(t["dtype"])
+        if code is None:
+            raise PersistError(f"tensor {t['name']} has dtype {t['dtype']}, which safetensors cannot hold")
+        entries[t["name"]] = {
+            "dtype": code,
+            "shape": t["shape"],
+            "data_offsets": [offset, offset + t["nbytes"]],
+        }
+        offset += t["nbytes"]
+    body = json.dumps(entries, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)  # the data section starts 8-byte aligned
+    return len(body).to_bytes(8, "little") + body
+
+
+def choose_slot(segments: list[shm.Segment], step: int | None) -> tuple[shm.Segment, shm.SlotHeader] | None:
+    """The slot holding ``step`` (or the newest complete snapshot when ``step`` is None)."""
+    best: tuple[shm.Segment, shm.SlotHeader] | None = None
+    for seg in segments:
+        header = seg.header()
+        if not header.complete or (step is not None and header.step != step):
+            continue
+        if best is None or header.step > best[1].step:
+            best = (seg, header)
+    return best
+
+
+def persist_shard(
+    *, segments: list[shm.Segment], store: Storage, step: int | None, keep_last: int
+) -> PersistResult:
+    """Writes the rank's snapshot of ``step`` to storage and commits the step if it completes it.
+
+    Raises PersistError (disk full, permissions, snapshot overwritten while reading); a failure leaves
+    no file under a final name and never touches the memory snapshot.
+    """
+    started = time.monotonic()
+    chosen = choose_slot(segments, step)
+    if chosen is None:
+        raise PersistError(f"no complete in-memory snapshot of step {step} to persist")
+    seg, header = chosen
+    shm.set_pin(seg.buf, 1)  # tells the trainer to write its next save into the other slot
+    try:
+        if seg.header().seq != header.seq:
+            raise PersistError(
+                f"the snapshot of step {header.step} was overwritten before it could be persisted"
+            )
+        meta = read_meta(seg, header)
+        head = safetensors_header(meta)
+        crc = 0
+
+        def chunks() -> Iterator[bytes | memoryview]:
+            nonlocal crc
+            crc = zlib.crc32(head, crc)
+            yield head
+            view = memoryview(seg.buf)
+            try:
+                for t in meta["tensors"]:
+                    start = header.data_off + t["offset"]
+                    part = view[start : start + t["nbytes"]]
+                    crc = zlib.crc32(part, crc)
+                    yield part
+                    part.release()
+            finally:
+                view.release()
+
+        rank = header.rank
+        file = storage.shard_file(header.step, rank)
+        try:
+            size = store.write_atomic(file, chunks())
+        except OSError as exc:
+            raise PersistError(f"writing {store.url(file)} failed: {exc}") from exc
+        if seg.header().seq != header.seq:
+            raise PersistError(f"the snapshot of step {header.step} changed while it was persisted")
+        shm.set_crc(seg.buf, crc=crc, seq=header.seq)
+        manifest = {
+            "step": header.step,
+            "rank": rank,
+            "world_size": header.world_size,
+            "file": file.rsplit("/", 1)[-1],
+            "size": size,
+            "crc32": crc,
+            "meta": meta,
+        }
+        try:
+            store.write_atomic(storage.manifest_file(header.step, rank), [json.dumps(manifest).encode()])
+            committed = storage.try_commit(store, step=header.step, world_size=header.world_size)
+            if committed:
+                storage.apply_retention(store, keep_last=keep_last)
+        except OSError as exc:
+            raise PersistError(f"writing the manifest of step {header.step} failed: {exc}") from exc
+    finally:
+        shm.set_pin(seg.buf, 0)
+    return PersistResult(
+        step=header.step,
+        rank=rank,
+        world_size=header.world_size,
+        path=store.url(storage.step_dir(header.step)),
+        size_bytes=size,
+        duration_s=time.monotonic() - started,
+        committed=committed,
+    )

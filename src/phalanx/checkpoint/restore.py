@@ -1,0 +1,265 @@
+"""Loading: every rank agrees on the newest step all of them hold, then each reads it from shared memory
+when its node kept it, else from storage (or receives it from a replica that read it).
+
+Agreement uses integer all-reduces only (no pickled objects): propose the minimum over ranks of each
+rank's newest candidate, accept it when every rank holds it, else lower the bound and repeat. A snapshot
+that fails its checksum is dropped on every rank, with a warning naming it, and the next older common
+step is tried; :class:`~phalanx.api.errors.CheckpointCorruptError` is raised when nothing valid remains.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import warnings
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.api.errors import CheckpointCorruptError
+from phalanx.checkpoint import codec, shm, storage
+from phalanx.checkpoint.persister import safetensors_header
+
+if TYPE_CHECKING:
+    from phalanx.checkpoint.engine import Checkpointer
+
+log = logging.getLogger("phalanx.checkpoint")
+
+
+class CheckpointWarning(UserWarning):
+    """A snapshot was skipped because it failed its checksum or structure check."""
+
+
+def _warn(message: str) -> None:
+    log.warning(message)
+    warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+
+
+def _all_reduce(value: int, op: Any, group: Any = None) -> int:
+    if not _distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=op, group=group)
+    return int(t.item())
+
+
+def agree(candidates: set[int]) -> int | None:
+    """The newest step in every rank's candidate set (None when there is none)."""
+    upper = 2**62
+    while True:
+        mine = max((c for c in candidates if c <= upper), default=-1)
+        proposal = _all_reduce(mine, dist.ReduceOp.MIN if _distributed() else None)
+        if proposal < 0:
+            return None
+        if _all_reduce(int(proposal in candidates), dist.ReduceOp.MIN if _distributed() else None):
+            return proposal
+        upper = proposal - 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading one shard
+
+
+def _memory_steps(segments: list[shm.Segment]) -> dict[int, shm.Segment]:
+    steps: dict[int, shm.Segment] = {}
+    for seg in segments:
+        header = seg.header()
+        if header.complete and (header.step not in steps or header.seq > steps[header.step].header().seq):
+            steps[header.step] = seg
+    return steps
+
+
+def read_memory(seg: shm.Segment, step: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Copies a snapshot out of a slot, verifying its checksum when the host recorded one."""
+    header = seg.header()
+    if not header.complete or header.step != step:
+        raise CheckpointCorruptError(f"{seg.path}: the snapshot of step {step} was overwritten")
+    try:
+        meta = json.loads(bytes(seg.buf[shm.HEADER_SIZE : shm.HEADER_SIZE + header.meta_len]))
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"{seg.path}: unreadable metadata: {exc}") from exc
+    view = torch.frombuffer(seg.buf, dtype=torch.uint8)
+    tensors = []
+    crc = zlib.crc32(safetensors_header(meta))
+    check = header.crc_seq == header.seq
+    for entry in meta["tensors"]:
+        start = header.data_off + entry["offset"]
+        raw = view[start : start + entry["nbytes"]]
+        if check:
+            with memoryview(seg.buf) as mv:
+                crc = zlib.crc32(mv[start : start + entry["nbytes"]], crc)
+        t = raw.clone().view(codec.DTYPES[entry["dtype"]]).view(entry["shape"])
+        tensors.append(t)
+    del view
+    if seg.header().seq != header.seq:
+        raise CheckpointCorruptError(f"{seg.path}: the snapshot of step {step} changed while it was read")
+    if check and crc != header.crc:
+        raise CheckpointCorruptError(
+            f"{seg.path}: checksum mismatch in the in-memory snapshot of step {step}"
+        )
+    return meta, tensors
+
+
+def read_storage(
+    store: storage.LocalStorage, step: int, rank: int
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Reads a persisted shard and checks its size and crc32 against the manifest."""
+    manifest_path = storage.manifest_file(step, rank)
+    file = storage.shard_file(step, rank)
+    try:
+        manifest = json.loads(store.read(manifest_path))
+        data = bytearray(store.read(file))
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{store.url(manifest_path)}: cannot read the shard: {exc}") from exc
+    if len(data) != manifest["size"] or zlib.crc32(data) != manifest["crc32"]:
+        raise CheckpointCorruptError(f"{store.url(file)}: checksum mismatch (the file is corrupt)")
+    meta = manifest["meta"]
+    header_len = int.from_bytes(data[:8], "little")
+    entries = json.loads(data[8 : 8 + header_len])
+    base = 8 + header_len
+    tensors = []
+    for entry in meta["tensors"]:
+        begin, end = entries[entry["name"]]["data_offsets"]
+        dtype = codec.DTYPES[entry["dtype"]]
+        raw = (
+            torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=base + begin)
+            if end > begin
+            else None
+        )
+        if raw is None:
+            tensors.append(torch.empty(entry["shape"], dtype=dtype))
+        elif (base + begin) % dtype.itemsize == 0:  # aligned: view the read buffer, no second copy
+            tensors.append(raw.view(dtype).view(entry["shape"]))
+        else:
+            tensors.append(raw.clone().view(dtype).view(entry["shape"]))
+    return meta, tensors
+
+
+# ---------------------------------------------------------------------------------------------------
+# Replicas: one reads, the others receive
+
+
+def _broadcast_shard(
+    got: tuple[dict[str, Any], list[torch.Tensor]] | None, *, src: int, group: Any
+) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+    device = _device()
+    is_src = dist.get_rank() == src
+    status = torch.tensor([1 if got is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(status, src=src, group=group)
+    if not int(status.item()):
+        return None
+    if is_src:
+        assert got is not None
+        blob = json.dumps(got[0]).encode()
+        length = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+    else:
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src, group=group)
+    buf = (
+        torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+        if is_src
+        else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    )
+    dist.broadcast(buf, src=src, group=group)
+    meta = got[0] if is_src and got is not None else json.loads(bytes(buf.cpu().numpy()))
+    tensors = []
+    for i, entry in enumerate(meta["tensors"]):
+        if is_src and got is not None:
+            t = got[1][i].contiguous().to(device)
+        else:
+            t = torch.empty(entry["shape"], dtype=codec.DTYPES[entry["dtype"]], device=device)
+        # gloo cannot broadcast bool tensors; move everything as bytes
+        flat = t.view(-1).view(torch.uint8) if t.numel() else t
+        if t.numel():
+            dist.broadcast(flat, src=src, group=group)
+        tensors.append(t.cpu())
+    return meta, tensors
+
+
+def _read_step(
+    ckpt: Checkpointer,
+    *,
+    step: int,
+    memory: dict[int, shm.Segment],
+    on_storage: set[int],
+    shard_rank: int,
+    replica_group: Any,
+) -> tuple[tuple[dict[str, Any], list[torch.Tensor]] | None, str]:
+    """Reads ``step`` from memory or storage; returns (None, source) after warning when it is corrupt."""
+
+    def local() -> tuple[tuple[dict[str, Any], list[torch.Tensor]] | None, str]:
+        if step in memory:
+            try:
+                return read_memory(memory[step], step), "memory"
+            except CheckpointCorruptError as exc:
+                _warn(f"skipping the in-memory snapshot of step {step}: {exc}")
+        if ckpt.storage is not None and step in on_storage:  # the same step, persisted
+            try:
+                return read_storage(ckpt.storage, step, shard_rank), "storage"
+            except CheckpointCorruptError as exc:
+                _warn(f"skipping the persisted checkpoint step {step}: {exc}")
+        return None, "memory" if step in memory else "storage"
+
+    if replica_group is None or not _distributed():
+        return local()
+    needs_storage = _all_reduce(int(step not in memory), dist.ReduceOp.MAX, replica_group)
+    if not needs_storage:
+        return local()
+    src = dist.get_global_rank(replica_group, 0)
+    got, source = local() if dist.get_rank() == src else (None, "peer")
+    return _broadcast_shard(got, src=src, group=replica_group), source
+
+
+def load(ckpt: Checkpointer, *, shard_rank: int, replica_group: Any = None) -> tuple[int, Any] | None:
+    """See :meth:`Checkpointer.load`."""
+    started = time.perf_counter()
+    reads_before = ckpt.storage.reads if ckpt.storage else 0
+    memory = _memory_steps(ckpt.memory_slots(shard_rank))
+    on_storage = set(storage.committed_steps(ckpt.storage)) if ckpt.storage else set()
+    candidates = set(memory) | on_storage
+    bad: list[int] = []
+    while True:
+        step = agree(candidates - set(bad))
+        if step is None:
+            if bad:
+                raise CheckpointCorruptError(
+                    f"every checkpoint candidate failed its check (steps {sorted(bad)}); nothing to load"
+                )
+            ckpt.last_load = {"step": None, "source": None, "storage_reads": 0}
+            return None
+        got, source = _read_step(
+            ckpt,
+            step=step,
+            memory=memory,
+            on_storage=on_storage,
+            shard_rank=shard_rank,
+            replica_group=replica_group,
+        )
+        if (
+            _all_reduce(int(got is not None), dist.ReduceOp.MIN if _distributed() else None)
+            and got is not None
+        ):
+            meta, tensors = got
+            ckpt.last_load = {
+                "step": step,
+                "source": source,
+                "storage_reads": (ckpt.storage.reads if ckpt.storage else 0) - reads_before,
+                "seconds": time.perf_counter() - started,
+            }
+            return step, codec.unflatten(meta["skeleton"], tensors)
+        bad.append(step)

@@ -1,0 +1,202 @@
+"""Shared-memory slots of the flash checkpoint (torch-free: the checkpoint host imports this).
+
+Every training rank owns two *slots*, each a file in ``/dev/shm`` named ``phx-<job>-r<rank>-s<slot>``.
+A save always writes the slot that does not hold the newest complete snapshot (and is not pinned by the
+persister), so a crash during a save never destroys the last good snapshot.
+
+A slot starts with a fixed 4 KiB header, then the JSON metadata (skeleton and tensor table), then the
+raw tensor bytes at a page-aligned offset::
+
+    0      header (struct _HEADER, little endian; see SlotHeader)
+    4096   meta JSON (meta_len bytes)
+    data_off = align(4096 + meta_len, 4096): tensor bytes, each tensor 64-byte aligned
+
+The header works like a seqlock: a writer first stores ``state=WRITING`` with ``seq+1``, copies, then
+stores ``state=COMPLETE``. A reader (the persister, a restarted process) accepts a slot only when it is
+COMPLETE and its ``seq`` is the same before and after reading; a process SIGKILLed mid-save leaves
+``WRITING`` behind and the slot is ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import mmap
+import os
+import re
+import struct
+from pathlib import Path
+
+MAGIC = b"PHXCKPT1"
+HEADER_SIZE = 4096
+PAGE = 4096
+TENSOR_ALIGN = 64
+SLOTS = 2
+
+STATE_EMPTY = 0
+STATE_WRITING = 1
+STATE_COMPLETE = 2
+
+# magic, state, seq, step, meta_len, data_off, data_len, crc, crc_seq, rank, world_size, pin
+_HEADER = struct.Struct("<8sIQqQQQIQiiI")
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; prefaults page tables without touching the contents
+
+_JOB_RE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def align(value: int, to: int) -> int:
+    """Rounds ``value`` up to a multiple of ``to``."""
+    return (value + to - 1) // to * to
+
+
+def sanitize_job(job_id: str) -> str:
+    """Makes a job id safe for a file name."""
+    return _JOB_RE.sub("_", job_id) or "job"
+
+
+def slot_path(shm_dir: Path, job_id: str, rank: int, slot: int) -> Path:
+    """The file of one slot of one rank."""
+    return shm_dir / f"phx-{sanitize_job(job_id)}-r{rank}-s{slot}"
+
+
+def job_prefix(job_id: str) -> str:
+    """The file-name prefix shared by every segment of a job."""
+    return f"phx-{sanitize_job(job_id)}-"
+
+
+def list_job_slots(shm_dir: Path, job_id: str) -> dict[int, list[Path]]:
+    """Existing slot files of a job, by rank (used by a host that adopts segments after a restart)."""
+    found: dict[int, list[Path]] = {}
+    pattern = re.compile(re.escape(job_prefix(job_id)) + r"r(\d+)-s(\d+)$")
+    with contextlib.suppress(FileNotFoundError):
+        for entry in sorted(shm_dir.iterdir()):
+            match = pattern.match(entry.name)
+            if match:
+                found.setdefault(int(match.group(1)), []).append(entry)
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotHeader:
+    """The decoded header of a slot."""
+
+    state: int = STATE_EMPTY
+    seq: int = 0
+    step: int = -1
+    meta_len: int = 0
+    data_off: int = 0
+    data_len: int = 0
+    crc: int = 0
+    crc_seq: int = 0  # seq the crc belongs to; 0 when no checksum was computed yet
+    rank: int = -1
+    world_size: int = 0
+    pin: int = 0  # set by the persister while it reads the slot
+
+    @property
+    def complete(self) -> bool:
+        """Whether the slot holds a whole snapshot."""
+        return self.state == STATE_COMPLETE
+
+
+def pack_header(buf: mmap.mmap | memoryview, header: SlotHeader) -> None:
+    """Writes a header in one store sequence (state last would need two writes; the seqlock covers it)."""
+    _HEADER.pack_into(
+        buf,
+        0,
+        MAGIC,
+        header.state,
+        header.seq,
+        header.step,
+        header.meta_len,
+        header.data_off,
+        header.data_len,
+        header.crc,
+        header.crc_seq,
+        header.rank,
+        header.world_size,
+        header.pin,
+    )
+
+
+def read_header(buf: mmap.mmap | memoryview | bytes) -> SlotHeader:
+    """Decodes a header; a slot that was never written reads as EMPTY."""
+    fields = _HEADER.unpack_from(buf, 0)
+    if fields[0] != MAGIC:
+        return SlotHeader()
+    return SlotHeader(*fields[1:])
+
+
+def set_pin(buf: mmap.mmap, value: int) -> None:
+    """Sets only the pin field (the persister's reader mark), leaving the rest of the header alone."""
+    struct.pack_into("<I", buf, _HEADER.size - 4, value)
+
+
+def set_crc(buf: mmap.mmap, *, crc: int, seq: int) -> None:
+    """Records the checksum of the data of generation ``seq``."""
+    offset = _HEADER.size - 4 - 4 - 4 - 8 - 4  # crc, crc_seq, rank, world_size, pin come last
+    struct.pack_into("<IQ", buf, offset, crc, seq)
+
+
+class Segment:
+    """One slot file mapped into this process."""
+
+    def __init__(self, path: Path, *, create_size: int = 0) -> None:
+        self.path = path
+        flags = os.O_RDWR | (os.O_CREAT if create_size else 0)
+        self._fd = os.open(path, flags, 0o600)
+        try:
+            size = os.fstat(self._fd).st_size
+            if create_size > size:
+                os.ftruncate(self._fd, create_size)
+                # fallocate on tmpfs allocates (and zeroes) the pages now, in the caller, so a later copy
+                # into them only takes cheap minor faults.
+                os.posix_fallocate(self._fd, 0, create_size)
+                size = create_size
+            if size < HEADER_SIZE:
+                raise ValueError(f"{path} is too small to be a checkpoint slot ({size} bytes)")
+            self.size = size
+            self.buf = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def header(self) -> SlotHeader:
+        """The slot's current header."""
+        return read_header(self.buf)
+
+    def address(self) -> int:
+        """Address of the mapping in this process."""
+        probe = ctypes.c_char.from_buffer(self.buf)
+        try:
+            return ctypes.addressof(probe)
+        finally:
+            del probe
+
+    def prefault(self) -> None:
+        """Populates this process's page tables for the whole mapping without touching the contents.
+
+        Done through ctypes so the GIL is released: callers run it on a background thread while training
+        goes on.
+        """
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(ctypes.c_void_p(self.address()), ctypes.c_size_t(self.size), _MADV_POPULATE_WRITE)
+
+    def close(self) -> None:
+        """Unmaps the slot (the file stays)."""
+        with contextlib.suppress(BufferError, ValueError):
+            self.buf.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def grow(path: Path, size: int) -> None:
+    """Creates or grows a slot file to ``size`` bytes with its pages allocated."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)

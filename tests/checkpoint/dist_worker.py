@@ -1,0 +1,65 @@
+"""A gloo training process for the multi-rank checkpoint tests; prints one JSON line of results.
+
+``save``: each of 2 ranks saves its own shard (tensor-parallel style); rank 1 saves one step more, so
+loading must agree on the newest step both hold. ``load``: ranks load from a node without memory; with
+``--replicas`` ranks r and r+2 share shard r % 2 and one of them reads it from storage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from phalanx.checkpoint import Checkpointer
+
+
+def shard(rank: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("--storage", required=True)
+    parser.add_argument("--shm-dir", default=None)
+    parser.add_argument("--replicas", action="store_true")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result: dict[str, object] = {"rank": rank}
+    if args.mode == "save":
+        ckpt = Checkpointer(storage=args.storage)
+        for step in (1, 2, 3) if rank == 1 else (1, 2):
+            ckpt.save(step, {"model": shard(rank, step), "step": step}, persist=step == 2)
+        ckpt.wait()
+        dist.barrier()  # every shard of step 2 is persisted before anyone loads
+        step, state = ckpt.load()  # type: ignore[misc]
+        result.update(
+            step=step,
+            source=ckpt.last_load["source"],
+            ok=all(torch.equal(state["model"][k], v) for k, v in shard(rank, step).items()),
+        )
+        ckpt.close()
+    else:
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])] if world == 4 else []
+        group = groups[rank % 2] if args.replicas and groups else None
+        ckpt = Checkpointer(storage=args.storage, shm_dir=args.shm_dir)
+        step, state = ckpt.load(shard_rank=rank % 2, replica_group=group)  # type: ignore[misc]
+        result.update(
+            step=step,
+            source=ckpt.last_load["source"],
+            reads=ckpt.last_load["storage_reads"],
+            ok=all(torch.equal(state["model"][k], v) for k, v in shard(rank % 2, step).items()),
+        )
+    print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Several gloo ranks: sharded state, agreement on the newest common step, replica reads."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phalanx.checkpoint import host as host_mod
+from tests.checkpoint.conftest import worker_env
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(handle: host_mod.HostHandle, world: int, *args: str) -> list[dict[str, Any]]:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = worker_env(
+            handle,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        cmd = [sys.executable, str(HERE / "dist_worker.py"), *args]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, cwd=HERE.parents[1]))
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, out
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return sorted(results, key=lambda r: int(r["rank"]))
+
+
+def test_sharded_save_agree_and_replica_reads(host: host_mod.HostHandle, store: Path, tmp_path: Path) -> None:
+    saved = run_ranks(host, 2, "save", f"--storage={store}")
+    # rank 1 holds step 3 in memory, rank 0 does not: both load step 2, from memory, each its own shard
+    assert [r["step"] for r in saved] == [2, 2]
+    assert [r["source"] for r in saved] == ["memory", "memory"]
+    assert all(r["ok"] for r in saved)
+
+    empty = tmp_path / "new-node-shm"
+    empty.mkdir()
+    plain = run_ranks(host, 4, "load", f"--storage={store}", f"--shm-dir={empty}")
+    assert all(r["ok"] and r["step"] == 2 for r in plain)
+    assert sum(r["reads"] for r in plain) == 8  # every replica read its shard (manifest + tensors)
+
+    shared = run_ranks(host, 4, "load", f"--storage={store}", f"--shm-dir={empty}", "--replicas")
+    assert all(r["ok"] and r["step"] == 2 for r in shared)
+    assert [r["reads"] for r in shared] == [2, 2, 0, 0]  # one reader per replica group
+    assert [r["source"] for r in shared] == ["storage", "storage", "peer", "peer"]

@@ -1,0 +1,223 @@
+"""Faults injected for real: SIGKILLed trainers and hosts, corrupted files, a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from phalanx.api.errors import CheckpointCorruptError, PersistError
+from phalanx.checkpoint import Checkpointer, CheckpointWarning, shm, storage
+from phalanx.checkpoint import host as host_mod
+from tests.checkpoint.conftest import worker_env
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).parent
+
+
+def run_trainer(
+    handle: host_mod.HostHandle,
+    out: Path,
+    *,
+    steps: int,
+    kill_after: int | None = None,
+    extra: list[str] = (),
+) -> list[str]:
+    """Runs the training worker; with ``kill_after`` SIGKILLs it once it reported that step."""
+    cmd = [sys.executable, str(HERE / "train_worker.py"), f"--steps={steps}", f"--out={out}", *extra]
+    proc = subprocess.Popen(
+        cmd, env=worker_env(handle), stdout=subprocess.PIPE, text=True, cwd=HERE.parents[1]
+    )
+    assert proc.stdout is not None
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if kill_after is not None and line.startswith("STEP ") and int(line.split()[1]) >= kill_after:
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    if kill_after is None:
+        assert proc.returncode == 0, lines
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    return lines
+
+
+def test_sigkilled_trainer_resumes_from_memory_bitwise(
+    host: host_mod.HostHandle, tmp_path: Path, job_id: str
+) -> None:
+    reference_host = host_mod.start(job_id=f"{job_id}-ref", socket_path=tmp_path / "ref.sock")
+    try:
+        run_trainer(reference_host, tmp_path / "ref.safetensors", steps=30)
+    finally:
+        reference_host.stop()
+    args = ["--persist-every=10", "--step-delay=0.02"]
+    run_trainer(host, tmp_path / "out.safetensors", steps=30, kill_after=17, extra=args)
+    lines = run_trainer(host, tmp_path / "out.safetensors", steps=30, extra=args)
+    loaded = [line for line in lines if line.startswith("LOADED")]
+    assert loaded, lines
+    _, step, info = loaded[0].split(" ", 2)
+    assert int(step) >= 17
+    assert json.loads(info)["source"] == "memory"
+    assert json.loads(info)["storage_reads"] == 0  # step 10 was on storage, and never read
+    ref, out = load_file(str(tmp_path / "ref.safetensors")), load_file(str(tmp_path / "out.safetensors"))
+    assert ref.keys() == out.keys()
+    for key in ref:
+        assert torch.equal(ref[key], out[key]), key
+
+
+SAVER = """
+import sys, torch
+from phalanx.checkpoint import Checkpointer
+ck = Checkpointer()
+w = torch.empty(16 << 20)
+step = 0
+while True:
+    step += 1
+    w.fill_(float(step))
+    ck.save(step, {"w": w, "step": step})
+    print(step, flush=True)
+"""
+
+
+def test_sigkill_during_a_save_keeps_the_previous_snapshot(host: host_mod.HostHandle, job_id: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAVER], env=worker_env(host), stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "1"
+        assert proc.stdout.readline().strip() == "2"
+        segs = [shm.Segment(shm.slot_path(Path("/dev/shm"), job_id, 0, s)) for s in range(2)]
+        deadline = time.monotonic() + 30
+        while not any(s.header().state == shm.STATE_WRITING for s in segs):
+            assert time.monotonic() < deadline, "never saw a save in progress"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        states = sorted(s.header().state for s in segs)
+        assert states == [shm.STATE_WRITING, shm.STATE_COMPLETE]  # killed mid-copy, the other slot intact
+        complete = next(s.header() for s in segs if s.header().complete)
+        for s in segs:
+            s.close()
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    ckpt = Checkpointer()
+    step, state = ckpt.load()  # type: ignore[misc]
+    assert step == complete.step
+    assert state["step"] == step
+    assert torch.equal(state["w"], torch.full((16 << 20,), float(step)))
+    ckpt.close()
+
+
+def test_sigkilled_persister_commits_nothing_then_the_next_persist_commits(
+    job_id: str, store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = host_mod.start(job_id=job_id, storage=str(store), socket_path=tmp_path / "h.sock")
+    for key, value in first.env().items():
+        monkeypatch.setenv(key, value)
+    ckpt = Checkpointer()
+    state = {"w": torch.randn(96 << 20)}  # 384 MiB: the write takes long enough to be caught midway
+    ckpt.save(7, state, persist=True)
+    step_dir = store / storage.step_dir(7)
+    deadline = time.monotonic() + 60
+    while not (step_dir.exists() and any(p.name.startswith(".") for p in step_dir.iterdir())):
+        assert time.monotonic() < deadline, "never saw the shard being written"
+        time.sleep(0.001)
+    os.kill(first.pid, signal.SIGKILL)
+    first.stop()
+    assert not (step_dir / storage.COMMIT).exists()
+    assert not (step_dir / "rank-00000.safetensors").exists()
+    assert storage.committed_steps(storage.LocalStorage(store)) == []
+    ckpt.close()
+    second = host_mod.start(
+        job_id=job_id, storage=str(store), socket_path=tmp_path / "h.sock"
+    )  # adopts the memory
+    try:
+        ckpt = Checkpointer()
+        ckpt.persist(7)
+        ckpt.wait()
+        assert storage.committed_steps(storage.LocalStorage(store)) == [7]
+        ckpt.close()
+    finally:
+        second.stop()
+    fresh = Checkpointer(storage=str(store), shm_dir=str(tmp_path))
+    step, got = fresh.load()  # type: ignore[misc]
+    assert step == 7
+    assert torch.equal(got["w"], state["w"])
+
+
+def test_corrupt_persisted_file_falls_back_with_a_warning(
+    host: host_mod.HostHandle, store: Path, tmp_path: Path
+) -> None:
+    ckpt = Checkpointer()
+    for step in (1, 2):
+        ckpt.save(step, {"w": torch.full((1000,), float(step))}, persist=True)
+        ckpt.wait()
+    ckpt.close()
+    bad = store / storage.shard_file(2, 0)
+    data = bytearray(bad.read_bytes())
+    data[-10] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    fresh = Checkpointer(storage=str(store), shm_dir=str(tmp_path))
+    with pytest.warns(CheckpointWarning, match=str(bad)):
+        step, got = fresh.load()  # type: ignore[misc]
+    assert step == 1
+    assert torch.equal(got["w"], torch.full((1000,), 1.0))
+    first = store / storage.shard_file(1, 0)
+    first.write_bytes(first.read_bytes()[:-1])
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointCorruptError):
+        fresh.load()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs: a real full disk."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=False, capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs for the full-disk test: {done.stderr!r}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_is_a_clear_persist_error_and_training_goes_on(
+    job_id: str, tiny_disk: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handle = host_mod.start(job_id=job_id, storage=str(tiny_disk), socket_path=tmp_path / "h.sock")
+    for key, value in handle.env().items():
+        monkeypatch.setenv(key, value)
+    try:
+        ckpt = Checkpointer()
+        ckpt.save(1, {"w": torch.full((1 << 20,), 1.0)}, persist=True)  # 4 MiB onto 2 MiB
+        with pytest.raises(PersistError, match="No space left"):
+            ckpt.wait()
+        assert storage.committed_steps(storage.LocalStorage(tiny_disk)) == []
+        assert not list((tiny_disk / storage.step_dir(1)).iterdir())  # the temporary file is gone too
+        ckpt.save(2, {"w": torch.full((1 << 20,), 2.0)})  # training goes on
+        step, got = ckpt.load()  # type: ignore[misc]
+        assert step == 2
+        assert torch.equal(got["w"], torch.full((1 << 20,), 2.0))
+        ckpt.close()
+    finally:
+        handle.stop()

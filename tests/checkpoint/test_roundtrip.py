@@ -1,0 +1,170 @@
+"""Bitwise round trips through real shared memory and real storage, and the host's lifecycle."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from phalanx.checkpoint import Checkpointer, ElasticDistributedSampler, storage
+from phalanx.checkpoint import host as host_mod
+from tests.checkpoint.conftest import job_segments
+
+pytestmark = pytest.mark.integration
+
+
+def training_state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters())
+    for _ in range(2):
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+    sampler = ElasticDistributedSampler(100, num_replicas=2, rank=1, seed=5)
+    it = iter(sampler)
+    for _ in range(7):
+        next(it)
+    return {
+        "model": model.state_dict(),
+        "opt": opt.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        "sampler": sampler.state_dict(),
+        "extra": {
+            "tokens": 12345,
+            "lr": 3e-4,
+            "name": "run",
+            "flags": [True, None],
+            7: (1, 2),
+            "b": b"\x00\xff",
+        },
+        "odd": {
+            "bf16": torch.randn(3, 5).to(torch.bfloat16),
+            "bool": torch.tensor([True, False, True]),
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.zeros(0, 3),
+        },
+    }
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, path
+        assert a.shape == b.shape, path
+        assert torch.equal(
+            a.view(-1).view(torch.uint8) if a.numel() else a, b.view(-1).view(torch.uint8) if b.numel() else b
+        ), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}/{i}")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype, path
+        assert np.array_equal(a, b), path
+    else:
+        assert a == b, path
+
+
+def test_memory_round_trip_is_bitwise(host: host_mod.HostHandle) -> None:
+    state = training_state()
+    ckpt = Checkpointer()
+    ckpt.save(3, state)
+    ckpt.save(4, training_state(1))
+    step, got = ckpt.load()  # type: ignore[misc]
+    assert step == 4
+    assert ckpt.last_load["source"] == "memory"
+    assert ckpt.last_load["storage_reads"] == 0
+    assert_same(training_state(1), got)
+    # the restored RNG states drive the generators exactly as the saved ones did
+    np.random.set_state(got["rng"]["numpy"])
+    random.setstate(got["rng"]["python"])
+    ckpt.close()
+
+
+def test_persisted_round_trip_loads_on_a_new_node(
+    host: host_mod.HostHandle, store: Path, job_id: str
+) -> None:
+    state = training_state()
+    ckpt = Checkpointer()
+    ckpt.save(5, state, persist=True)
+    results = ckpt.wait()
+    assert results
+    assert results[0]["committed"]
+    files = load_file(str(store / storage.shard_file(5, 0)))  # a standard safetensors file
+    assert torch.equal(files["model/0.weight"], state["model"]["0.weight"])
+    ckpt.close()
+    host.stop()  # the node goes away with its memory
+    assert not job_segments(job_id)
+    fresh = Checkpointer(storage=str(store), shm_dir=str(store.parent))  # a node without the memory
+    step, got = fresh.load()  # type: ignore[misc]
+    assert step == 5
+    assert fresh.last_load["source"] == "storage"
+    assert_same(state, got)
+
+
+def test_retention_keeps_last_k(host: host_mod.HostHandle, store: Path) -> None:
+    ckpt = Checkpointer()
+    for step in range(1, 5):
+        ckpt.save(step, {"w": torch.full((4,), float(step))}, persist=True)
+        ckpt.wait()
+    assert storage.committed_steps(storage.LocalStorage(store)) == [3, 4]
+    ckpt.close()
+
+
+def test_persist_now_saves_the_newest_snapshot(host: host_mod.HostHandle, store: Path) -> None:
+    ckpt = Checkpointer()
+    ckpt.save(1, {"w": torch.ones(3)})
+    ckpt.save(2, {"w": torch.full((3,), 2.0)})
+    ckpt.close()
+    reply = host.persist_now()
+    assert reply["ok"]
+    assert reply["steps"] == {"0": 2}
+    assert storage.committed_steps(storage.LocalStorage(store)) == [2]
+
+
+def test_first_save_after_prepare_reuses_the_memory(host: host_mod.HostHandle) -> None:
+    ckpt = Checkpointer()
+    state = {"w": torch.randn(1 << 18)}
+    ckpt.prepare(state)
+    ckpt.save(1, state)
+    ckpt.save(2, state)
+    assert {ckpt.last_save["slot"]} <= {0, 1}
+    assert ckpt.load()[0] == 2  # type: ignore[index]
+    ckpt.close()
+
+
+def test_standalone_rank0_starts_and_stops_its_own_host(
+    job_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in ("PHALANX_CHECKPOINT_SOCKET", "PHALANX_CHECKPOINT_SHM_DIR", "PHALANX_CHECKPOINT_STORAGE"):
+        monkeypatch.delenv(key, raising=False)
+    ckpt = Checkpointer(job_id=job_id, local_rank=0, host_socket=str(tmp_path / "own.sock"))
+    ckpt.save(1, {"w": torch.ones(2)})
+    assert job_segments(job_id)
+    ckpt.close(stop_host=True)
+    for _ in range(100):  # the host unlinks on its way out
+        if not job_segments(job_id):
+            break
+        import time
+
+        time.sleep(0.05)
+    assert not job_segments(job_id)
+
+
+def test_host_module_does_not_import_torch() -> None:
+    code = (
+        "import sys, phalanx.checkpoint, phalanx.checkpoint.host; "
+        "assert not {'torch', 'numpy', 'safetensors'} & set(sys.modules), sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
