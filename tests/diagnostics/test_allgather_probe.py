@@ -1,0 +1,162 @@
+"""The all-gather probe with three real processes over loopback (gloo), healthy and with a dead peer."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+
+from phalanx.diagnostics.probe_runner import Measurement, allgather_args, run_probe
+from phalanx.diagnostics.stragglers import link_verdicts, suspects
+
+NODES = ["a", "b", "c"]
+TIMEOUT_S = 6.0  # the probe's own wait/collective timeout
+RUNNER_TIMEOUT_S = 90.0  # far above what the probe needs; the probe must end on its own
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_listener(port: int, *, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on port {port}"
+            time.sleep(0.05)
+
+
+def args_for(rank: int, port: int, *, pairs: bool) -> list[str]:
+    return allgather_args(
+        rank=rank,
+        node_ids=NODES,
+        store_host="127.0.0.1",
+        store_port=port,
+        nbytes=1 << 20,
+        seconds=0.6,
+        pairs=pairs,
+        timeout_s=TIMEOUT_S,
+    )
+
+
+def run_ranks(ranks: list[int], port: int, *, pairs: bool) -> dict[int, list[Measurement]]:
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        futures = {
+            r: pool.submit(
+                run_probe,
+                kind="allgather",
+                python=sys.executable,
+                args=args_for(r, port, pairs=pairs),
+                timeout_s=RUNNER_TIMEOUT_S,
+            )
+            for r in ranks
+        }
+        return {r: f.result() for r, f in futures.items()}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(100)
+def test_three_ranks_measure_every_ring_pair() -> None:
+    results = run_ranks([0, 1, 2], free_port(), pairs=True)
+    for rank, measurements in results.items():
+        peers = sorted(m.peer_node_id for m in measurements)
+        assert peers == sorted(n for n in NODES if n != NODES[rank])
+        for m in measurements:
+            assert m.ok, m.error
+            assert m.rate > 0
+            assert m.elapsed_s > 0
+    # No verdict is asserted here: three processes sharing two busy cores over loopback vary by more than
+    # the 0.8x link threshold, which says nothing about the analysis (tested with plain values).
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(100)
+def test_three_ranks_group_mode_gives_one_bus_bandwidth_each() -> None:
+    results = run_ranks([0, 1, 2], free_port(), pairs=False)
+    for measurements in results.values():
+        [m] = measurements
+        assert m.ok, m.error
+        assert m.peer_node_id == ""
+        assert m.rate > 0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(100)
+def test_peer_that_never_starts_fails_only_its_pairs_within_the_timeout() -> None:
+    start = time.monotonic()
+    results = run_ranks([0, 1], free_port(), pairs=True)
+    took = time.monotonic() - start
+    by_peer = {(r, m.peer_node_id): m for r, ms in results.items() for m in ms}
+    assert by_peer[(0, "b")].ok
+    assert by_peer[(1, "a")].ok
+    for rank in (0, 1):
+        m = by_peer[(rank, "c")]
+        assert not m.ok
+        assert m.error == f"c did not join the probe group within {TIMEOUT_S:g}s"
+    # Torch start-up of two processes on a busy 2-core machine plus one timeout; far below the runner's.
+    assert took < 45, took
+    report = {NODES[r]: ms for r, ms in results.items()}
+    assert suspects(link_verdicts(report, expected=NODES)) == ["c"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_peer_that_dies_or_hangs_after_joining_fails_its_pairs_not_a_hang(fault: signal.Signals) -> None:
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    port = free_port()
+    victim = subprocess.Popen(
+        [sys.executable, "-m", "phalanx.diagnostics.probe", "allgather", *args_for(2, port, pairs=True)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = {
+                r: pool.submit(
+                    run_probe,
+                    kind="allgather",
+                    python=sys.executable,
+                    args=args_for(r, port, pairs=True),
+                    timeout_s=RUNNER_TIMEOUT_S,
+                )
+                for r in (0, 1)
+            }
+            # Watch the probe store (served by rank 0) until c has joined the group, then kill it. The
+            # torch store calls hold the GIL while they block, so connect only once the port listens
+            # and poll with short calls: the runner threads must keep running meanwhile.
+            wait_for_listener(port, timeout_s=60)
+            store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10), wait_for_workers=False)
+            deadline = time.monotonic() + 60
+            while not store.check(["alive/2"]):
+                assert time.monotonic() < deadline, "c never joined the probe group"
+                time.sleep(0.02)
+            victim.send_signal(fault)
+            killed_at = time.monotonic()
+            results = {r: f.result() for r, f in futures.items()}
+            after_kill = time.monotonic() - killed_at
+    finally:
+        victim.kill()
+        victim.wait()
+    by_peer = {(r, m.peer_node_id): m for r, ms in results.items() for m in ms}
+    assert by_peer[(0, "b")].ok, by_peer[(0, "b")].error
+    for rank in (0, 1):
+        m = by_peer[(rank, "c")]
+        assert not m.ok
+        assert m.error.startswith("all-gather failed: "), m.error
+    # Each rank may wait out one pair set-up timeout, and rank 0 one more for the hand-over.
+    assert after_kill < 3 * TIMEOUT_S + 8, after_kill
+    report = {NODES[r]: ms for r, ms in results.items()}
+    assert suspects(link_verdicts(report, expected=NODES)) == ["c"]
