@@ -1,0 +1,292 @@
+"""Time from losing a node to the next completed training step: in-process regroup vs restarts.
+
+Three "nodes" of one training process each train the example GPT data parallel (DP=3). At the same step
+one node is SIGKILLed, and the time from the kill to the survivors' next completed step is measured for:
+
+  (a) inprocess  phalanx.trainer regroups in the same processes (round file rewritten, as the agent does);
+  (b) restart    the survivors' workers are restarted and load the newest checkpoint (safetensors shards
+                 under /dev/shm, standing in for the node-local flash checkpoint);
+  (c) torchrun   three torchrun agents (c10d rendezvous, --nnodes 2:3, last_call_timeout 1 s); killing one
+                 node's agent and worker makes the others restart their workers, which load a
+                 torch.save checkpoint.
+
+``overhead`` runs the example on 2 processes without faults under ``torchrun --standalone`` and
+``phalanx-run --standalone`` and reports steps/s of both (after the first quarter of the steps).
+
+Without the master in the loop, (a) and (b) get the new membership the moment the node dies (the harness
+in tests/trainer/_harness.py plays the agents); in a real job the master's heartbeat timeout comes on top,
+and equally so for every mode. Medians over --runs as JSON on stdout (and --out)::
+
+    .venv/bin/python benchmarks/regroup.py --runs 5 --out regroup.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+
+from tests.trainer._harness import Cluster  # noqa: E402
+from tests.trainer._procs import free_port, worker_env  # noqa: E402
+
+MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "32", "--seq-len", "16", "--seed", "1"]
+KILL_AT = 30
+# torchrun's defaults wait 30 s for late nodes and 5 s x 3 keep-alives for a dead one; tuned down so the
+# baseline is measured at its best, not at its defaults.
+RDZV_CONF = "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=2"
+
+
+def _first_step_after(records: list[dict[str, object]], *, after: float) -> float:
+    for r in records:
+        if r["event"] == "step" and float(r["time"]) > after:  # type: ignore[arg-type]
+            return float(r["time"])  # type: ignore[arg-type]
+    raise RuntimeError("no step after the kill")
+
+
+def _wait(pred, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out: {what}")
+        time.sleep(0.01)
+
+
+def run_phalanx(folder: Path, *, restart: bool) -> float:
+    ckpt = Path(tempfile.mkdtemp(prefix="phalanx-bench-", dir="/dev/shm"))
+    args = [*MODEL, "--steps", "100000", "--global-batch", "12", "--ckpt-dir", str(ckpt), "--ckpt-every", "1"]
+    if not restart:
+        args = [*MODEL, "--steps", "100000", "--global-batch", "12"]
+    c = Cluster(folder, args=args)
+    try:
+        for n in "abc":
+            c.add(n)
+        c.write_round(["a", "b", "c"])
+        for n in "abc":
+            c.start(n)
+        _wait(lambda: min(c.last_step(n) for n in "abc") >= KILL_AT, 120, "steps before the kill")
+        killed = c.kill("c")
+        if restart:
+            for n in "ab":  # the agents stop their workers and start them again
+                for p in c.nodes[n].procs:
+                    p.send_signal(signal.SIGKILL)
+                    p.wait()
+        c.write_round(["a", "b"])
+        if restart:
+            for n in "ab":
+                c.start(n)
+        _wait(
+            lambda: any(r["event"] == "step" and r["time"] > killed for r in c.records("a")), 120, "recovery"
+        )
+        return _first_step_after(c.records("a"), after=killed) - killed
+    finally:
+        c.close()
+        for f in ckpt.glob("*/*"):
+            f.unlink()
+        for d in sorted(ckpt.glob("*"), reverse=True):
+            d.rmdir()
+        ckpt.rmdir()
+
+
+def torchrun_worker(log_dir: Path, ckpt: Path) -> int:
+    """One torchrun worker: plain data parallel on the same model, torch.save checkpoint every step."""
+    import torch
+    import torch.distributed as dist
+    from examples.gpt.train import make_batches
+
+    from phalanx.trainer.engine import Engine, OptimConfig
+    from phalanx.trainer.mesh import Mesh, ParallelConfig
+    from phalanx.trainer.model import GPTConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = Engine(
+        model=GPTConfig(layers=2, hidden=64, heads=4, vocab=32, seq_len=16),
+        mesh=Mesh(ParallelConfig(), rank=rank, world_size=world),
+        seed=1,
+        optim=OptimConfig(),
+    )
+    step = 0
+    if ckpt.exists():
+        saved = torch.load(
+            ckpt, weights_only=True
+        )  # the baseline's format; weights_only keeps it pickle-safe
+        step = int(saved["step"])
+        with torch.no_grad():
+            for name, t in engine.state_tensors():
+                t.copy_(saved[name])
+    batches = make_batches(seed=1, batch=12, seq_len=16, vocab=32)
+    log = (log_dir / f"{os.getpid()}.jsonl").open("a", buffering=1)
+    while True:
+        loss = engine.train_step(batches(step))
+        step += 1
+        log.write(
+            json.dumps({"event": "step", "step": step, "loss": loss, "world": world, "time": time.time()})
+            + "\n"
+        )
+        if rank == 0:
+            state = {name: t.clone() for name, t in engine.state_tensors()}
+            state["step"] = torch.tensor(step)
+            torch.save(state, ckpt.with_suffix(".tmp"))
+            ckpt.with_suffix(".tmp").replace(ckpt)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Child processes (recursively), from /proc: torchrun starts its workers in their own sessions."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    for p in [pid, *_descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def run_torchrun(folder: Path) -> float:
+    log_dir = folder / "logs"
+    log_dir.mkdir(parents=True)
+    ckpt = Path(tempfile.mkdtemp(prefix="torchrun-bench-", dir="/dev/shm")) / "ckpt.pt"
+    port = free_port()
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    agents = []
+    for node in range(3):
+        cmd = [
+            torchrun, "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--max-restarts", "3",
+            "--rdzv-conf", RDZV_CONF,
+            "--monitor-interval", "0.1",
+            __file__, "--torchrun-worker", str(log_dir), str(ckpt),
+        ]  # fmt: skip
+        err = (folder / f"agent-{node}.txt").open("wb")
+        agents.append(subprocess.Popen(cmd, env=worker_env(), stdout=err, stderr=err))
+        time.sleep(0.5 if node == 0 else 0)  # the first agent hosts the rendezvous store
+
+    def records() -> list[dict[str, object]]:
+        out = []
+        for f in log_dir.glob("*.jsonl"):
+            for line in f.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):  # a line being written
+                    out.append(json.loads(line))
+        return sorted(out, key=lambda r: float(r["time"]))  # type: ignore[arg-type]
+
+    try:
+        _wait(lambda: sum(1 for r in records() if int(r["step"]) >= KILL_AT) >= 3, 180, "torchrun steps")  # type: ignore[call-overload]
+        killed = time.time()
+        _kill_tree(agents[2].pid)
+        _wait(
+            lambda: any(r["time"] > killed and r["world"] == 2 for r in records()), 180, "torchrun recovery"
+        )  # type: ignore[operator]
+        return _first_step_after([r for r in records() if r["world"] == 2], after=killed) - killed
+    finally:
+        for a in agents:
+            _kill_tree(a.pid)
+            a.wait()
+        for f in ckpt.parent.glob("*"):
+            f.unlink()
+        ckpt.parent.rmdir()
+
+
+def run_overhead(folder: Path, *, launcher: str, steps: int) -> float:
+    """Steps/s of the example on 2 processes without faults, under torchrun or phalanx-run (standalone)."""
+    folder.mkdir(parents=True)
+    log = folder / "steps.jsonl"
+    exe = Path(sys.executable).with_name(launcher)
+    cmd = [str(exe), "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "gpt" / "train.py"),
+           *MODEL, "--steps", str(steps), "--log-json", str(log)]  # fmt: skip
+    with (folder / "out.txt").open("wb") as out:
+        subprocess.run(cmd, env=worker_env(), stdout=out, stderr=out, check=True, timeout=600)
+    times = [
+        float(r["time"])
+        for r in map(json.loads, log.read_text().splitlines())
+        # Skip the first quarter: start-up work of the launchers (phalanx-run warms spare workers) settles.
+        if r["event"] == "step" and r["rank"] == 0 and int(r["step"]) > steps // 4
+    ]
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--torchrun-worker":
+        return torchrun_worker(Path(sys.argv[2]), Path(sys.argv[3]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--modes", default="inprocess,restart,torchrun,overhead")
+    p.add_argument("--overhead-steps", type=int, default=1500)
+    p.add_argument("--out", default="")
+    p.add_argument("--keep", default="", help="keep the logs of every run under this folder")
+    args = p.parse_args()
+    results: dict[str, dict[str, object]] = {}
+    overhead: dict[str, dict[str, object]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or scratch
+        for mode in args.modes.split(","):
+            if mode == "overhead":
+                rates: dict[str, list[float]] = {"torchrun": [], "phalanx-run": []}
+                for i in range(args.runs):
+                    for launcher, got in rates.items():  # interleaved: drifting machine load hits both
+                        folder = Path(tmp) / f"overhead-{launcher}-{i}"
+                        got.append(run_overhead(folder, launcher=launcher, steps=args.overhead_steps))
+                        print(f"{launcher} run {i}: {got[-1]:.1f} steps/s", file=sys.stderr)
+                plain, ours = statistics.median(rates["torchrun"]), statistics.median(rates["phalanx-run"])
+                overhead[mode] = {
+                    "torchrun_steps_per_s": plain, "phalanx_run_steps_per_s": ours,
+                    "overhead": 1 - ours / plain, "samples": rates,
+                }  # fmt: skip
+                continue
+            samples: list[float] = []
+            failures: list[str] = []
+            for i in range(args.runs):
+                folder = Path(tmp) / f"{mode}-{i}"
+                try:
+                    if mode == "torchrun":
+                        samples.append(run_torchrun(folder))
+                    else:
+                        samples.append(run_phalanx(folder, restart=mode == "restart"))
+                except (RuntimeError, subprocess.SubprocessError) as exc:  # reported, not hidden
+                    failures.append(f"run {i}: {exc}")
+                    print(f"{mode} run {i} failed: {exc}", file=sys.stderr)
+                    continue
+                print(f"{mode} run {i}: {samples[-1]:.3f} s", file=sys.stderr)
+            results[mode] = {
+                "median_s": statistics.median(samples) if samples else None,
+                "samples_s": samples,
+                "failed_runs": failures,
+            }
+    if results.get("inprocess", {}).get("median_s") and results.get("torchrun", {}).get("median_s"):
+        results["ratio_inprocess_to_torchrun"] = {
+            "value": results["inprocess"]["median_s"] / results["torchrun"]["median_s"]  # type: ignore[operator]
+        }
+    text = json.dumps(
+        {"kill_to_next_step": results, **overhead, "runs": args.runs, "cpu_count": os.cpu_count()}, indent=2
+    )
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
