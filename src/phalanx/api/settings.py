@@ -334,6 +334,69 @@ class CheckpointSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StragglerSettings:
+    """Fault isolation from health probes and step times (:mod:`phalanx.diagnostics.stragglers`).
+
+    Every threshold is relative to the cluster's own median, so the verdicts do not depend on the
+    hardware generation: a node is slow only compared with its peers.
+    """
+
+    compute_threshold: float = setting(
+        0.8, doc="A node whose slowest device multiplies matrices below this fraction of the median is slow."
+    )
+    link_threshold: float = setting(
+        0.8, doc="A probe pair whose all-gather bandwidth is below this fraction of the median is slow."
+    )
+    step_factor: float = setting(
+        1.5, doc="A rank whose median step interval exceeds this multiple of the ranks' median lags."
+    )
+    step_window: int = setting(32, doc="Most recent step intervals per rank the step-time check looks at.")
+    step_min_samples: int = setting(
+        5, doc="Step intervals a rank needs in the window before it can be judged."
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("compute_threshold", "link_threshold"):
+            value = getattr(self, name)
+            if not 0 < value < 1:
+                raise ConfigError(f"must be between 0 and 1 (exclusive), got {value}", field=name)
+        if self.step_factor <= 1:
+            raise ConfigError(f"must be greater than 1, got {self.step_factor}", field="step_factor")
+        for name in ("step_window", "step_min_samples"):
+            _positive(getattr(self, name), name)
+        if self.step_min_samples > self.step_window:
+            raise ConfigError(
+                f"cannot exceed step_window ({self.step_window}), got {self.step_min_samples}",
+                field="step_min_samples",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeSettings:
+    """Probe rounds the master runs (:mod:`phalanx.master.probing`): every member runs the matmul probe and
+    the pairwise all-gather probe, and the master evicts the nodes the results single out."""
+
+    enabled: bool = setting(False, doc="Run probe rounds (on demand via POST /v1/probe, and as set below).")
+    on_round_complete: bool = setting(
+        False, doc="Run a probe round right after every rendezvous round completes."
+    )
+    interval_s: float = setting(
+        0.0, doc="Run a probe round this long after the previous one (0: never periodically).", unit="s"
+    )
+    timeout_s: float = setting(
+        120.0,
+        doc="A node that has not reported its probes this long after the round began failed them.",
+        unit="s",
+    )
+    stragglers: StragglerSettings = group(StragglerSettings, doc="Thresholds of the probe analysis.")
+
+    def __post_init__(self) -> None:
+        if self.interval_s < 0:
+            raise ConfigError(f"cannot be negative, got {self.interval_s}", field="interval_s")
+        _positive(self.timeout_s, "timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
 class MasterSettings:
     """Everything a job's master needs."""
 
@@ -357,6 +420,7 @@ class MasterSettings:
     heartbeat: HeartbeatSettings = group(HeartbeatSettings, doc="Node liveness.")
     restart: RestartSettings = group(RestartSettings, doc="Restart and eviction budgets.")
     logs: LogSettings = group(LogSettings, doc="Log aggregation.")
+    probes: ProbeSettings = group(ProbeSettings, doc="Health-probe rounds and straggler eviction.")
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?", self.job_id or ""):
@@ -430,41 +494,3 @@ class OperatorSettings:
             port = getattr(self, name)
             if not 0 < port <= 65535:
                 raise ConfigError(f"must be a port number between 1 and 65535, got {port}", field=name)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StragglerSettings:
-    """Fault isolation from health probes and step times (:mod:`phalanx.diagnostics.stragglers`).
-
-    Every threshold is relative to the cluster's own median, so the verdicts do not depend on the
-    hardware generation: a node is slow only compared with its peers.
-    """
-
-    compute_threshold: float = setting(
-        0.8, doc="A node whose slowest device multiplies matrices below this fraction of the median is slow."
-    )
-    link_threshold: float = setting(
-        0.8, doc="A probe pair whose all-gather bandwidth is below this fraction of the median is slow."
-    )
-    step_factor: float = setting(
-        1.5, doc="A rank whose median step interval exceeds this multiple of the ranks' median lags."
-    )
-    step_window: int = setting(32, doc="Most recent step intervals per rank the step-time check looks at.")
-    step_min_samples: int = setting(
-        5, doc="Step intervals a rank needs in the window before it can be judged."
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("compute_threshold", "link_threshold"):
-            value = getattr(self, name)
-            if not 0 < value < 1:
-                raise ConfigError(f"must be between 0 and 1 (exclusive), got {value}", field=name)
-        if self.step_factor <= 1:
-            raise ConfigError(f"must be greater than 1, got {self.step_factor}", field="step_factor")
-        for name in ("step_window", "step_min_samples"):
-            _positive(getattr(self, name), name)
-        if self.step_min_samples > self.step_window:
-            raise ConfigError(
-                f"cannot exceed step_window ({self.step_window}), got {self.step_min_samples}",
-                field="step_min_samples",
-            )

@@ -37,6 +37,10 @@ KINDS = (
     "node_completed",
     "job_succeeded",
     "job_failed",
+    "probe_started",
+    "probe_finished",
+    "probe_failed",
+    "straggler",
 )
 
 

@@ -21,7 +21,8 @@ rename or remove one.
     nodes_alive: int
     restart_count, max_restarts: int
     eviction_count, max_evictions: int
-    evictions: [{node_id, machine, reason, kind, requested_at}]   kind: heartbeat_timeout | hardware | hang
+    evictions: [{node_id, machine, reason, kind, requested_at}]
+                                     kind: heartbeat_timeout | hardware | hang | probe_failed | straggler
     committed_checkpoint_step: int   -1 if none
     max_step: int                    highest step any rank reported, -1 before the first
     root_cause: null | {node_id, round, rank, local_rank, exit_code, failure_class, kind, message,
@@ -29,19 +30,28 @@ rename or remove one.
     hang_analysis: null | {round, hung_node, odd_nodes: [str], odd_ranks: [int], nodes_reported, reason}
     started_unix: float
     completed: [node_id]             members that reported completion of `round`
+    probe: null | {id, round, trigger, result, members: [node_id], started_unix, finished_unix: float | null,
+                   reported: {matmul|allgather: [node_id]}, stale_reports: int,
+                   verdicts: [{node_id, kind, confidence, value, reference, reason}], evicted: [node_id]}
+                                     the running or latest probe round (see phalanx.master.probing);
+                                     result: running | ok | suspects | evicted | inconclusive | aborted
 
 ``GET /v1/nodes`` -> ``{"nodes": [{node_id, incarnation, host, machine, nproc, agent_version, status
 (alive|lost|evicted), state (idle|rendezvous|running|restarting|succeeded|failed), round,
 last_heartbeat_unix, heartbeat_age_s, ranks: [{rank, local_rank, step, step_unix, beacon_age_s, pid}],
 agent_restarts, memory_checkpoint_step, probes: {matmul|allgather: [{peer_node_id, ok, elapsed_s, rate,
-error, unix}]}, exit_reason, member: bool, group_rank: int (-1 if not a member), hang_count}]}``
+error, unix, probe_round}]}, exit_reason, member: bool, group_rank: int (-1 if not a member), hang_count}]}``
 
 ``GET /v1/events?since=SEQ&limit=N`` -> ``{"events": [{seq, unix, kind, node, rank, round, message}],
 "next_seq": int}``: events with ``seq > since``, oldest first. ``seq`` increases by one per event and
 jumps forward (never back) when the master restarts; kinds
 are listed in :data:`phalanx.master.events.KINDS` (job_started, master_resumed, node_registered,
 node_replaced, node_joined, round_open, round_complete, node_lost, failure, restart, eviction_requested,
-hang, hang_analysis, checkpoint_committed, checkpoint_failed, node_completed, job_succeeded, job_failed).
+hang, hang_analysis, checkpoint_committed, checkpoint_failed, node_completed, job_succeeded, job_failed,
+probe_started, probe_finished, probe_failed, straggler).
+
+``POST /v1/probe`` -> 202 ``{"probe": <the probe field of /v1/job>}`` once a probe round started; 409
+``{"error": str}`` when none can start (probes disabled, no running round, a probe round running).
 
 ``GET /v1/logs?node=&rank=&tail=N`` -> ``{"lines": [{unix, node, rank, local_rank, stream (out|err),
 text}]}``: the newest ``tail`` (default 100) lines of the matching (node, rank) rings, oldest first.
@@ -57,9 +67,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Query
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from phalanx.master.errors import RequestError
 from phalanx.master.runtime import Runtime
 
 __all__ = ["create_app"]
@@ -127,6 +138,16 @@ def create_app(runtime: Runtime, *, token: str) -> ASGIApp:
             view["hang_count"] = job.hang_counts.get(node.node_id, 0)
             nodes.append(view)
         return {"nodes": nodes}
+
+    @app.post("/v1/probe")
+    async def post_probe() -> Response:
+        try:
+            probe = job.start_probe(now=runtime.now(), trigger="requested via POST /v1/probe")
+        except RequestError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=409)
+        finally:
+            runtime.after()
+        return JSONResponse({"probe": probe.view()}, status_code=202)
 
     @app.get("/v1/events")
     async def get_events(

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master import rendezvous as rdzv
-from phalanx.master.core import FINISHED, JobCore, action, failure_log, log
+from phalanx.master.core import FINISHED, action, failure_log, log
 from phalanx.master.errors import RequestError
 from phalanx.master.membership import ALIVE, Node
 from phalanx.master.policy import FailureRecord, PolicyInput, Verdict, decide_failure, records_from_request
+from phalanx.master.probing import ProbeCore
 
 __all__ = ["FINISHED", "Job", "RendezvousAnswer"]
 
@@ -34,8 +35,9 @@ class RendezvousAnswer:
         self.durable_version = durable_version
 
 
-class Job(JobCore):
-    """State and decisions of one job's master: :class:`JobCore` plus the agents' requests."""
+class Job(ProbeCore):
+    """State and decisions of one job's master: :class:`JobCore`, probe rounds (:class:`ProbeCore`) and
+    the agents' requests."""
 
     # ------------------------------------------------------------------------------------------------
     # Requests
@@ -354,6 +356,8 @@ class Job(JobCore):
 
     def report_probe(self, req: pb.ReportProbeRequest, *, now: float) -> None:
         node = self._node(req.node_id, req.incarnation)
+        if req.incarnation != node.incarnation:
+            return  # a replaced agent's results say nothing about the node now
         kind = pb.ProbeKind.Name(req.probe).removeprefix("PROBE_KIND_").lower()
         node.probes[kind] = [
             {
@@ -363,9 +367,11 @@ class Job(JobCore):
                 "rate": m.rate,
                 "error": m.error,
                 "unix": now,
+                "probe_round": req.probe_round,
             }
             for m in req.measurements
         ]
+        self.probe_report(req, now=now)
         self._changed()
 
     def report_stacks(self, req: pb.ReportStacksRequest, *, now: float) -> None:

@@ -13,7 +13,11 @@ phalanx_world_size                            gauge
 phalanx_job_phase                             gauge      phase (1 for the current phase)
 phalanx_restarts_total                        counter
 phalanx_failures_total                        counter    failure_class
-phalanx_evictions_total                       counter    reason (heartbeat_timeout, hardware, hang)
+phalanx_evictions_total                       counter    reason (heartbeat_timeout, hardware, hang,
+                                                         probe_failed, straggler)
+phalanx_probe_rounds_total                    counter    result (ok, suspects, evicted, inconclusive,
+                                                         aborted)
+phalanx_probe_reports_stale_total             counter
 phalanx_heartbeats_total                      counter
 phalanx_training_step                         gauge      (highest step any rank reported)
 phalanx_checkpoint_committed_step             gauge
@@ -80,6 +84,17 @@ class _JobCollector:
         for kind, count in sorted(job.stats.evictions.items()):
             evictions.add_metric([kind], count)
         yield evictions
+        rounds = CounterMetricFamily(
+            "phalanx_probe_rounds", "Finished probe rounds, by result.", labels=["result"]
+        )
+        for result, count in sorted(job.stats.probe_rounds.items()):
+            rounds.add_metric([result], count)
+        yield rounds
+        yield CounterMetricFamily(
+            "phalanx_probe_reports_stale",
+            "Probe reports ignored as stale (older probe round, duplicate, not a member).",
+            value=job.stats.probe_reports_stale,
+        )
         yield CounterMetricFamily("phalanx_heartbeats", "Heartbeats received.", value=job.stats.heartbeats)
         yield GaugeMetricFamily(
             "phalanx_training_step", "Highest step any rank reported.", value=job.max_step

@@ -3,11 +3,12 @@
 Fields: ``version``, ``job_id``, ``phase``, ``reason``, ``started_unix``, ``round`` (number, members with
 group ranks, world size, store address) or null, ``next_round``, ``round_open``, ``restart_count``,
 ``evictions``, ``committed_checkpoint_step``, ``nodes`` (node id -> incarnation, host, machine, nproc,
-status, old incarnations), ``hang_counts``, ``completed``, ``root_cause`` and ``event_seq``.
+status, old incarnations), ``hang_counts``, ``completed``, ``root_cause`` and ``event_seq``;
+:class:`~phalanx.master.probing.ProbeCore` adds ``next_probe``.
 
 Not durable, by design: heartbeat times (a restarted master gives every node one heartbeat timeout to
 reappear), the joiners of a round still gathering (their GetRendezvous then answers NOT_MEMBER and they
-join again), log rings and the event log itself.
+join again), log rings, the event log itself and probe rounds (a running one is simply lost).
 """
 
 from __future__ import annotations

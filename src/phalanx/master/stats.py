@@ -12,6 +12,9 @@ class JobStats:
     failures: dict[str, int] = field(default_factory=dict)
     """Worker failures by failure class (user, killed, oom, comm, hardware, hang, unknown)."""
     evictions: dict[str, int] = field(default_factory=dict)
-    """Eviction requests by kind (heartbeat_timeout, hardware, hang)."""
+    """Eviction requests by kind (heartbeat_timeout, hardware, hang, probe_failed, straggler)."""
     heartbeats: int = 0
+    probe_rounds: dict[str, int] = field(default_factory=dict)
+    """Finished probe rounds by result (ok, suspects, evicted, inconclusive, aborted)."""
+    probe_reports_stale: int = 0
     checkpoint_failures: int = 0

@@ -94,6 +94,11 @@ def validate(request: Any) -> None:
         _count("measurements", request.measurements, MAX_RANKS)
         if any(len(m.error) > 4096 or len(m.peer_node_id) > 253 for m in request.measurements):
             raise RequestError("a probe measurement's error or peer_node_id is too long")
+        if request.probe_round < 0:
+            raise RequestError(f"probe_round cannot be negative, got {request.probe_round}")
+        # The analysis takes medians of the rates: NaN or infinity would poison every verdict.
+        if any(not (math.isfinite(m.rate) and m.rate >= 0) for m in request.measurements):
+            raise RequestError("a probe measurement's rate must be a finite number >= 0")
     elif isinstance(request, pb.ReportStacksRequest):
         _round(request.round)
         _count("ranks", request.ranks, MAX_RANKS)

@@ -336,6 +336,7 @@ class Action(_message.Message):
     PROBE_STORE_ADDR_FIELD_NUMBER: _builtins.int
     PROBE_STORE_PORT_FIELD_NUMBER: _builtins.int
     EXIT_CODE_FIELD_NUMBER: _builtins.int
+    PROBE_ROUND_FIELD_NUMBER: _builtins.int
     kind: Global___ActionKind.ValueType
     round: _builtins.int
     """Round to join for REJOIN; the round the action refers to otherwise."""
@@ -349,6 +350,10 @@ class Action(_message.Message):
     probe_store_port: _builtins.int
     exit_code: _builtins.int
     """For EXIT: the exit code the agent should end with (0 when the job succeeded)."""
+    probe_round: _builtins.int
+    """For RUN_PROBE: the master's probe round; the agent echoes it in ReportProbeRequest.probe_round so
+    a late report of an older probe round is never counted in a newer one.
+    """
     @_builtins.property
     def probe_group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Probe group for RUN_PROBE: the node ids that probe together, and where to meet."""
@@ -365,10 +370,11 @@ class Action(_message.Message):
         probe_store_addr: _builtins.str = ...,
         probe_store_port: _builtins.int = ...,
         exit_code: _builtins.int = ...,
+        probe_round: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "kind", b"kind", "probe", b"probe", "probe_group", b"probe_group", "probe_store_addr", b"probe_store_addr", "probe_store_port", b"probe_store_port", "reason", b"reason", "round", b"round", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "kind", b"kind", "probe", b"probe", "probe_group", b"probe_group", "probe_round", b"probe_round", "probe_store_addr", b"probe_store_addr", "probe_store_port", b"probe_store_port", "reason", b"reason", "round", b"round", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -986,9 +992,12 @@ class ReportProbeRequest(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     PROBE_FIELD_NUMBER: _builtins.int
     MEASUREMENTS_FIELD_NUMBER: _builtins.int
+    PROBE_ROUND_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     incarnation: _builtins.str
     probe: Global___ProbeKind.ValueType
+    probe_round: _builtins.int
+    """Action.probe_round of the RUN_PROBE this answers (0: untagged, counted for the running round)."""
     @_builtins.property
     def measurements(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProbeMeasurement]: ...
     def __init__(
@@ -998,10 +1007,11 @@ class ReportProbeRequest(_message.Message):
         incarnation: _builtins.str = ...,
         probe: Global___ProbeKind.ValueType = ...,
         measurements: _abc.Iterable[Global___ProbeMeasurement] | None = ...,
+        probe_round: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "measurements", b"measurements", "node_id", b"node_id", "probe", b"probe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "measurements", b"measurements", "node_id", b"node_id", "probe", b"probe", "probe_round", b"probe_round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

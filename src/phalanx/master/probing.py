@@ -1,0 +1,337 @@
+"""Probe rounds: the master's side of health probes (DESIGN.md section 3, "probe fails or node is a
+straggler -> evict and replace the node").
+
+A probe round is started on demand (``POST /v1/probe``), right after a rendezvous round completes
+(``probes.on_round_complete``) or every ``probes.interval_s``; nothing starts unless ``probes.enabled``.
+It needs a completed rendezvous round that is not reopening. Every member then gets two ``RUN_PROBE``
+actions in its next heartbeat response, both tagged with the probe round's id (``Action.probe_round``):
+
+* ``PROBE_KIND_MATMUL`` -- local compute check, no group;
+* ``PROBE_KIND_ALLGATHER`` (only with two or more members) -- pairwise all-gather with ``probe_group``
+  = the members in group-rank order. The group meets at a TCPStore that the probe process of the
+  group-rank-0 node serves at ``probe_store_addr:probe_store_port`` = the round's ``store_host`` and
+  ``store_port + 1``: the rendezvous store's host is the rank-0 node and is reachable by every member,
+  and the next port keeps the probe out of the training store.
+
+Reports (``ReportProbe``) count only when they carry the running round's id (0, untagged, is taken for
+the running round, for agents that do not echo the id), come from a member and are that node's first
+report of the kind; anything else is stale and only counted. The round ends when every member reported
+every kind or ``probes.timeout_s`` passed; a missing report is a failed measurement. Then
+:mod:`phalanx.diagnostics.stragglers` judges the results:
+
+* high-confidence suspects are evicted through the normal eviction path (event ``probe_failed`` or
+  ``straggler`` with the reason sentence, ``eviction_requested``, failure-channel log line,
+  ``phalanx_evictions_total{reason="probe_failed"|"straggler"}``), and the rendezvous round reopens;
+* low-confidence verdicts only produce the event;
+* when more than half of the members would be evicted, or no member reported at all, the round is
+  ``inconclusive`` and evicts nobody: a broken probe setup must not empty the job;
+* with the eviction budget spent a suspect is not evicted (event only): a slow node beats no job.
+
+A probe round is aborted when the rendezvous round changes or reopens while it runs. Everything here is
+pure (``now`` injected); the probe state is not durable, only the next probe id is, so ids never repeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.api.settings import MasterSettings
+from phalanx.api.v1 import master_pb2 as pb
+from phalanx.diagnostics.stragglers import NodeVerdict, compute_verdicts, link_verdicts
+from phalanx.master.core import JobCore, action, failure_log, log
+from phalanx.master.errors import RequestError
+from phalanx.master.membership import ALIVE
+
+__all__ = ["PROBE_KINDS", "Measured", "ProbeCore", "ProbeRound", "judge"]
+
+PROBE_KINDS = {pb.PROBE_KIND_MATMUL: "matmul", pb.PROBE_KIND_ALLGATHER: "allgather"}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measurement as the analysis reads it (:class:`~phalanx.diagnostics.stragglers.MeasurementLike`)."""
+
+    peer_node_id: str = ""
+    ok: bool = False
+    rate: float = 0.0
+    error: str = ""
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class ProbeRound:
+    """One probe round: who takes part, what it expects and what arrived."""
+
+    id: int
+    rendezvous_round: int
+    members: list[str]
+    trigger: str
+    started_at: float
+    kinds: tuple[str, ...]
+    reports: dict[str, dict[str, list[Measured]]] = field(default_factory=dict)
+    """kind -> node -> measurements."""
+    stale_reports: int = 0
+    result: str = "running"
+    """running | ok | suspects | evicted | inconclusive | aborted"""
+    finished_at: float | None = None
+    verdicts: list[NodeVerdict] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
+
+    def complete(self) -> bool:
+        """True when every member reported every kind."""
+        return all(set(self.members) <= set(self.reports.get(kind, {})) for kind in self.kinds)
+
+    def view(self) -> dict[str, Any]:
+        """The ``probe`` field of ``/v1/job``."""
+        return {
+            "id": self.id,
+            "round": self.rendezvous_round,
+            "trigger": self.trigger,
+            "result": self.result,
+            "members": list(self.members),
+            "started_unix": self.started_at,
+            "finished_unix": self.finished_at,
+            "reported": {kind: sorted(self.reports.get(kind, {})) for kind in self.kinds},
+            "stale_reports": self.stale_reports,
+            "verdicts": [
+                {
+                    "node_id": v.node_id,
+                    "kind": v.kind,
+                    "confidence": v.confidence,
+                    "value": v.value,
+                    "reference": v.reference,
+                    "reason": v.reason,
+                }
+                for v in self.verdicts
+            ],
+            "evicted": list(self.evicted),
+        }
+
+
+def judge(probe: ProbeRound, *, timeout_s: float, settings: Any) -> list[NodeVerdict]:
+    """Verdicts of a finished round; a member without a report failed that probe.
+
+    ``settings`` is a :class:`~phalanx.api.settings.StragglerSettings`.
+    """
+    verdicts: list[NodeVerdict] = []
+    if "matmul" in probe.kinds:
+        matmul: dict[str, Sequence[Measured]] = dict(probe.reports.get("matmul", {}))
+        for node in probe.members:
+            if node not in matmul:
+                missing = f"no matmul probe report within {timeout_s:g}s"
+                matmul[node] = [Measured(ok=False, error=missing)]
+        verdicts.extend(compute_verdicts(matmul, settings=settings))
+    if "allgather" in probe.kinds:
+        # link_verdicts names the members that reported nothing itself (``expected``).
+        allgather: Mapping[str, Sequence[Measured]] = probe.reports.get("allgather", {})
+        verdicts.extend(link_verdicts(allgather, expected=probe.members, settings=settings))
+    return verdicts
+
+
+class ProbeCore(JobCore):
+    """:class:`JobCore` plus probe rounds (see the module docstring)."""
+
+    probe: ProbeRound | None = None
+    """The running or the latest probe round."""
+    next_probe: int = 1
+    probed_round: int = 0
+    """Rendezvous round of the latest probe round (for ``on_round_complete``)."""
+    last_probe_at: float | None = None
+
+    def __init__(
+        self, *, settings: MasterSettings, now: float, saved: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(settings=settings, now=now, saved=saved)
+        if saved is not None:
+            # Probe ids stay unique across master restarts, so a report to the old master stays stale.
+            self.next_probe = int(saved.get("next_probe", 1))
+
+    def status(self) -> dict[str, Any]:
+        """:meth:`JobCore.status` plus ``probe``, the running or latest probe round (or null)."""
+        return {**super().status(), "probe": self.probe.view() if self.probe else None}
+
+    def durable(self) -> dict[str, Any]:
+        """:meth:`JobCore.durable` plus the next probe id."""
+        return {**super().durable(), "next_probe": self.next_probe}
+
+    def start_probe(self, *, now: float, trigger: str) -> ProbeRound:
+        """Starts a probe round; RequestError (``failed_precondition``) when none can start now."""
+        cfg = self.settings.probes
+        why = ""
+        if not cfg.enabled:
+            why = "probes are disabled (probes.enabled)"
+        elif self.finished:
+            why = f"the job has {self.phase.lower()}"
+        elif self.round is None or self.round_open:
+            why = "no rendezvous round is running"
+        elif self.probe is not None and self.probe.result == "running":
+            why = f"probe round {self.probe.id} is still running"
+        if why:
+            raise RequestError(f"cannot start a probe round: {why}", code="failed_precondition")
+        assert self.round is not None
+        r = self.round
+        members = [m for m in r.node_ids if m in self.nodes and self.nodes[m].status == ALIVE]
+        kinds = ("matmul", "allgather") if len(members) >= 2 else ("matmul",)
+        probe = ProbeRound(
+            id=self.next_probe,
+            rendezvous_round=r.number,
+            members=members,
+            trigger=trigger,
+            started_at=now,
+            kinds=kinds,
+        )
+        self.probe = probe
+        self.next_probe += 1
+        self.probed_round = r.number
+        self.last_probe_at = now
+        reason = f"probe round {probe.id} ({trigger})"
+        for node_id in members:
+            pending = self.nodes[node_id].pending
+            pending.append(
+                action(
+                    pb.ACTION_KIND_RUN_PROBE,
+                    round=r.number,
+                    reason=reason,
+                    probe=pb.PROBE_KIND_MATMUL,
+                    probe_round=probe.id,
+                )
+            )
+            if "allgather" in kinds:
+                pending.append(
+                    action(
+                        pb.ACTION_KIND_RUN_PROBE,
+                        round=r.number,
+                        reason=reason,
+                        probe=pb.PROBE_KIND_ALLGATHER,
+                        probe_group=members,
+                        probe_store_addr=r.store_host,
+                        probe_store_port=r.store_port + 1,
+                        probe_round=probe.id,
+                    )
+                )
+        self._event("probe_started", now=now, message=f"{reason}: {', '.join(members)}")
+        log.info("%s started on %d nodes", reason, len(members), extra={"round": r.number})
+        return probe
+
+    def probe_report(self, req: pb.ReportProbeRequest, *, now: float) -> bool:
+        """Counts a ReportProbe toward the running round; False when it is stale (and ignored)."""
+        probe = self.probe
+        kind = PROBE_KINDS.get(req.probe, "")
+        if (
+            probe is None
+            or probe.result != "running"
+            or req.probe_round not in (0, probe.id)
+            or kind not in probe.kinds
+            or req.node_id not in probe.members
+            or req.node_id in probe.reports.get(kind, {})
+        ):
+            if probe is not None:
+                probe.stale_reports += 1
+            self.stats.probe_reports_stale += 1
+            log.info(
+                "ignored a stale %s probe report (probe round %d)",
+                kind or "unknown",
+                req.probe_round,
+                extra={"node": req.node_id},
+            )
+            return False
+        probe.reports.setdefault(kind, {})[req.node_id] = [
+            Measured(peer_node_id=m.peer_node_id, ok=m.ok, rate=m.rate, error=m.error, elapsed_s=m.elapsed_s)
+            for m in req.measurements
+        ]
+        if probe.complete():
+            self._finish_probe(now=now)
+        self._changed()
+        return True
+
+    def tick(self, *, now: float) -> None:
+        """:meth:`JobCore.tick`, then probe-round timeouts, aborts and scheduling."""
+        super().tick(now=now)
+        probe = self.probe
+        if probe is not None and probe.result == "running":
+            if self.finished or self.round_open or self.round_number != probe.rendezvous_round:
+                self._end_probe(probe, "aborted", now=now, why="the rendezvous round changed")
+            elif now - probe.started_at >= self.settings.probes.timeout_s:
+                self._finish_probe(now=now)
+            return
+        cfg = self.settings.probes
+        if not cfg.enabled or self.finished or self.round is None or self.round_open:
+            return
+        trigger = ""
+        if cfg.on_round_complete and self.round_number > self.probed_round:
+            trigger = f"rendezvous round {self.round_number} completed"
+        elif cfg.interval_s > 0 and now - (self.last_probe_at or self.round.completed_at) >= cfg.interval_s:
+            trigger = f"every {cfg.interval_s:g}s"
+        if trigger:
+            self.start_probe(now=now, trigger=trigger)
+
+    def _end_probe(self, probe: ProbeRound, result: str, *, now: float, why: str) -> None:
+        probe.result = result
+        probe.finished_at = now
+        for node_id in probe.members:
+            node = self.nodes.get(node_id)
+            if node is not None:  # RUN_PROBE not yet delivered would start a probe nobody waits for
+                node.pending[:] = [
+                    a
+                    for a in node.pending
+                    if not (a.kind == pb.ACTION_KIND_RUN_PROBE and a.probe_round == probe.id)
+                ]
+        self.stats.probe_rounds[result] = self.stats.probe_rounds.get(result, 0) + 1
+        self._event("probe_finished", now=now, round=probe.rendezvous_round, message=f"{result}: {why}")
+        log.info("probe round %d %s: %s", probe.id, result, why, extra={"round": probe.rendezvous_round})
+
+    def _finish_probe(self, *, now: float) -> None:
+        probe = self.probe
+        assert probe is not None
+        cfg = self.settings.probes
+        probe.verdicts = judge(probe, timeout_s=cfg.timeout_s, settings=cfg.stragglers)
+        for v in probe.verdicts:
+            kind = "probe_failed" if v.kind == "probe_failed" else "straggler"
+            self._event(kind, now=now, node=v.node_id, message=f"{v.confidence} confidence: {v.reason}")
+        high = sorted({v.node_id for v in probe.verdicts if v.confidence == "high"})
+        reported = set().union(*(set(probe.reports.get(k, {})) for k in probe.kinds))
+        if not reported:
+            self._end_probe(
+                probe, "inconclusive", now=now, why="no member reported; do the agents run probes?"
+            )
+            return
+        if high and 2 * len(high) > len(probe.members):
+            why = f"{len(high)} of {len(probe.members)} members failed; evicting none (check the probe setup)"
+            failure_log.warning("probe round %d: %s", probe.id, why, extra={"round": probe.rendezvous_round})
+            self._end_probe(probe, "inconclusive", now=now, why=why)
+            return
+        for node_id in high:
+            self._evict_suspect(probe, node_id, now=now)
+        if probe.evicted:
+            result = "evicted"
+        elif probe.verdicts:
+            result = "suspects"
+        else:
+            result = "ok"
+        summary = (
+            f"evicted {', '.join(probe.evicted)}" if probe.evicted else f"{len(probe.verdicts)} verdict(s)"
+        )
+        self._end_probe(probe, result, now=now, why=summary)
+
+    def _evict_suspect(self, probe: ProbeRound, node_id: str, *, now: float) -> None:
+        node = self.nodes.get(node_id)
+        if node is None or node.status != ALIVE or self.finished:
+            return
+        first = next(v for v in probe.verdicts if v.node_id == node_id and v.confidence == "high")
+        kind = "probe_failed" if first.kind == "probe_failed" else "straggler"
+        if len(self.evictions) >= self.settings.restart.max_evictions:
+            failure_log.warning(
+                "not evicting %s, the eviction budget (%d) is spent: %s",
+                node_id,
+                self.settings.restart.max_evictions,
+                first.reason,
+                extra={"node": node_id, "round": probe.rendezvous_round},
+            )
+            return
+        was_member = node_id in self.members
+        if self._request_eviction(node, kind=kind, reason=first.reason, now=now):
+            probe.evicted.append(node_id)
+            if was_member:
+                self._open_round(f"evicted {node_id}: {first.reason}", now=now)
