@@ -124,6 +124,11 @@ def test_killed_worker_is_replaced_and_lost_master_resumes(cluster: Cluster) -> 
         lambda: any(p["metadata"]["name"] == replacement for p in _running_workers(cluster, ns)),
         timeout=60,
     )
+    # The operator patches the status at the end of the pass that created the Pod; under load the kubelet can
+    # start the Pod first, so the count is awaited, as any eventually consistent status is.
+    cluster.wait_for(
+        "replacement counted", lambda: _job(cluster, ns)["status"].get("replacements") == 1, timeout=30
+    )
     job = _job(cluster, ns)
     assert job["status"]["replacements"] == 1
     assert "WorkerReplaced" in _events(cluster, ns)
