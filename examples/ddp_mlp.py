@@ -5,8 +5,15 @@ temporary file, then an atomic rename) so a restart loses at most the step in fl
 to the agent with ``phalanx.report_step`` (a no-op under torchrun), and, with ``--step-log``, appends one
 JSON line per completed step on rank 0: ``{"step", "time", "world_size", "restart"}``.
 
+With ``--flash`` it uses phalanx's flash checkpoint instead: every step is saved into node-local shared
+memory (a memory copy), every ``--persist-every`` steps it is also persisted to storage in the background
+(``--ckpt`` is then a directory, unless ``phalanx-run --checkpoint-dir`` gives the storage), and at start
+each rank loads the newest step all ranks hold, from memory when its node kept it. Each rank prints where
+it loaded from: ``flash: loaded step S from memory (storage reads 0)``.
+
     torchrun --nproc-per-node 2 --standalone examples/ddp_mlp.py --steps 50 --ckpt /tmp/ckpt.pt
     phalanx-run --nproc-per-node 2 --standalone examples/ddp_mlp.py --steps 50 --ckpt /tmp/ckpt.pt
+    phalanx-run --nproc-per-node 2 --standalone --checkpoint-dir /tmp/ckpt examples/ddp_mlp.py --flash
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--fail-at", type=int, default=-1, help="raise a ValueError at this step on every rank")
     p.add_argument("--pid-dir", default="", help="write rank<N>.pid here at start (for fault injection)")
+    p.add_argument(
+        "--flash", action="store_true", help="use phalanx's flash checkpoint instead of torch.save"
+    )
+    p.add_argument("--persist-every", type=int, default=10, help="with --flash: persist every N steps")
     return p.parse_args()
 
 
@@ -60,7 +71,21 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start = 0
-    ckpt = Path(args.ckpt) if args.ckpt else None
+    flash = None
+    ckpt = Path(args.ckpt) if args.ckpt and not args.flash else None
+    if args.flash:
+        from phalanx.checkpoint import Checkpointer
+
+        # The agent's host advertises its storage; under torchrun --ckpt names the directory.
+        flash = Checkpointer(storage=os.environ.get("PHALANX_CHECKPOINT_STORAGE") or args.ckpt or "")
+        loaded = flash.load()
+        if loaded is not None:
+            model.load_state_dict(loaded[1]["model"])
+            opt.load_state_dict(loaded[1]["opt"])
+            start = loaded[0] + 1
+            info = flash.last_load
+            print(f"flash: loaded step {loaded[0]} from {info.get('source')} "
+                  f"(storage reads {info.get('storage_reads')})", flush=True)  # fmt: skip
     if ckpt is not None and ckpt.exists():
         state = torch.load(ckpt, weights_only=True)
         model.load_state_dict(state["model"])
@@ -84,6 +109,9 @@ def main() -> None:
             time.sleep(args.step_time)
         if rank == 0 and ckpt is not None:
             save(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step})
+        if flash is not None:  # every rank holds its own snapshot in memory
+            persist = flash.storage is not None and args.persist_every > 0 and step % args.persist_every == 0
+            flash.save(step, {"model": model.state_dict(), "opt": opt.state_dict()}, persist=persist)
         # Every rank waits for the checkpoint of this step before counting it as done.
         dist.barrier()
         report_step(step)
@@ -98,6 +126,9 @@ def main() -> None:
                     f.write("\n")
             if step % 10 == 0:
                 print(f"step {step} loss {loss.item():.4f}", flush=True)
+    if flash is not None:
+        flash.wait()
+        flash.close()
     dist.destroy_process_group()
 
 

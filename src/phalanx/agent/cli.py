@@ -93,7 +93,13 @@ def run_agent(argv: list[str]) -> int:
                 job_id = _job_id_for_standalone(cfg.job_id)
                 master = StandaloneMaster(job_id=job_id, workdir=workdir, max_restarts=cfg.max_restarts)
                 cfg = agent_config.AgentConfig(
-                    **{**cfg.__dict__, "job_id": job_id, "master_addr": master.grpc_addr, "token_file": ""}
+                    **{
+                        **cfg.__dict__,
+                        "job_id": job_id,
+                        "master_addr": master.grpc_addr,
+                        # the checkpoint host reads the token from this file to report checkpoints
+                        "token_file": str(master.token_file),
+                    }
                 )
                 token = master.token
             else:

@@ -93,3 +93,6 @@ class MasterClient:
 
     def report_stacks(self, req: pb.ReportStacksRequest, timeout: float = 5.0) -> pb.ReportStacksResponse:
         return self._call(self._stub.ReportStacks, req, timeout)  # type: ignore[no-any-return]
+
+    def report_probe(self, req: pb.ReportProbeRequest, timeout: float = 5.0) -> pb.ReportProbeResponse:
+        return self._call(self._stub.ReportProbe, req, timeout)  # type: ignore[no-any-return]

@@ -8,6 +8,7 @@ could surprise a user are noted on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import sys
@@ -15,7 +16,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from phalanx.api.errors import ConfigError
-from phalanx.api.settings import HangSettings, LogSettings, parse_duration, parse_node_range
+from phalanx.api.settings import (
+    CheckpointSettings,
+    HangSettings,
+    LogSettings,
+    from_env,
+    parse_duration,
+    parse_node_range,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +49,8 @@ class AgentConfig:
     script_args: list[str]
     grace_period_s: float
     warm_spares: bool
+    checkpoint_host: bool = True
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     hang: HangSettings = field(default_factory=HangSettings)
     logs: LogSettings = field(default_factory=LogSettings)
     notes: list[str] = field(default_factory=list)
@@ -83,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hang-startup", default=None, help="Time allowed before the first reported step.")
     add("--no-hang-detection", action="store_true", help="Do not detect hung workers.")
     add("--no-warm-spares", action="store_true", help="Start workers cold instead of from pre-warmed spares.")
+    add("--checkpoint-dir", default=None, help="Where the node's checkpoint host persists flash checkpoints.")
+    add("--checkpoint-keep-last", type=int, default=None, help="Committed checkpoint steps kept on storage.")
+    add("--no-checkpoint-host", action="store_true", help="Do not run a flash-checkpoint host on this node.")
     add("training_script", help="Script (or module with -m, executable with --no-python) to run.")
     add("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -142,6 +155,14 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> AgentConfig:
     job_id = args.rdzv_id or env.get("PHALANX_JOB_ID", "")
     if not job_id:
         job_id = "standalone" if args.standalone else "none"
+    # PHALANX_CHECKPOINT_STORAGE_PATH / _KEEP_LAST give the defaults; flags win.
+    ckpt = from_env(CheckpointSettings, env, prefix="PHALANX_CHECKPOINT_")
+    overrides: dict[str, object] = {}
+    if args.checkpoint_dir is not None:
+        overrides["storage_path"] = args.checkpoint_dir
+    if args.checkpoint_keep_last is not None:
+        overrides["keep_last"] = args.checkpoint_keep_last
+    ckpt = dataclasses.replace(ckpt, **overrides)  # type: ignore[arg-type]
     script_args = list(args.training_script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
@@ -165,6 +186,8 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> AgentConfig:
         script_args=script_args,
         grace_period_s=parse_duration(args.grace_period, name="grace-period"),
         warm_spares=not args.no_warm_spares and env.get("PHALANX_WARM_SPARES", "1") != "0",
+        checkpoint_host=not args.no_checkpoint_host and env.get("PHALANX_CHECKPOINT_HOST", "1") != "0",
+        checkpoint=ckpt,
         hang=hang,
         notes=notes,
     )

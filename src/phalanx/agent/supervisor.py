@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from phalanx import __version__
-from phalanx.agent import decisions, errorfile, workers
+from phalanx.agent import checkpointing, decisions, failures, probes, workers
 from phalanx.agent import env as worker_env
 from phalanx.agent.client import MasterClient, MasterUnavailableError, UnknownNodeError, backoff_s
 from phalanx.agent.config import AgentConfig
@@ -27,7 +27,7 @@ from phalanx.api.errors import RendezvousClosedError, TransportError
 from phalanx.api.round import RoundInfo
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import hang
-from phalanx.diagnostics.classify import FailureClass, classify
+from phalanx.diagnostics.classify import FailureClass
 
 T = TypeVar("T")
 
@@ -86,6 +86,14 @@ class Supervisor:
         self.round_path = log_dir / "round.json"
         self._echo_lock = threading.Lock()
         self._spawned = 0
+        self.ckpt = checkpointing.NodeCheckpointHost(self.say)
+        self.probes = probes.ProbeExecutor(
+            client=client,
+            node_id=config.node_id,
+            incarnation=self.incarnation,
+            env=self.base_env,
+            say=self.say,
+        )
 
     # -------------------------------------------------------------------------------------------------
     # plumbing
@@ -212,6 +220,10 @@ class Supervisor:
             f"of {info.world_size}, store {info.store_host}:{info.store_port}"
         )
 
+    def _local_ranks(self) -> list[int]:
+        """This node's global ranks in the current round."""
+        return [self.round.rank(lr) for lr in range(self.config.nproc_per_node)] if self.round else []
+
     def _stop_workers(self) -> dict[int, int]:
         codes = workers.stop(list(self.workers.values()), grace_period_s=self.config.grace_period_s)
         self.workers = {}
@@ -319,12 +331,14 @@ class Supervisor:
             self.link.publish(state=state, round=round, ranks=ranks, restart_count=self.total_restarts)
 
     def _drain_exit_actions(self) -> None:
-        """While not running workers only EXIT matters; the rest is stale."""
+        """While not running workers only EXIT and probes matter; the rest is stale."""
         assert self.link is not None
         while not self.link.actions.empty():
             action = self.link.actions.get_nowait()
             if action.kind == pb.ACTION_KIND_EXIT:
                 raise AgentExit(action.exit_code, action.reason or "told to exit")
+            if action.kind == pb.ACTION_KIND_RUN_PROBE:  # a node between rounds is the one to probe
+                self.probes.start(action)
 
     # -------------------------------------------------------------------------------------------------
     # monitoring
@@ -352,6 +366,15 @@ class Supervisor:
                     return Event("rejoin", action=action, reason=action.reason)
                 if action.kind == pb.ACTION_KIND_DUMP_STACKS:
                     self._send_stacks()
+                if action.kind == pb.ACTION_KIND_RUN_PROBE:
+                    self.probes.start(action)  # on its own thread: monitoring and heartbeats go on
+                if action.kind == pb.ACTION_KIND_PERSIST_CHECKPOINT:  # in the background: keep watching
+                    threading.Thread(
+                        target=self.ckpt.save_at_breakpoint,
+                        args=("asked by the master",),
+                        kwargs={"ranks": self._local_ranks(), "step": action.step or None},
+                        daemon=True,
+                    ).start()
             if self.config.warm_spares:
                 self._maybe_refill(now)
             time.sleep(self.config.monitor_interval_s)
@@ -367,20 +390,7 @@ class Supervisor:
             self._fill_spares()
 
     def _send_stacks(self, reason: str = "") -> None:
-        stacks = workers.dump_stacks(list(self.workers.values()))
-        now = time.monotonic()
-        entries = []
-        for lr, w in self.workers.items():
-            h = self.histories.get(lr)
-            entries.append(
-                pb.RankStacks(
-                    rank=w.rank,
-                    local_rank=lr,
-                    stacks=stacks.get(lr, "<no stack dump: the process did not answer SIGUSR1>"),
-                    last_step=h.last_step if h else -1,
-                    beacon_age_s=now - (h.last_change_at or h.started_at) if h else 0.0,
-                )
-            )
+        entries = failures.rank_stacks(self.workers, self.histories, now=time.monotonic())
         round_no = self.round.round if self.round else 0
         with contextlib.suppress(TransportError):
             self.client.report_stacks(
@@ -393,62 +403,12 @@ class Supervisor:
     # -------------------------------------------------------------------------------------------------
     # failures
 
-    def _failure_report(self, event: Event) -> pb.ReportFailureRequest:
-        assert self.round is not None
-        kind = pb.FAILURE_KIND_HANG if event.kind == "hang" else pb.FAILURE_KIND_WORKER_EXIT
-        failures = []
-        for lr in event.local_ranks:
-            w = self.workers[lr]
-            if event.kind != "hang":
-                for t in w._threads:  # let the pumps drain what the worker wrote before dying
-                    t.join(0.5)
-            report = errorfile.read(w.paths.error_file) if w.paths else None
-            tail = list(w.tail)[-20:]
-            code = w.proc.returncode if w.proc.returncode is not None else 0
-            if event.kind == "hang":
-                cls = FailureClass.HANG
-            else:
-                cls = classify(exit_code=code, log_tail=tail, error_message=report.message if report else "")
-            h = self.histories.get(lr)
-            failures.append(
-                pb.WorkerFailure(
-                    rank=w.rank,
-                    local_rank=lr,
-                    exit_code=code,
-                    failure_class=int(cls),  # type: ignore[arg-type]
-                    observed_unix_ns=time.time_ns(),
-                    error_message=(report.message if report else "")
-                    or (event.reason if event.kind == "hang" else ""),
-                    error_traceback=report.traceback if report else "",
-                    error_unix_ns=report.unix_ns if report else 0,
-                    log_tail=tail,
-                    last_step=h.last_step if h else -1,
-                )
-            )
-        return pb.ReportFailureRequest(
-            node_id=self.config.node_id,
-            incarnation=self.incarnation,
-            round=self.round.round,
-            kind=kind,
-            failures=failures,
-        )
-
-    def _classify_local(self, local_rank: int) -> FailureClass:
-        w = self.workers[local_rank]
-        for t in w._threads:  # let the pumps drain what the worker wrote before dying
-            t.join(0.5)
-        report = errorfile.read(w.paths.error_file) if w.paths else None
-        code = w.proc.returncode if w.proc.returncode is not None else 0
-        return classify(
-            exit_code=code, log_tail=list(w.tail)[-20:], error_message=report.message if report else ""
-        )
-
     def _settle(self, event: Event) -> Event:
         """A user error usually hits every rank at once: give the other local workers a moment to fail on
         their own, so the report shows all of them (the master fails the job at once when every rank
         raised the same error). A kill or a crash is reported without waiting."""
         if event.kind != "failed" or not any(
-            self._classify_local(lr) is FailureClass.USER for lr in event.local_ranks
+            failures.classify_local(self.workers[lr]) is FailureClass.USER for lr in event.local_ranks
         ):
             return event
         deadline = time.monotonic() + USER_ERROR_SETTLE_S
@@ -468,10 +428,22 @@ class Supervisor:
                 for lr in event.local_ranks
             )
             self.say(f"worker failure: {desc}")
-        request = self._failure_report(event)
+        assert self.round is not None
+        request = failures.failure_report(
+            hung=event.kind == "hang",
+            reason=event.reason,
+            failed={lr: self.workers[lr] for lr in event.local_ranks},
+            histories=self.histories,
+            node_id=self.config.node_id,
+            incarnation=self.incarnation,
+            round_no=self.round.round,
+        )
         self.link_publish(pb.NODE_STATE_RESTARTING, self.round.round if self.round else 0)
         self._stop_workers()
         resp = self._retry(lambda: self.client.report_failure(request), "report failure")
+        # Save at the breakpoint while the master decides: the restarted workers (or the next run) resume
+        # from the newest step, and storage holds it even if this node goes away.
+        self.ckpt.save_at_breakpoint("worker failure", ranks=self._local_ranks())
         nxt = decisions.after_failure(
             resp.action, restarts_used=self.restarts, max_restarts=self.config.max_restarts
         )
@@ -494,6 +466,33 @@ class Supervisor:
     # the loop
 
     def run(self) -> int:
+        try:
+            self._start_checkpoint_host()
+            return self._run()
+        except AgentExit as exc:
+            self.say(f"exiting with code {exc.code}: {exc.reason}")
+            return exc.code
+        except RendezvousClosedError as exc:
+            self.say(str(exc))
+            return 0
+        finally:
+            self._shutdown()
+
+    def _start_checkpoint_host(self) -> None:
+        if not self.config.checkpoint_host:
+            return
+        if self.ckpt.start(
+            settings=self.config.checkpoint,
+            shm_root=SHM_DIR,
+            job_id=self.config.job_id,
+            node_id=self.config.node_id,
+            master_addr=self.config.master_addr,
+            token_file=self.config.token_file,
+            incarnation=self.incarnation,
+        ):
+            self.base_env.update(self.ckpt.env())  # every worker and warm spare finds the host
+
+    def _run(self) -> int:
         reg = self._retry(self._register, "register")
         interval = reg.heartbeat_interval_s or 1.0
         self.link = Link(
@@ -514,16 +513,7 @@ class Supervisor:
             while not all(s.ready() for s in self.spares.values()) and time.monotonic() < deadline:
                 time.sleep(0.05)
             self.say("warm spares ready")
-        try:
-            return self._loop()
-        except AgentExit as exc:
-            self.say(f"exiting with code {exc.code}: {exc.reason}")
-            return exc.code
-        except RendezvousClosedError as exc:
-            self.say(str(exc))
-            return 0
-        finally:
-            self._shutdown()
+        return self._loop()
 
     def _loop(self) -> int:
         regroup = False
@@ -571,6 +561,7 @@ class Supervisor:
                 else:
                     self.link_publish(pb.NODE_STATE_RESTARTING, info.round)
                     self._stop_workers()
+                    self.ckpt.save_at_breakpoint("membership change", ranks=self._local_ranks())
 
     def _complete(self) -> tuple[int, str] | None:
         """Reports success; returns the exit code and reason, or None when the node must rejoin (another
@@ -628,6 +619,7 @@ class Supervisor:
                         ),
                         timeout=1.0,
                     )
+        self.ckpt.stop()  # after the workers: nothing writes to the segments it unlinks
         for lr in range(self.config.nproc_per_node):
             with contextlib.suppress(OSError):
                 worker_env.beacon_path(

@@ -1,0 +1,228 @@
+"""The node's flash-checkpoint host, owned by the agent (DESIGN.md §4).
+
+The agent starts one :mod:`phalanx.checkpoint.host` process when it starts, so the shared-memory
+snapshots outlive every training process it restarts: a restarted worker loads its last step from memory
+instead of storage. Workers find the host through the environment (:meth:`NodeCheckpointHost.env`). When
+workers fail, :meth:`NodeCheckpointHost.save_at_breakpoint` persists the newest complete snapshot of
+every local rank before they are restarted or the agent gives up; :meth:`NodeCheckpointHost.stop`
+drains persistence and unlinks every segment when the agent exits for any reason. The host runs detached
+and holds on to its memory only while the agent (or a worker) is connected: an agent killed with SIGKILL
+leaves a host that releases everything :data:`IDLE_EXIT_S` later.
+
+A host that cannot start is not fatal: the agent logs one error and runs without it, and the workers'
+Checkpointer then falls back to starting its own host on local rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from phalanx.api.errors import CheckpointError
+from phalanx.api.settings import CheckpointSettings
+from phalanx.checkpoint import protocol, shm
+
+IDLE_EXIT_S = 10.0  # a host whose agent and workers are all gone (SIGKILL) releases the memory this late
+PERSIST_NOW_LIMIT_S = 120.0  # longest a failure waits for the breakpoint save before restarting
+STOP_LIMIT_S = 60.0  # longest the agent waits for the host to drain and exit
+START_LIMIT_S = 30.0
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def _safe(name: str) -> str:
+    return _UNSAFE.sub("_", name) or "x"
+
+
+def node_job_id(*, job_id: str, node_id: str) -> str:
+    """The id the node's host and workers name their segments and socket by: per node, because several
+    agents of one job may share a machine (``phalanx local``) and global ranks move between them across
+    rounds. Flat names in the shared-memory root, so a host that releases its segments leaves nothing."""
+    return f"{_safe(job_id)}.{_safe(node_id)}"
+
+
+def node_socket_path(*, job_id: str, node_id: str) -> Path:
+    """The host's control socket."""
+    name = f"phalanx-ckpt-{node_job_id(job_id=job_id, node_id=node_id)}-{os.getuid()}.sock"
+    return Path(tempfile.gettempdir()) / name
+
+
+def held_steps(shm_dir: Path, *, job_id: str, ranks: list[int]) -> dict[int, set[int]]:
+    """The steps each of ``ranks`` holds complete in this node's shared memory (torch-free)."""
+    slots = shm.list_job_slots(shm_dir, job_id)
+    held: dict[int, set[int]] = {}
+    for rank in ranks:
+        steps: set[int] = set()
+        for path in slots.get(rank, []):
+            try:
+                seg = shm.Segment(path)
+            except (OSError, ValueError):
+                continue
+            try:
+                header = seg.header()
+                if header.complete:
+                    steps.add(header.step)
+            finally:
+                seg.close()
+        held[rank] = steps
+    return held
+
+
+def agreed_step(held: dict[int, set[int]]) -> int | None:
+    """The newest step every rank holds, or None (no ranks, or nothing in common)."""
+    if not held:
+        return None
+    common = set.intersection(*held.values())
+    return max(common) if common else None
+
+
+class NodeCheckpointHost:
+    """Lifecycle of the agent's checkpoint host; every method is safe to call when it is not running."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+        self.handle: Any = None  # a phalanx.checkpoint.host.HostHandle while the host runs
+        self.shm_dir: Path | None = None
+        self._keepalive: protocol.HostClient | None = None
+        self.last_persist: dict[str, Any] = {}
+
+    def start(
+        self,
+        *,
+        settings: CheckpointSettings,
+        shm_root: Path,
+        job_id: str,
+        node_id: str,
+        master_addr: str,
+        token_file: str,
+        incarnation: str,
+    ) -> bool:
+        """Starts the host; returns False (after logging why) when it could not start."""
+        # The host module is torch-free; importing it here keeps agents that never checkpoint lean.
+        from phalanx.checkpoint import host
+
+        try:
+            if not shm_root.is_dir():
+                raise CheckpointError(f"{shm_root} is not a directory")
+            # Detached (its own session), so a signal to the agent's process group cannot take the host
+            # down before it released the memory. The agent holds a connection for its whole life: when
+            # the agent and its workers are gone, even by SIGKILL, the host exits after IDLE_EXIT_S and
+            # unlinks every segment.
+            self.handle = host.start(
+                job_id=node_job_id(job_id=job_id, node_id=node_id),
+                storage=settings.storage_path,
+                keep_last=settings.keep_last,
+                shm_dir=shm_root,
+                socket_path=node_socket_path(job_id=job_id, node_id=node_id),
+                master_addr=master_addr,
+                token_file=token_file,
+                node_id=node_id,
+                incarnation=incarnation,
+                idle_exit_s=IDLE_EXIT_S,
+                watch_parent=False,
+                detach=True,
+                timeout_s=START_LIMIT_S,
+            )
+            self._keepalive = protocol.HostClient(str(self.handle.socket_path), timeout_s=5.0)
+        except (CheckpointError, OSError) as exc:
+            self._say(
+                f"error: the flash-checkpoint host did not start ({exc}); running without it "
+                "(workers start their own host)"
+            )
+            if self.handle is not None:
+                with contextlib.suppress(CheckpointError, OSError):
+                    self.handle.stop(timeout_s=5.0)
+                self.handle = None
+            return False
+        self.shm_dir = shm_root
+        where = settings.storage_path or "no storage"
+        self._say(
+            f"flash-checkpoint host running (pid {self.handle.pid}, shared memory in {shm_root}, "
+            f"storage {where})"
+        )
+        return True
+
+    @property
+    def running(self) -> bool:
+        """Whether a host was started and still runs."""
+        return self.handle is not None and bool(self.handle.alive())
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that point training processes at the host ({} without one)."""
+        return dict(self.handle.env()) if self.handle is not None else {}
+
+    def save_at_breakpoint(
+        self,
+        reason: str,
+        *,
+        ranks: list[int],
+        step: int | None = None,
+        timeout_s: float = PERSIST_NOW_LIMIT_S,
+    ) -> dict[str, Any]:
+        """Persists the newest step that every one of ``ranks`` (this node's current ranks) holds complete
+        in memory, or ``step`` when given; bounded by ``timeout_s``. Logs and returns
+        ``{"ok", "step", "errors"}`` ({} without a host, storage or a common step).
+
+        The host's own ``persist_now`` takes each rank's newest snapshot, which differ by one step when a
+        rank died mid-save; a step is committed on storage only when every rank wrote it, so the ranks
+        must agree on the step first."""
+        if not self.running or not self.handle.storage or self.shm_dir is None:
+            return {}
+        held = held_steps(self.shm_dir, job_id=self.handle.job_id, ranks=ranks)
+        chosen = (
+            agreed_step(held) if step is None else (step if all(step in s for s in held.values()) else None)
+        )
+        if chosen is None:
+            self._say(f"save at breakpoint ({reason}): no step that ranks {ranks} all hold in memory")
+            return {}
+        started = time.monotonic()
+        errors: list[str] = []
+        try:
+            client = protocol.HostClient(str(self.handle.socket_path), timeout_s=5.0)
+            try:
+                for rank in ranks:  # queue all first: the host persists while we wait
+                    reply = client.call({"op": "persist", "rank": rank, "step": chosen}, timeout_s=timeout_s)
+                    if not reply.get("ok"):
+                        errors.append(str(reply.get("error")))
+                for rank in ranks:
+                    left = max(0.1, timeout_s - (time.monotonic() - started))
+                    msg = {"op": "wait", "rank": rank, "step": chosen, "timeout": left}
+                    reply = client.call(msg, timeout_s=left + 5.0)
+                    if not reply.get("ok"):
+                        errors.append(str(reply.get("error")))
+            finally:
+                client.close()
+        except CheckpointError as exc:
+            errors.append(str(exc))
+        took = time.monotonic() - started
+        if errors:
+            self._say(f"save at breakpoint ({reason}) of step {chosen} failed after {took:.2f}s: {errors}")
+        else:
+            self._say(
+                f"save at breakpoint ({reason}): persisted step {chosen} of ranks {ranks} in {took:.2f}s"
+            )
+        self.last_persist = {"ok": not errors, "step": chosen, "errors": errors}
+        return self.last_persist
+
+    def stop(self) -> None:
+        """Drains persistence, stops the host and removes the node's shared memory."""
+        if self.handle is None:
+            return
+        handle, self.handle = self.handle, None
+        try:
+            code = handle.stop(timeout_s=STOP_LIMIT_S)
+        except (CheckpointError, OSError) as exc:
+            self._say(f"stopping the flash-checkpoint host failed: {exc}")
+            code = -1
+        if code != 0:
+            self._say(f"the flash-checkpoint host exited with code {code}")
+        if self._keepalive is not None:
+            self._keepalive.close()
+            self._keepalive = None
+        self.shm_dir = None
