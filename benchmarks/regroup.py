@@ -4,11 +4,16 @@ Three "nodes" of one training process each train the example GPT data parallel (
 one node is SIGKILLed, and the time from the kill to the survivors' next completed step is measured for:
 
   (a) inprocess  phalanx.trainer regroups in the same processes (round file rewritten, as the agent does);
-  (b) restart    the survivors' workers are restarted and load the newest checkpoint (safetensors shards
-                 under /dev/shm, standing in for the node-local flash checkpoint);
+  (b) restart    the survivors' workers are restarted and load the newest checkpoint: the flash checkpoint
+                 (phalanx.trainer.flash, saved every step; the node that held the saver reads its shared
+                 memory, the other reads the persisted copy from storage under /dev/shm);
   (c) torchrun   three torchrun agents (c10d rendezvous, --nnodes 2:3, last_call_timeout 1 s); killing one
                  node's agent and worker makes the others restart their workers, which load a
                  torch.save checkpoint.
+
+``local`` runs the same kill through the real stack (``phalanx local``: master, agents in regroup mode,
+2 s heartbeat timeout, no replacement) and reports the time from the kill to the first completed step
+after recovery from its summary; the heartbeat timeout is part of it.
 
 ``overhead`` runs the example on 2 processes without faults under ``torchrun --standalone`` and
 ``phalanx-run --standalone`` and reports steps/s of both (after the first quarter of the steps).
@@ -26,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -90,12 +96,28 @@ def run_phalanx(folder: Path, *, restart: bool) -> float:
         )
         return _first_step_after(c.records("a"), after=killed) - killed
     finally:
-        c.close()
-        for f in ckpt.glob("*/*"):
-            f.unlink()
-        for d in sorted(ckpt.glob("*"), reverse=True):
-            d.rmdir()
-        ckpt.rmdir()
+        c.close()  # also stops the nodes' checkpoint hosts, so nothing writes under ckpt any more
+        shutil.rmtree(ckpt)
+
+
+def run_local(folder: Path) -> float:
+    """Kill-to-next-step of a node loss under ``phalanx local`` (master and agents in the loop)."""
+    folder.mkdir(parents=True)
+    summary = folder / "summary.json"
+    cmd = [
+        sys.executable, "-m", "phalanx.cli.main", "local", "--nodes", "2:3", "--nproc-per-node", "1",
+        "--heartbeat-timeout", "2s", "--max-replacements", "0",
+        "--inject", f"kill-node@step={KILL_AT},node=2",
+        "--summary-json", str(summary), "--workdir", str(folder / "work"), "--timeout", "170s",
+        "--", str(ROOT / "examples" / "gpt" / "train.py"), *MODEL, "--steps", str(KILL_AT + 200),
+        "--global-batch", "12",
+    ]  # fmt: skip
+    with (folder / "out.txt").open("wb") as out:
+        subprocess.run(cmd, env=worker_env(), stdout=out, stderr=out, check=True, timeout=180)
+    [failure] = json.loads(summary.read_text())["failures"]
+    if failure["steps_lost"] != 0:
+        raise RuntimeError(f"{failure['steps_lost']} steps lost")
+    return float(failure["recovered_at"]) - float(failure["injected_at"])
 
 
 def torchrun_worker(log_dir: Path, ckpt: Path) -> int:
@@ -233,7 +255,7 @@ def main() -> int:
         return torchrun_worker(Path(sys.argv[2]), Path(sys.argv[3]))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--modes", default="inprocess,restart,torchrun,overhead")
+    p.add_argument("--modes", default="inprocess,restart,torchrun,local,overhead")
     p.add_argument("--overhead-steps", type=int, default=1500)
     p.add_argument("--out", default="")
     p.add_argument("--keep", default="", help="keep the logs of every run under this folder")
@@ -263,6 +285,8 @@ def main() -> int:
                 try:
                     if mode == "torchrun":
                         samples.append(run_torchrun(folder))
+                    elif mode == "local":
+                        samples.append(run_local(folder))
                     else:
                         samples.append(run_phalanx(folder, restart=mode == "restart"))
                 except (RuntimeError, subprocess.SubprocessError) as exc:  # reported, not hidden

@@ -27,6 +27,7 @@ from phalanx.trainer import (
     ElasticConfig,
     ElasticTrainer,
     FileCheckpoint,
+    FlashCheckpoint,
     GPTConfig,
     OptimConfig,
     ParallelConfig,
@@ -57,7 +58,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--log-json",
         default="",
-        help="append one JSON line per step and event here ({rank}: the global rank)",
+        help="append one JSON line per step and event here ({rank}: the first global rank, {pid}: the pid)",
     )
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
@@ -68,8 +69,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--recompute", action="store_true")
-    p.add_argument("--ckpt-dir", default="", help="save shard checkpoints here (and load them on start)")
-    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument(
+        "--ckpt",
+        choices=("flash", "file"),
+        default="flash",
+        help="flash: shared memory, persisted to --ckpt-dir in the background; file: safetensors files",
+    )
+    p.add_argument(
+        "--ckpt-dir",
+        default="",
+        help="checkpoint storage (flash default: $PHALANX_CHECKPOINT_STORAGE, else memory only)",
+    )
+    p.add_argument("--ckpt-every", type=int, default=0, help="save every this many steps (0: never)")
+    p.add_argument("--persist-every", type=int, default=1, help="flash: persist every this many saves")
     p.add_argument("--collective-timeout", type=float, default=30.0)
     p.add_argument("--digest", action="store_true", help="log a state digest after every (re)group")
     p.add_argument("--pace-ms", type=float, default=0.0, help="sleep this long per step (demos and tests)")
@@ -99,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         collective_timeout_s=args.collective_timeout,
         digest=args.digest,
     )
-    path = args.log_json.replace("{rank}", os.environ.get("RANK", "0"))
+    path = args.log_json.replace("{rank}", os.environ.get("RANK", "0")).replace("{pid}", str(os.getpid()))
     log = Path(path).open("a", buffering=1) if path else None  # noqa: SIM115
 
     def on_event(event: dict[str, Any]) -> None:
@@ -110,14 +122,25 @@ def main(argv: list[str] | None = None) -> int:
         if log is not None:
             log.write(json.dumps(event) + "\n")
 
+    checkpoint: FileCheckpoint | FlashCheckpoint | None = None
+    if args.ckpt == "file" and args.ckpt_dir:
+        checkpoint = FileCheckpoint(Path(args.ckpt_dir))
+    elif args.ckpt == "flash" and (args.ckpt_every or args.ckpt_dir):
+        checkpoint = FlashCheckpoint(
+            parallel=config.parallel,
+            storage_location=args.ckpt_dir or None,
+            persist_every=args.persist_every,
+        )
     batches = make_batches(seed=args.seed, batch=args.global_batch, seq_len=args.seq_len, vocab=args.vocab)
     trainer = ElasticTrainer(
         config,
         batches=batches,
-        checkpoint=FileCheckpoint(Path(args.ckpt_dir)) if args.ckpt_dir else None,
+        checkpoint=checkpoint,
         on_event=on_event,
     )
     code = trainer.run(args.steps)
+    if isinstance(checkpoint, FlashCheckpoint):
+        checkpoint.close()  # waits for the background persistence of the last saves
     if log is not None:
         log.close()
     return code

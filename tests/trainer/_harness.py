@@ -9,6 +9,7 @@ benchmarks/regroup.py, so the trainer can be tested before ``phalanx-run`` suppo
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -52,6 +53,12 @@ class Cluster:
         self.round = 0
         self.members: list[str] = []
         self._held: dict[str, round_file.RoundInfo] = {}
+        # One flash-checkpoint job per node: its own host and shared memory, as on separate machines.
+        self.job = f"trainer-test-{os.getpid()}-{time.monotonic_ns()}"
+
+    def checkpoint_job(self, node_id: str) -> str:
+        """The flash-checkpoint job id of a node's workers (their host's socket and memory names)."""
+        return f"{self.job}-{node_id}"
 
     def add(self, node_id: str, nproc: int = 1) -> Node:
         folder = self.folder / node_id
@@ -114,6 +121,7 @@ class Cluster:
                 LOCAL_RANK=str(local_rank),
                 PHALANX_ROUND_FILE=str(node.round_path),
                 PHALANX_REGROUP_FILE=str(node.folder / f"regroup-{local_rank}"),
+                PHALANX_CHECKPOINT_JOB=self.checkpoint_job(node_id),
             )
             cmd = [sys.executable, str(self.script), *self.args, "--log-json", str(node.log_path(local_rank))]
             err = (node.folder / f"stderr-{local_rank}-{node.generation}.txt").open("wb")
@@ -189,3 +197,10 @@ class Cluster:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+        if any("--ckpt-every" in a for a in self.args):
+            # Local rank 0 started a detached host per node (it outlives the workers on purpose): stop it,
+            # which unlinks the node's shared memory. Nodes that never started one just fail to connect.
+            from phalanx.checkpoint import Checkpointer
+
+            for node_id in self.nodes:
+                Checkpointer(job_id=self.checkpoint_job(node_id), local_rank=1).close(stop_host=True)

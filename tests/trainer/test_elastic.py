@@ -173,6 +173,9 @@ def test_losing_a_whole_shard_restarts_from_the_checkpoint(
         assert formed[0]["action"] == "load", formed
         assert formed[0]["step"] >= 20
         assert formed[0]["step"] % 5 == 0
+        # Flash checkpoint: node a's restarted workers find their shards in its shared memory; b2 is a new
+        # node (no memory of its own) and reads the persisted shards from storage.
+        assert formed[0]["source"] == ("memory" if node == "a" else "storage"), formed[0]
         steps_after = c.steps(node, rank)
         assert steps_after[0]["step"] == formed[0]["step"] + 1
         assert steps_after[-1]["step"] == steps

@@ -142,8 +142,8 @@ def test_public_surface_is_what_all_says() -> None:
     for name in phalanx.trainer.__all__:
         assert hasattr(phalanx.trainer, name), name
     public = {n for n in vars(phalanx.trainer) if not n.startswith("_")}
-    modules = {"checkpointing", "comm", "data_parallel", "elastic", "engine", "layers", "membership", "mesh",
-               "model", "optim", "pipeline", "recovery", "annotations"}  # fmt: skip
+    modules = {"checkpointing", "comm", "data_parallel", "elastic", "engine", "flash", "layers", "membership",
+               "mesh", "model", "optim", "pipeline", "recovery", "annotations"}  # fmt: skip
     assert public - modules == set(phalanx.trainer.__all__)
 
 

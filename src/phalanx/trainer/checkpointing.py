@@ -4,7 +4,7 @@ The trainer needs three things from a checkpoint: save this shard's tensors at a
 could load for a shard, and load one. :class:`CheckpointSeam` is that interface; :class:`FileCheckpoint`
 implements it on a directory (safetensors for tensors, atomic rename so a crash never leaves a partial
 file under a final name). The node-local flash checkpoint of :mod:`phalanx.checkpoint` plugs in behind the
-same three methods.
+same three methods: :class:`phalanx.trainer.flash.FlashCheckpoint`, the default of the GPT example.
 
 Shards are keyed by mesh coordinate (``pp{p}-tp{t}``), not by rank: data-parallel replicas are identical,
 so any replica's file restores a shard, whichever rank now sits at that coordinate.
@@ -24,6 +24,9 @@ from phalanx.api.errors import CheckpointCorruptError, CheckpointNotFoundError
 
 class CheckpointSeam(Protocol):
     """Where the trainer saves and finds shard snapshots."""
+
+    last_source: str
+    """Where the last ``load`` read from ("file", "memory", "storage"), for the trainer's events."""
 
     def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> None:
         """Stores ``tensors`` as shard ``key`` of ``step``."""
@@ -46,6 +49,7 @@ class FileCheckpoint:
     def __init__(self, root: Path, *, keep: int = 2) -> None:
         self.root = root
         self.keep = keep
+        self.last_source = "file"
 
     def _path(self, key: str, step: int) -> Path:
         return self.root / key / f"step-{step:010d}.safetensors"

@@ -262,6 +262,8 @@ class ElasticTrainer:
             "form_s": round(formed - started, 4),
             "sync_s": round(time.monotonic() - formed, 4),
         }
+        if plan.action is Action.LOAD and self.checkpoint is not None:
+            event["source"] = self.checkpoint.last_source
         if self.config.digest and plan.action is not Action.RESTART:
             event["digest"] = self.digest()
         self.on_event(event)

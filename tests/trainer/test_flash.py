@@ -1,0 +1,97 @@
+"""The trainer's checkpoint seam on the flash checkpoint, with a real checkpoint host and real shared
+memory: memory reads after a process restart, storage reads on a node without the snapshot, and both
+ways of getting a host (advertised by the agent in the environment, or started by local rank 0)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx.api.errors import CheckpointNotFoundError
+from phalanx.checkpoint import Checkpointer, protocol
+from phalanx.checkpoint import host as host_mod
+from phalanx.trainer.checkpointing import shard_key
+from phalanx.trainer.flash import FlashCheckpoint, shard_index
+from phalanx.trainer.mesh import ParallelConfig
+
+MESH = ParallelConfig(tensor=2, pipeline=2)
+KEYS = [shard_key(pipeline=p, tensor=t) for p in range(2) for t in range(2)]
+
+
+def _state(step: int, key: str) -> dict[str, torch.Tensor]:
+    seed = step * 10 + shard_index(key, parallel=MESH)
+    return {"w": torch.full((3, 4), float(seed)), "adam.step": torch.tensor([seed], dtype=torch.int64)}
+
+
+@pytest.fixture
+def jobs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Unique job ids; each job's self-started host is stopped (unlinking its memory) at the end."""
+    for name in (protocol.ENV_SOCKET, protocol.ENV_SHM_DIR, protocol.ENV_JOB, protocol.ENV_STORAGE):
+        monkeypatch.delenv(name, raising=False)
+    made: list[str] = []
+    yield made
+    for job in made:
+        Checkpointer(job_id=job, local_rank=1).close(stop_host=True)
+
+
+def test_shard_index_is_dense_over_the_mesh() -> None:
+    assert [shard_index(k, parallel=MESH) for k in KEYS] == [0, 1, 2, 3]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_restart_reads_memory_and_another_node_reads_storage(tmp_path: Path, jobs: list[str]) -> None:
+    node_a, node_b = f"tf-{uuid.uuid4().hex[:8]}-a", f"tf-{uuid.uuid4().hex[:8]}-b"
+    jobs.extend([node_a, node_b])
+    store = str(tmp_path / "store")
+    # No host in the environment: local rank 0 starts the node's host (detached).
+    first = FlashCheckpoint(parallel=MESH, storage_location=store, local_rank=0, job_id=node_a)
+    for step in (5, 10):
+        for key in KEYS:
+            first.save(step=step, key=key, tensors=_state(step, key))
+    first.close()  # waits until every shard of both steps is persisted
+    assert first.last_save_s > 0
+
+    # A restarted process on the same node: the host outlived the old one, the memory holds both steps.
+    again = FlashCheckpoint(parallel=MESH, storage_location=store, local_rank=0, job_id=node_a)
+    assert again.steps(key="pp1-tp0") == [10, 5]
+    loaded = again.load(step=10, key="pp1-tp0")
+    assert again.last_source == "memory"
+    assert torch.equal(loaded["w"], _state(10, "pp1-tp0")["w"])
+    assert torch.equal(loaded["adam.step"], _state(10, "pp1-tp0")["adam.step"])
+    again.close()
+
+    # A process on another node (its own host, empty memory) reads the committed steps from storage.
+    other = FlashCheckpoint(parallel=MESH, storage_location=store, local_rank=0, job_id=node_b)
+    assert other.steps(key="pp0-tp1") == [10, 5]
+    loaded = other.load(step=5, key="pp0-tp1")
+    assert other.last_source == "storage"
+    assert torch.equal(loaded["w"], _state(5, "pp0-tp1")["w"])
+    with pytest.raises(CheckpointNotFoundError):
+        other.load(step=7, key="pp0-tp1")
+    other.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_uses_the_host_the_agent_advertises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = f"tf-{uuid.uuid4().hex[:8]}"
+    handle = host_mod.start(job_id=job, storage="", keep_last=2, socket_path=tmp_path / "agent-host.sock")
+    try:
+        for name, value in handle.env().items():
+            monkeypatch.setenv(name, value)
+        # Local rank 1 saves: with the agent's host it only connects (nobody else has to start one).
+        ckpt = FlashCheckpoint(parallel=ParallelConfig(), local_rank=1)
+        assert ckpt.storage_location == ""  # memory only: the agent configured no storage
+        ckpt.save(step=3, key="pp0-tp0", tensors=_state(3, "pp0-tp0"))
+        assert ckpt.steps(key="pp0-tp0") == [3]
+        assert torch.equal(ckpt.load(step=3, key="pp0-tp0")["w"], _state(3, "pp0-tp0")["w"])
+        assert ckpt.last_source == "memory"
+        ckpt.close()
+    finally:
+        handle.stop()
+    assert not list(Path(handle.env()[protocol.ENV_SHM_DIR]).glob(f"phx-{job}-*"))
