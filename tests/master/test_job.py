@@ -240,6 +240,20 @@ def test_scale_up_and_unit_cut() -> None:
     assert sim.job.members == ["a", "b", "c", "d"]
 
 
+def test_a_late_joiner_does_not_reopen_a_finishing_job() -> None:
+    sim = Sim(rendezvous={"min_nodes": 1, "max_nodes": 3, "last_call_s": 1.0})
+    sim.form("a", "b")
+    assert kinds([sim.complete("a")]) == ["NONE"]  # a finished; b still runs
+    sim.register("c")  # a replacement arrives after the training work of a is done
+    sim.join("c")
+    assert not sim.job.round_open  # no scale-up: it would retrain every worker
+    assert kinds(sim.hb("b")) == []
+    done = sim.complete("b")
+    assert (kinds([done]), done.exit_code) == (["EXIT"], 0)
+    assert sim.job.phase == "Succeeded"
+    assert sim.get("c", sim.job.next_round).status == pb.RENDEZVOUS_STATUS_CLOSED
+
+
 def test_hardware_failure_evicts_and_replaces_the_node() -> None:
     sim = Sim(restart={"max_evictions": 1}, **TWO)
     sim.form("a", "b")

@@ -164,7 +164,11 @@ class Job(ProbeCore):
             waiting = sum(1 for n in self.joiners if n not in members)
             if req.node_id in members:
                 self._open_round(f"{req.node_id} rejoined", now=now)
-            elif rdzv.can_grow(members=len(members), waiting=waiting, settings=self.settings.rendezvous):
+            elif not self.completed and rdzv.can_grow(
+                members=len(members), waiting=waiting, settings=self.settings.rendezvous
+            ):
+                # Once a member finished its work the job is ending: a new round would make every worker
+                # train again from its last checkpoint (or from scratch) for nothing. Late joiners wait.
                 self._open_round(f"scale up: {waiting} node(s) waiting", now=now)
         joined = self.next_round  # the round may complete right now; the node joined this one
         self._maybe_complete(now=now)
