@@ -216,8 +216,11 @@ def test_master_success_ends_the_job_and_cleans_up_running_pods() -> None:
     c.master_says(phase="Succeeded")
     c.step()
     assert c.job["status"]["phase"] == "Succeeded"
-    assert set(c.pods) == {"j-worker-0-0"}, "cleanPodPolicy Running deletes what still runs"
+    assert set(c.pods) == {"j-worker-0-0", "j-worker-1-0", "j-master"}, "running Pods get a grace to exit"
+    c.pods["j-worker-1-0"] = PodView(name="j-worker-1-0", role="worker", phase="Succeeded", exit_code=0)
+    c.now += SETTINGS.finish_grace_s
     assert [a for a in c.step() if isinstance(a, Create)] == []
+    assert set(c.pods) == {"j-worker-0-0", "j-worker-1-0"}, "cleanPodPolicy Running deletes what still runs"
 
 
 def test_master_failure_carries_the_root_cause() -> None:

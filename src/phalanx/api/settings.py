@@ -487,9 +487,16 @@ class OperatorSettings:
     reconcile_interval_s: float = setting(
         2.0, doc="How often each job is reconciled against its Pods, whatever the events.", unit="s"
     )
+    finish_grace_s: float = setting(
+        10.0,
+        doc="How long Pods still running when a job finished get to exit by themselves before cleanup.",
+        unit="s",
+    )
 
     def __post_init__(self) -> None:
         _positive(self.reconcile_interval_s, "reconcile_interval_s")
+        if self.finish_grace_s < 0:
+            raise ConfigError(f"cannot be negative, got {self.finish_grace_s}", field="finish_grace_s")
         for name in ("master_grpc_port", "master_http_port"):
             port = getattr(self, name)
             if not 0 < port <= 65535:

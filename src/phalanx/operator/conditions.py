@@ -17,6 +17,11 @@ def rfc3339(now: float) -> str:
     return datetime.fromtimestamp(now, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def parse_rfc3339(text: str) -> float:
+    """The Unix time of an RFC 3339 timestamp as written by :func:`rfc3339` (or the API server)."""
+    return datetime.fromisoformat(text).timestamp()
+
+
 def get_condition(conditions: Sequence[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
     for c in conditions:
         if c.get("type") == kind:

@@ -29,7 +29,7 @@ from typing import Any
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import builders, names
-from phalanx.operator.conditions import get_condition, set_condition
+from phalanx.operator.conditions import get_condition, parse_rfc3339, set_condition
 from phalanx.operator.spec import JobSpec, parse_spec
 
 LIVE_PHASES = ("Pending", "Running", "Unknown")
@@ -147,15 +147,15 @@ def reconcile(observed: Observed, *, now: float, settings: OperatorSettings, new
     phase = status.get("phase", "")
     workers = [pod for pod in observed.pods if pod.role == "worker"]
     if phase in ("Succeeded", "Failed"):
-        _cleanup(p, job, workers, observed.pods)
+        _cleanup(p, job, observed.pods, finished_for=_finished_for(status, now), settings=settings)
         return _finish(p, status)
 
     try:
         spec = parse_spec(job.get("spec") or {})
         builders.training_entry(spec.template["spec"]["containers"][0])
     except ConfigError as exc:
-        return _fail(p, status, condition, reason="InvalidSpec", message=str(exc), job=job, workers=workers,
-                     pods=observed.pods)  # fmt: skip
+        return _fail(p, status, condition, reason="InvalidSpec", message=str(exc), job=job,
+                     pods=observed.pods, settings=settings)  # fmt: skip
 
     # --- supporting objects ------------------------------------------------------------------------
     for obj in supporting_objects(job, settings=settings, token=new_token):
@@ -179,12 +179,12 @@ def reconcile(observed: Observed, *, now: float, settings: OperatorSettings, new
         condition("Restarting", False, "Completed", "the job finished")
         p.status["phase"] = "Succeeded"
         p.actions.append(Event("Normal", "Succeeded", "training completed"))
-        _cleanup(p, job, workers, observed.pods, spec=spec)
+        _cleanup(p, job, observed.pods, spec=spec, finished_for=0.0, settings=settings)
         return _finish(p, status)
     if verdict == "failed":
         reason = str(master_status.get("reason") or "the master reported the job failed")
         return _fail(p, status, condition, reason="MasterReportedFailure", message=reason, job=job,
-                     workers=workers, pods=observed.pods, spec=spec)  # fmt: skip
+                     pods=observed.pods, spec=spec, settings=settings)  # fmt: skip
 
     if master is None:
         p.actions.append(Create(builders.master_pod(job, spec, settings=settings)))
@@ -238,7 +238,7 @@ def reconcile(observed: Observed, *, now: float, settings: OperatorSettings, new
         return _fail(
             p, status, condition, reason="ReplacementBudgetExhausted",
             message=f"{used} worker Pods had to be replaced, more than restart.maxEvictions={budget}",
-            job=job, workers=workers, pods=observed.pods, spec=spec,
+            job=job, pods=observed.pods, spec=spec, settings=settings,
         )  # fmt: skip
 
     running = sum(1 for w in workers if w.phase == "Running" and not w.terminating)
@@ -369,22 +369,38 @@ def _reconcile_workers(
     return replaced
 
 
+def _finished_for(status: Mapping[str, Any], now: float) -> float:
+    """Seconds since the job's Succeeded or Failed condition became true (0 if it has not)."""
+    for kind in ("Succeeded", "Failed"):
+        c = get_condition(status.get("conditions") or [], kind)
+        if c and c.get("status") == "True" and c.get("lastTransitionTime"):
+            return max(0.0, now - parse_rfc3339(str(c["lastTransitionTime"])))
+    return 0.0
+
+
 def _cleanup(
     p: _Pass,
     job: Mapping[str, Any],
-    workers: Sequence[PodView],
     pods: Sequence[PodView],
     *,
+    finished_for: float,
+    settings: OperatorSettings,
     spec: JobSpec | None = None,
 ) -> None:
-    """Deletes the finished job's Pods per spec.cleanPodPolicy (None, Running or All)."""
+    """Deletes the finished job's Pods per spec.cleanPodPolicy (None, Running or All).
+
+    Pods still running get ``finish_grace_s`` to exit by themselves first: when the master declares success
+    the agents are told to exit at their next heartbeat, and a succeeded job's Pods should read Completed,
+    not deleted. A later pass (the timer) deletes whatever still runs after the grace.
+    """
     policy = spec.clean_pod_policy if spec else str((job.get("spec") or {}).get("cleanPodPolicy", "Running"))
     if policy == "None":
         return
     for pod in pods:
         if pod.terminating:
             continue
-        if policy == "All" or pod.live:
+        overdue = pod.live and finished_for >= settings.finish_grace_s
+        if overdue or (policy == "All" and not pod.live):
             p.actions.append(DeletePod(pod.name))
 
 
@@ -396,8 +412,8 @@ def _fail(
     reason: str,
     message: str,
     job: Mapping[str, Any],
-    workers: Sequence[PodView],
     pods: Sequence[PodView],
+    settings: OperatorSettings,
     spec: JobSpec | None = None,
 ) -> list[Action]:
     condition("Failed", True, reason, message)
@@ -405,7 +421,7 @@ def _fail(
     condition("Restarting", False, reason, "the job failed")
     p.status["phase"] = "Failed"
     p.actions.append(Event("Warning", "Failed", message))
-    _cleanup(p, job, workers, pods, spec=spec)
+    _cleanup(p, job, pods, spec=spec, finished_for=0.0, settings=settings)
     return _finish(p, status)
 
 
