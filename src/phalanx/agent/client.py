@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from phalanx.api import auth
 from phalanx.api.errors import AuthenticationError, TransportError
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.v1 import master_pb2_grpc as pb_grpc
@@ -49,7 +50,7 @@ class MasterClient:
             ],
         )
         self._stub = pb_grpc.MasterStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._metadata = auth.metadata(token)
 
     def close(self) -> None:
         self._channel.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from phalanx.api import auth
 from phalanx.api.v1 import master_pb2, master_pb2_grpc
 
 log = logging.getLogger("phalanx.checkpoint")
@@ -51,9 +52,7 @@ class MasterReporter:
             world_size=world_size,
         )
         try:
-            reply = self._stub.ReportCheckpoint(
-                request, metadata=(("authorization", f"Bearer {self._token}"),), timeout=10.0
-            )
+            reply = self._stub.ReportCheckpoint(request, metadata=auth.metadata(self._token), timeout=10.0)
         except Exception as exc:  # a master outage must not stop persisting; the commit marker remains
             log.warning("reporting checkpoint step %d to the master failed: %s", step, exc)
             return None

@@ -70,6 +70,7 @@ from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from phalanx.api import auth
 from phalanx.master.errors import RequestError
 from phalanx.master.runtime import Runtime
 
@@ -86,13 +87,13 @@ class BearerAuth:
 
     def __init__(self, app: ASGIApp, *, token: str) -> None:
         self._app = app
-        self._expected = f"Bearer {token}".encode()
+        self._expected = auth.bearer(token).encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             given = b""
             for key, value in scope.get("headers", ()):
-                if key == b"authorization":
+                if key == auth.HEADER.encode():
                     given = value
                     break
             if not hmac.compare_digest(given, self._expected):

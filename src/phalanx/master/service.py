@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc import aio
 
+from phalanx.api import auth
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.v1 import master_pb2_grpc as pb_grpc
 from phalanx.master.errors import RequestError
@@ -43,7 +44,7 @@ class AuthInterceptor(aio.ServerInterceptor):  # type: ignore[misc]
     """Refuses every call whose ``authorization`` metadata is not ``Bearer <the job's token>``."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = auth.bearer(token).encode()
 
         async def deny(request: Any, context: aio.ServicerContext) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
@@ -54,7 +55,7 @@ class AuthInterceptor(aio.ServerInterceptor):  # type: ignore[misc]
         self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
     ) -> Any:
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
+            if key == auth.HEADER:
                 given = value.encode() if isinstance(value, str) else bytes(value)
                 if hmac.compare_digest(given, self._expected):
                     return await continuation(handler_call_details)
