@@ -16,7 +16,9 @@ one node is SIGKILLed, and the time from the kill to the survivors' next complet
 after recovery from its summary; the heartbeat timeout is part of it.
 
 ``overhead`` runs the example on 2 processes without faults under ``torchrun --standalone`` and
-``phalanx-run --standalone`` and reports steps/s of both (after the first quarter of the steps).
+``phalanx-run --standalone``, one launcher at a time, and reports steps/s of both in steady state (the last
+60% of the steps) and over the whole run. ``overhead-pinned`` runs both launchers at the same time with one
+process each, each pinned to its own core (swapped every run), so the machine's noise hits both alike.
 
 Without the master in the loop, (a) and (b) get the new membership the moment the node dies (the harness
 in tests/trainer/_harness.py plays the agents); in a real job the master's heartbeat timeout comes on top,
@@ -232,22 +234,169 @@ def run_torchrun(folder: Path) -> float:
         ckpt.parent.rmdir()
 
 
-def run_overhead(folder: Path, *, launcher: str, steps: int) -> float:
-    """Steps/s of the example on 2 processes without faults, under torchrun or phalanx-run (standalone)."""
+LAUNCHERS = ("torchrun", "phalanx-run")
+STEADY_FROM = 0.4  # steady state: the last 60% of the steps, after the launchers' start-up work
+
+
+def _start_example(
+    folder: Path, *, launcher: str, steps: int, nproc: int, cpus: str = ""
+) -> subprocess.Popen[bytes]:
+    """The example GPT without faults under ``launcher --standalone``, optionally pinned to ``cpus``."""
     folder.mkdir(parents=True)
-    log = folder / "steps.jsonl"
     exe = Path(sys.executable).with_name(launcher)
-    cmd = [str(exe), "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "gpt" / "train.py"),
-           *MODEL, "--steps", str(steps), "--log-json", str(log)]  # fmt: skip
+    example = str(ROOT / "examples" / "gpt" / "train.py")
+    cmd = [str(exe), "--standalone", "--nproc-per-node", str(nproc), example,
+           *MODEL, "--steps", str(steps), "--log-json", str(folder / "steps.jsonl")]  # fmt: skip
+    if cpus:
+        cmd = ["taskset", "-c", cpus, *cmd]  # the launcher, its workers, spares and master all share them
     with (folder / "out.txt").open("wb") as out:
-        subprocess.run(cmd, env=worker_env(), stdout=out, stderr=out, check=True, timeout=600)
-    times = [
-        float(r["time"])
-        for r in map(json.loads, log.read_text().splitlines())
-        # Skip the first quarter: start-up work of the launchers (phalanx-run warms spare workers) settles.
-        if r["event"] == "step" and r["rank"] == 0 and int(r["step"]) > steps // 4
+        return subprocess.Popen(cmd, env=worker_env(), stdout=out, stderr=out)
+
+
+def _rates(folder: Path, *, steps: int) -> tuple[float, float]:
+    """Rank 0's steps/s in steady state and over the whole run (first to last step). The difference is
+    start-up work: phalanx-run's warm spares import torch (a few CPU seconds) once the workers run."""
+    times = {
+        int(r["step"]): float(r["time"])
+        for r in map(json.loads, (folder / "steps.jsonl").read_text().splitlines())
+        if r["event"] == "step" and r["rank"] == 0
+    }
+
+    def rate(first: int) -> float:
+        return (steps - first) / (times[steps] - times[first])
+
+    return rate(int(steps * STEADY_FROM)), rate(1)
+
+
+def _finish(proc: subprocess.Popen[bytes]) -> None:
+    if proc.wait(timeout=600) != 0:
+        raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with {proc.returncode}")  # type: ignore[arg-type]
+
+
+def _summary(
+    steady: dict[str, list[float]], whole: dict[str, list[float]], **extra: object
+) -> dict[str, object]:
+    plain, ours = statistics.median(steady["torchrun"]), statistics.median(steady["phalanx-run"])
+    ratios = [o / p for p, o in zip(steady["torchrun"], steady["phalanx-run"], strict=True)]
+    plain_whole, ours_whole = statistics.median(whole["torchrun"]), statistics.median(whole["phalanx-run"])
+    return {
+        **extra,
+        "torchrun_steps_per_s": plain,
+        "phalanx_run_steps_per_s": ours,
+        "overhead": 1 - ours / plain,
+        "overhead_median_of_pairs": 1 - statistics.median(ratios),
+        "samples": steady,
+        "whole_run": {
+            "torchrun_steps_per_s": plain_whole,
+            "phalanx_run_steps_per_s": ours_whole,
+            "overhead": 1 - ours_whole / plain_whole,
+            "samples": whole,
+        },
+    }
+
+
+def _cpu_ticks(pids: list[int]) -> dict[int, int]:
+    """User + system CPU ticks of each process still alive."""
+    ticks = {}
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks[pid] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def _launcher_processes(launcher_pid: int) -> list[int]:
+    """The launcher's process tree plus the detached checkpoint host of a phalanx-run job."""
+    hosts = [
+        int(e.name)
+        for e in Path("/proc").iterdir()
+        if e.name.isdigit() and b"phalanx.checkpoint.host" in _cmdline(e)
     ]
-    return (len(times) - 1) / (times[-1] - times[0])
+    return [launcher_pid, *_descendants(launcher_pid), *hosts]
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _launcher_cpu_share(proc: subprocess.Popen[bytes], folder: Path, *, steps: int) -> float:
+    """The share of the CPU time spent in steady state (40%..95% of the steps) by every process of the run
+    that is not a training worker: the launcher, its master, spares and checkpoint host. Unlike steps/s,
+    which the host's noise moves by +-10% between runs here, this accounting is exact."""
+
+    def at_step(target: int) -> tuple[dict[int, int], set[int]]:
+        while proc.poll() is None:
+            text = (folder / "steps.jsonl").read_text() if (folder / "steps.jsonl").exists() else ""
+            records = [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+            steps_ = [r for r in records if r["event"] == "step"]
+            if steps_ and max(int(r["step"]) for r in steps_) >= target:
+                return _cpu_ticks(_launcher_processes(proc.pid)), {int(r["pid"]) for r in steps_}
+            time.sleep(0.2)
+        raise RuntimeError(f"{folder.name}: the run ended before step {target}")
+
+    before, _ = at_step(int(steps * STEADY_FROM))
+    after, workers = at_step(int(steps * 0.95))
+    spent = {pid: after[pid] - before.get(pid, 0) for pid in after}
+    total = sum(spent.values())
+    return sum(t for pid, t in spent.items() if pid not in workers) / total if total else 0.0
+
+
+def measure_overhead(folder: Path, *, runs: int, steps: int) -> dict[str, object]:
+    """2 processes per launcher, one launcher at a time, interleaved (drifting load hits both)."""
+    steady: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
+    whole: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
+    shares: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
+    for i in range(runs):
+        for launcher in LAUNCHERS:
+            run = folder / f"overhead-{launcher}-{i}"
+            proc = _start_example(run, launcher=launcher, steps=steps, nproc=2)
+            shares[launcher].append(_launcher_cpu_share(proc, run, steps=steps))
+            _finish(proc)
+            rate, overall = _rates(run, steps=steps)
+            steady[launcher].append(rate)
+            whole[launcher].append(overall)
+            print(
+                f"{launcher} run {i}: {rate:.1f} steps/s steady, {overall:.1f} overall, "
+                f"launcher CPU share {100 * shares[launcher][-1]:.2f}%",
+                file=sys.stderr,
+            )
+    cpu_share = {f"{name}_median": statistics.median(got) for name, got in shares.items()}
+    return _summary(
+        steady, whole, steps=steps, processes=2, launcher_cpu_share={**cpu_share, "samples": shares}
+    )
+
+
+def measure_overhead_pinned(folder: Path, *, runs: int, steps: int) -> dict[str, object]:
+    """Both launchers at once, one process each, each pinned to its own core (swapped every run): the
+    host's noise, which moves rates by +-10% between runs here, then hits both sides of every pair."""
+    steady: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
+    whole: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
+    for i in range(runs):
+        procs = {
+            launcher: _start_example(
+                folder / f"pinned-{launcher}-{i}",
+                launcher=launcher,
+                steps=steps,
+                nproc=1,
+                cpus=str((j + i) % 2),
+            )
+            for j, launcher in enumerate(LAUNCHERS)
+        }
+        for proc in procs.values():
+            _finish(proc)
+        for launcher in LAUNCHERS:
+            rate, overall = _rates(folder / f"pinned-{launcher}-{i}", steps=steps)
+            steady[launcher].append(rate)
+            whole[launcher].append(overall)
+        print(
+            f"pinned run {i}: steps/s steady: torchrun {steady['torchrun'][-1]:.1f}, "
+            f"phalanx-run {steady['phalanx-run'][-1]:.1f}",
+            file=sys.stderr,
+        )
+    return _summary(steady, whole, steps=steps, processes=1, pinned=True)
 
 
 def main() -> int:
@@ -255,8 +404,8 @@ def main() -> int:
         return torchrun_worker(Path(sys.argv[2]), Path(sys.argv[3]))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--modes", default="inprocess,restart,torchrun,local,overhead")
-    p.add_argument("--overhead-steps", type=int, default=1500)
+    p.add_argument("--modes", default="inprocess,restart,torchrun,local,overhead,overhead-pinned")
+    p.add_argument("--overhead-steps", type=int, default=4000)
     p.add_argument("--out", default="")
     p.add_argument("--keep", default="", help="keep the logs of every run under this folder")
     args = p.parse_args()
@@ -266,17 +415,10 @@ def main() -> int:
         tmp = args.keep or scratch
         for mode in args.modes.split(","):
             if mode == "overhead":
-                rates: dict[str, list[float]] = {"torchrun": [], "phalanx-run": []}
-                for i in range(args.runs):
-                    for launcher, got in rates.items():  # interleaved: drifting machine load hits both
-                        folder = Path(tmp) / f"overhead-{launcher}-{i}"
-                        got.append(run_overhead(folder, launcher=launcher, steps=args.overhead_steps))
-                        print(f"{launcher} run {i}: {got[-1]:.1f} steps/s", file=sys.stderr)
-                plain, ours = statistics.median(rates["torchrun"]), statistics.median(rates["phalanx-run"])
-                overhead[mode] = {
-                    "torchrun_steps_per_s": plain, "phalanx_run_steps_per_s": ours,
-                    "overhead": 1 - ours / plain, "samples": rates,
-                }  # fmt: skip
+                overhead[mode] = measure_overhead(Path(tmp), runs=args.runs, steps=args.overhead_steps)
+                continue
+            if mode == "overhead-pinned":
+                overhead[mode] = measure_overhead_pinned(Path(tmp), runs=args.runs, steps=args.overhead_steps)
                 continue
             samples: list[float] = []
             failures: list[str] = []

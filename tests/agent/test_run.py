@@ -3,15 +3,17 @@ master (through `phalanx local`), with warm spares on (the default)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.agent.helpers import DDP, phalanx_local
+from tests.agent.helpers import DDP, WORKLOAD, phalanx_local
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(100)]
 
@@ -89,3 +91,50 @@ def test_ddp_two_agents_one_master(tmp_path: Path) -> None:
     s = json.loads(summary.read_text())
     assert s["exit"] == "succeeded"
     assert s["steps_completed"] == 12
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_standalone_master_exits_when_its_agent_is_sigkilled(tmp_path: Path) -> None:
+    agent = subprocess.Popen(
+        [
+            sys.executable, "-m", "phalanx.cli.run", "--standalone", "--nproc-per-node", "1",
+            "--no-warm-spares", str(WORKLOAD), "--dir", str(tmp_path), "--steps", "10000",
+        ],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        master = None
+        while master is None and time.monotonic() < deadline:
+            assert agent.poll() is None, "phalanx-run exited early"
+            for pid in _children(agent.pid):
+                with contextlib.suppress(FileNotFoundError):
+                    if b"master" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                        master = pid
+            if not list(tmp_path.glob("steps-*.jsonl")):
+                master = None  # wait until training runs: the master is serving by then
+            time.sleep(0.1)
+        assert master is not None, "no master process under phalanx-run --standalone"
+        agent.kill()  # SIGKILL: no cleanup code of the agent runs
+        agent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(master) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(master), "the standalone master outlived its SIGKILLed agent"
+    finally:
+        agent.kill()
+        agent.wait()

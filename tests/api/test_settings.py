@@ -13,6 +13,7 @@ from phalanx.api.settings import (
     AgentSettings,
     HeartbeatSettings,
     MasterSettings,
+    ProbeSettings,
     RendezvousSettings,
     describe,
     env_names,
@@ -148,6 +149,45 @@ def test_from_env_maps_groups_to_prefixed_names() -> None:
 def test_from_env_bad_boolean_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match=r"hang\.enabled: expected true or false"):
         from_env(AgentSettings, {"PHALANX_HANG_ENABLED": "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("text", "kinds"),
+    [
+        ("matmul,allgather", ("matmul", "allgather")),
+        ("allgather, matmul", ("matmul", "allgather")),  # always sent in the same order
+        ("allgather", ("allgather",)),
+        ("matmul,matmul", ("matmul",)),
+    ],
+)
+def test_probe_kinds_parse_into_a_fixed_order(text: str, kinds: tuple[str, ...]) -> None:
+    assert ProbeSettings(kinds=text).kind_names == kinds
+
+
+def test_probe_kinds_default_to_every_kind() -> None:
+    assert ProbeSettings().kind_names == ("matmul", "allgather")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("ping", r"^kinds: unknown probe kind 'ping'; choose from matmul, allgather \(comma-separated\)$"),
+        ("matmul;allgather", r"unknown probe kind 'matmul;allgather'; choose from matmul, allgather"),
+        ("", r"^kinds: name at least one probe kind of matmul, allgather"),
+        (" , ", r"name at least one probe kind of matmul, allgather \(comma-separated\), got ' , '"),
+    ],
+)
+def test_probe_kinds_errors_name_the_field_and_the_allowed_values(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        ProbeSettings(kinds=text)
+    assert info.value.field == "kinds"
+
+
+def test_probe_kinds_from_env_name_the_nested_field() -> None:
+    env = {"PHALANX_JOB_ID": "j1", "PHALANX_PROBES_KINDS": "allgather"}
+    assert from_env(MasterSettings, env).probes.kind_names == ("allgather",)
+    with pytest.raises(ConfigError, match=r"^probes\.kinds: unknown probe kind 'gemm'"):
+        from_env(MasterSettings, {**env, "PHALANX_PROBES_KINDS": "gemm"})
 
 
 def test_every_field_documents_itself() -> None:

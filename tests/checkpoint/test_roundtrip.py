@@ -138,9 +138,27 @@ def test_first_save_after_prepare_reuses_the_memory(host: host_mod.HostHandle) -
     state = {"w": torch.randn(1 << 18)}
     ckpt.prepare(state)
     ckpt.save(1, state)
+    assert ckpt.last_save["allocated"] is False  # prepare() did the allocating, off the save
     ckpt.save(2, state)
     assert {ckpt.last_save["slot"]} <= {0, 1}
     assert ckpt.load()[0] == 2  # type: ignore[index]
+    ckpt.close()
+
+
+def test_load_into_fills_matching_tensors_in_place(host: host_mod.HostHandle) -> None:
+    saved = training_state(1)
+    ckpt = Checkpointer()
+    ckpt.save(4, saved)
+    target = training_state(2)  # a fresh process's state: same structure, other values
+    target["odd"]["scalar"] = torch.zeros(2)  # a changed shape cannot be filled in place
+    weight = target["model"]["0.weight"]
+    step, got = ckpt.load(into=target)  # type: ignore[misc]
+    assert step == 4
+    # Filled in place: the loaded tensors share the target's memory.
+    assert got["model"]["0.weight"].data_ptr() == weight.data_ptr()
+    assert got["opt"]["state"][0]["exp_avg"].data_ptr() == target["opt"]["state"][0]["exp_avg"].data_ptr()
+    assert got["odd"]["scalar"].data_ptr() != target["odd"]["scalar"].data_ptr()  # copied out as usual
+    assert_same(saved, got)  # and every value is the saved one, bitwise
     ckpt.close()
 
 

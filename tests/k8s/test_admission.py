@@ -70,6 +70,17 @@ INVALID = [
     ("no-containers", _with("spec.template", {"spec": {"containers": []}}), "should have at least 1 items"),
     ("missing-template", _with("spec.template", _DELETE), "spec.template: Required value"),
     ("unknown-probe", _with("spec.healthChecks", {"probes": ["ping"]}), 'supported values: "matmul"'),
+    ("no-probes", _with("spec.healthChecks", {"probes": []}), "should have at least 1 items"),
+    (
+        "bad-probe-interval",
+        _with("spec.healthChecks", {"enabled": True, "interval": "hourly"}),
+        "must be a duration such as 500ms",
+    ),
+    (
+        "zero-probe-timeout",
+        _with("spec.healthChecks", {"enabled": True, "timeout": "0s"}),
+        "healthChecks.timeout must be greater than 0",
+    ),
 ]
 
 
@@ -99,6 +110,9 @@ def test_valid_job_gets_defaults_and_immutable_fields(control_plane: ControlPlan
         assert spec["nodes"]["unit"] == 1
         assert spec["cleanPodPolicy"] == "Running"
         assert spec["restart"]["maxEvictions"] == 3
+        assert spec["healthChecks"] == {
+            "enabled": False, "probes": ["matmul", "allgather"], "interval": "0s", "timeout": "2m",
+        }  # fmt: skip
         changed = copy.deepcopy(got)
         changed["spec"]["nprocPerNode"] = 4
         out = control_plane.kubectl("replace", "-f", "-", input_text=json.dumps(changed), check=False)

@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 
+from phalanx.api import settings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.errors import RequestError
 from phalanx.master.job import Job
+from phalanx.master.probing import PROBE_KINDS, round_kinds
 
 from .sim import Sim, kinds
 
@@ -306,3 +308,64 @@ def test_probe_ids_survive_a_master_restart() -> None:
     saved = sim.job.durable()
     resumed = Job(settings=sim.job.settings, now=sim.now, saved=saved)
     assert resumed.next_probe == 2
+
+
+@pytest.mark.parametrize(
+    ("configured", "members", "expected"),
+    [
+        (("matmul", "allgather"), 4, ("matmul", "allgather")),
+        (("matmul", "allgather"), 1, ("matmul",)),
+        (("matmul",), 4, ("matmul",)),
+        (("allgather",), 2, ("allgather",)),
+        (("allgather",), 1, ()),
+    ],
+)
+def test_round_kinds_are_the_configured_ones_allgather_only_in_pairs(
+    configured: tuple[str, ...], members: int, expected: tuple[str, ...]
+) -> None:
+    assert round_kinds(configured=configured, members=members) == expected
+
+
+def test_the_master_knows_every_kind_the_settings_accept() -> None:
+    assert sorted(PROBE_KINDS.values()) == sorted(settings.PROBE_KINDS)
+
+
+def test_matmul_only_round_sends_and_waits_for_matmul_only() -> None:
+    sim = make(kinds="matmul")
+    probe = sim.job.start_probe(now=sim.now, trigger="test")
+    assert probe.kinds == ("matmul",)
+    for node in sim.job.members:
+        assert [a.probe for a in probe_actions(sim, node)] == [pb.PROBE_KIND_MATMUL]
+    rates = ring_rates(sim.job.members)
+    allgather(sim, "a", rates["a"], probe_round=probe.id)  # not asked for: stale
+    assert probe.stale_reports == 1
+    for node in sim.job.members:
+        matmul(sim, node, 2.0 if node == "c" else 10.0, probe_round=probe.id)
+    assert probe.result == "evicted"  # complete without any all-gather report
+    assert probe.evicted == ["c"]
+    assert set(probe.view()["reported"]) == {"matmul"}
+
+
+def test_allgather_only_round_sends_and_judges_allgather_only() -> None:
+    sim = make(kinds="allgather")
+    probe = sim.job.start_probe(now=sim.now, trigger="test")
+    members = sim.job.members
+    for node in members:
+        acts = probe_actions(sim, node)
+        assert [a.probe for a in acts] == [pb.PROBE_KIND_ALLGATHER]
+        assert list(acts[0].probe_group) == members
+    matmul(sim, "a", 0.0, probe_round=probe.id, ok=False)  # a failure nobody asked for evicts nobody
+    assert probe.stale_reports == 1
+    rates = ring_rates(members, slow="d")
+    for node in members:
+        allgather(sim, node, rates[node], probe_round=probe.id)
+    assert probe.evicted == ["d"]
+    assert {v.kind for v in probe.verdicts} == {"slow_link"}
+
+
+def test_allgather_only_on_one_node_starts_no_round() -> None:
+    sim = make(n=1, kinds="allgather", on_round_complete=True, interval_s=5.0)
+    with pytest.raises(RequestError, match=r"no probe of probes.kinds='allgather' runs on 1 node\(s\)"):
+        sim.job.start_probe(now=sim.now, trigger="test")
+    advance(sim, sim.now + 12.0)  # neither trigger starts a round that would measure nothing
+    assert sim.job.probe is None

@@ -7,7 +7,9 @@ from typing import Any
 import pytest
 
 from phalanx.api.errors import ConfigError
-from phalanx.api.settings import OperatorSettings
+from phalanx.api.settings import MasterSettings, OperatorSettings, ProbeSettings, from_env
+from phalanx.cli.main import build_parser
+from phalanx.cli.master import build_settings
 from phalanx.operator import builders, names
 from phalanx.operator.spec import parse_spec
 
@@ -79,6 +81,37 @@ def test_master_pod_runs_phalanx_master_with_k8s_state() -> None:
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["PHALANX_HEARTBEAT_TIMEOUT_S"]["value"] == "10.0"
+
+
+def _master_env(pod: dict[str, Any]) -> dict[str, str]:
+    """The master container's literal env (fieldRef values such as POD_IP left out)."""
+    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
+
+
+@pytest.mark.parametrize(
+    ("health", "expected"),
+    [
+        (None, ProbeSettings()),
+        (
+            {"enabled": True, "probes": ["matmul"], "interval": "10m", "timeout": "45s"},
+            ProbeSettings(
+                enabled=True, on_round_complete=True, interval_s=600.0, timeout_s=45.0, kinds="matmul"
+            ),
+        ),
+        ({"enabled": True}, ProbeSettings(enabled=True, on_round_complete=True)),
+    ],
+)
+def test_master_pod_env_carries_health_checks_into_master_settings(
+    health: dict[str, Any] | None, expected: ProbeSettings
+) -> None:
+    j = job(**({"healthChecks": health} if health is not None else {}))
+    pod = builders.master_pod(j, parse_spec(j["spec"]), settings=SETTINGS)
+    env = _master_env(pod)
+    # The settings module's own env parser: the names are the ones the master reads.
+    assert from_env(MasterSettings, {**env, "PHALANX_JOB_ID": "j"}).probes == expected
+    # And the master's real start: its command line (flags) on top of that env.
+    args = build_parser().parse_args(pod["spec"]["containers"][0]["command"][1:])
+    assert build_settings(args, env).probes == expected
 
 
 def test_worker_pod_wraps_the_template_in_phalanx_run() -> None:

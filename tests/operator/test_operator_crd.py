@@ -66,6 +66,18 @@ def test_heartbeat_default_is_consistent_with_settings() -> None:
     assert default == {"interval": format_duration(hb.interval_s), "timeout": format_duration(hb.timeout_s)}
 
 
+def test_health_checks_defaults_are_consistent_with_settings() -> None:
+    probes = s.ProbeSettings()
+    health = _prop(("healthChecks",))
+    assert health["default"] == {
+        "enabled": probes.enabled,
+        "probes": list(probes.kind_names),
+        "interval": format_duration(probes.interval_s),
+        "timeout": format_duration(probes.timeout_s),
+    }
+    assert health["properties"]["probes"]["items"]["enum"] == list(s.PROBE_KINDS)
+
+
 def test_structural_schema_outside_the_template() -> None:
     """Every node has a type (or int-or-string), and unknown fields are kept only under the template."""
 

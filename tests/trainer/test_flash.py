@@ -95,3 +95,25 @@ def test_uses_the_host_the_agent_advertises(tmp_path: Path, monkeypatch: pytest.
     finally:
         handle.stop()
     assert not list(Path(handle.env()[protocol.ENV_SHM_DIR]).glob(f"phx-{job}-*"))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_prepare_allocates_before_the_first_save(jobs: list[str]) -> None:
+    job = f"tf-{uuid.uuid4().hex[:8]}"
+    jobs.append(job)
+    ckpt = FlashCheckpoint(parallel=MESH, local_rank=0, job_id=job)
+    tensors = {"w": torch.randn(256, 1024), "adam.exp_avg": torch.randn(256, 1024)}
+    ckpt.prepare(key="pp1-tp1", tensors=tensors)
+    saver = ckpt._ckpt("pp1-tp1")
+    saver.wait_prepared()  # the trainer does not wait; training steps run meanwhile
+    slots = sorted(Path("/dev/shm").glob(f"phx-{job}-r3-s*"))
+    assert len(slots) == 2
+    assert all(p.stat().st_size > 2 * 256 * 1024 * 4 for p in slots)
+    ckpt.save(step=1, key="pp1-tp1", tensors=tensors)
+    assert saver.last_save["allocated"] is False  # the first save only copied
+    unprepared = ckpt._ckpt("pp0-tp0")
+    ckpt.save(step=1, key="pp0-tp0", tensors=tensors)
+    assert unprepared.last_save["allocated"] is True
+    assert torch.equal(ckpt.load(step=1, key="pp1-tp1")["w"], tensors["w"])
+    ckpt.close()

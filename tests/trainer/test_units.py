@@ -12,6 +12,7 @@ import phalanx.trainer
 from phalanx.api import round as round_file
 from phalanx.api.errors import CheckpointNotFoundError, ConfigError, RendezvousTimeoutError
 from phalanx.trainer.checkpointing import FileCheckpoint, shard_key
+from phalanx.trainer.elastic import checkpoint_action
 from phalanx.trainer.engine import split_batch
 from phalanx.trainer.membership import RoundSource
 from phalanx.trainer.mesh import Coord, ParallelConfig, coord_of, group_ranks, rank_of
@@ -162,3 +163,15 @@ def test_adamw_matches_torch_adamw() -> None:
         opt_theirs.step()
     torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-6, atol=1e-7)
     assert opt_ours.steps.item() == 5
+
+
+def test_checkpoint_memory_is_readied_after_the_first_step_that_does_not_save() -> None:
+    actions = []
+    prepared = False
+    for step in range(1, 11):
+        action = checkpoint_action(step=step, every=4, prepared=prepared)
+        prepared = prepared or bool(action)
+        actions.append(action)
+    assert actions == ["prepare", "", "", "save", "", "", "", "save", "", ""]
+    assert checkpoint_action(step=1, every=1, prepared=False) == "save"  # saving every step: no prepare
+    assert checkpoint_action(step=3, every=0, prepared=False) == ""  # checkpointing off

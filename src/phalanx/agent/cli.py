@@ -40,7 +40,7 @@ class StandaloneMaster:
                 sys.executable, "-m", "phalanx", "master",
                 "--job-id", job_id, "--nodes", "1:1", "--port", "0", "--http-port", "0",
                 "--token-file", str(self.token_file), "--state", str(workdir / "master-state.json"),
-                "--max-restarts", str(max_restarts),
+                "--max-restarts", str(max_restarts), "--exit-with-parent",
             ],
             stdout=subprocess.PIPE,
             stderr=log,

@@ -198,6 +198,25 @@ def describe(f: dataclasses.Field[Any]) -> str:
     return doc + tail
 
 
+PROBE_KINDS = ("matmul", "allgather")
+"""Probe kinds the master can ask nodes to run, in the order a probe round sends them."""
+
+
+def parse_probe_kinds(text: str, *, name: str = "kinds") -> tuple[str, ...]:
+    """Parses ``"matmul,allgather"`` into kinds in :data:`PROBE_KINDS` order; repeats count once."""
+    given = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [kind for kind in given if kind not in PROBE_KINDS]
+    allowed = ", ".join(PROBE_KINDS)
+    if unknown:
+        names = ", ".join(repr(kind) for kind in unknown)
+        raise ConfigError(f"unknown probe kind {names}; choose from {allowed} (comma-separated)", field=name)
+    if not given:
+        raise ConfigError(
+            f"name at least one probe kind of {allowed} (comma-separated), got {text!r}", field=name
+        )
+    return tuple(kind for kind in PROBE_KINDS if kind in given)
+
+
 def _positive(value: float, name: str) -> None:
     if value <= 0:
         raise ConfigError(f"must be greater than 0, got {value}", field=name)
@@ -373,8 +392,9 @@ class StragglerSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class ProbeSettings:
-    """Probe rounds the master runs (:mod:`phalanx.master.probing`): every member runs the matmul probe and
-    the pairwise all-gather probe, and the master evicts the nodes the results single out."""
+    """Probe rounds the master runs (:mod:`phalanx.master.probing`): every member runs the configured probes
+    (the matmul probe, the pairwise all-gather probe), and the master evicts the nodes the results single
+    out."""
 
     enabled: bool = setting(False, doc="Run probe rounds (on demand via POST /v1/probe, and as set below).")
     on_round_complete: bool = setting(
@@ -388,12 +408,22 @@ class ProbeSettings:
         doc="A node that has not reported its probes this long after the round began failed them.",
         unit="s",
     )
+    kinds: str = setting(
+        ",".join(PROBE_KINDS),
+        doc="Probes a round runs, comma-separated: matmul (per node), allgather (between nodes; needs two).",
+    )
     stragglers: StragglerSettings = group(StragglerSettings, doc="Thresholds of the probe analysis.")
 
     def __post_init__(self) -> None:
         if self.interval_s < 0:
             raise ConfigError(f"cannot be negative, got {self.interval_s}", field="interval_s")
         _positive(self.timeout_s, "timeout_s")
+        parse_probe_kinds(self.kinds, name="kinds")
+
+    @property
+    def kind_names(self) -> tuple[str, ...]:
+        """The configured probe kinds, in :data:`PROBE_KINDS` order."""
+        return parse_probe_kinds(self.kinds, name="kinds")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -229,16 +229,18 @@ class Checkpointer:
             error, self._prepare_error = self._prepare_error, None
             raise CheckpointError(f"preparing the checkpoint memory failed: {error}") from error
 
-    def _ensure(self, size: int) -> _Slots:
+    def _ensure(self, size: int) -> tuple[_Slots, bool]:
+        """This rank's slots, big enough for ``size`` bytes, and whether this call had to allocate them
+        (then the save also pays for first-touching the memory: see :meth:`prepare`)."""
         self.wait_prepared()
         if self._slots is None:
             self._slots = self._open_existing()
-        if self._slots is None or self._slots.size < size:
-            self._allocate(int(size * _GROWTH), prefault=False)
-            assert self._slots is not None
-            self._slots.prefault_async([1])  # this save fills slot 0 itself; the next one uses slot 1
+        if self._slots is not None and self._slots.size >= size:
+            return self._slots, False
+        self._allocate(int(size * _GROWTH), prefault=False)
         assert self._slots is not None
-        return self._slots
+        self._slots.prefault_async([1])  # this save fills slot 0 itself; the next one uses slot 1
+        return self._slots, True
 
     def _pick_slot(self, slots: _Slots) -> tuple[int, int]:
         """The slot to write and the next sequence number: never the one the persister has pinned, else
@@ -274,7 +276,7 @@ class Checkpointer:
             separators=(",", ":"),
         ).encode()
         data_off = shm.align(shm.HEADER_SIZE + len(meta), shm.PAGE)
-        slots = self._ensure(data_off + flat.data_len)
+        slots, allocated = self._ensure(data_off + flat.data_len)
         index, seq = self._pick_slot(slots)
         seg, view = slots.segments[index], slots.views[index]
         writing = shm.SlotHeader(
@@ -311,7 +313,12 @@ class Checkpointer:
                 world_size=self.world_size,
             ),
         )
-        self.last_save = {"step": step, "slot": index, "seconds": time.perf_counter() - started}
+        self.last_save = {
+            "step": step,
+            "slot": index,
+            "seconds": time.perf_counter() - started,
+            "allocated": allocated,
+        }
         if persist:
             self.persist(step)
 
@@ -356,16 +363,23 @@ class Checkpointer:
         *,
         shard_rank: int | None = None,
         replica_group: Any = None,
+        into: Any = None,
     ) -> tuple[int, Any] | None:
         """The newest ``(step, state)`` every rank holds, or None; see :mod:`phalanx.checkpoint.restore`.
 
         ``shard_rank`` picks whose saved shard to load (default: this rank). With ``replica_group`` (a
         process group of ranks holding the same shard), one member reads from storage and broadcasts.
+        ``into`` is a state shaped like the saved one (``{"model": model.state_dict(), ...}``): a read
+        from memory copies each tensor straight into its counterpart there (same path, dtype and shape)
+        and returns it, instead of allocating new memory for it.
         """
         from phalanx.checkpoint import restore
 
         return restore.load(
-            self, shard_rank=self.rank if shard_rank is None else shard_rank, replica_group=replica_group
+            self,
+            shard_rank=self.rank if shard_rank is None else shard_rank,
+            replica_group=replica_group,
+            into=into,
         )
 
     def memory_slots(self, shard_rank: int) -> list[shm.Segment]:

@@ -14,6 +14,7 @@ import logging
 import time
 import warnings
 import zlib
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,8 +85,26 @@ def _memory_steps(segments: list[shm.Segment]) -> dict[int, shm.Segment]:
     return steps
 
 
-def read_memory(seg: shm.Segment, step: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Copies a snapshot out of a slot, verifying its checksum when the host recorded one."""
+def _fits(dst: torch.Tensor | None, entry: dict[str, Any]) -> bool:
+    """Whether a snapshot tensor can be copied straight into ``dst`` (loading in place)."""
+    return (
+        dst is not None
+        and dst.device.type == "cpu"
+        and dst.is_contiguous()
+        and str(dst.dtype).removeprefix("torch.") == entry["dtype"]
+        and list(dst.shape) == entry["shape"]
+    )
+
+
+def read_memory(
+    seg: shm.Segment, step: int, *, into: Mapping[str, torch.Tensor] | None = None
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Copies a snapshot out of a slot, verifying its checksum when the host recorded one.
+
+    ``into`` maps tensor names (as :func:`codec.flatten` names them) to tensors to fill in place: a tensor
+    of the same dtype and shape is copied into and returned as itself, which spares allocating (and
+    first-touching) fresh memory and the caller's second copy. On an error they hold partial data.
+    """
     header = seg.header()
     if not header.complete or header.step != step:
         raise CheckpointCorruptError(f"{seg.path}: the snapshot of step {step} was overwritten")
@@ -103,8 +122,13 @@ def read_memory(seg: shm.Segment, step: int) -> tuple[dict[str, Any], list[torch
         if check:
             with memoryview(seg.buf) as mv:
                 crc = zlib.crc32(mv[start : start + entry["nbytes"]], crc)
-        t = raw.clone().view(codec.DTYPES[entry["dtype"]]).view(entry["shape"])
-        tensors.append(t)
+        dst = into.get(entry["name"]) if into is not None else None
+        if dst is not None and _fits(dst, entry):
+            with torch.no_grad():
+                dst.view(-1).view(torch.uint8).copy_(raw)
+            tensors.append(dst)
+        else:
+            tensors.append(raw.clone().view(codec.DTYPES[entry["dtype"]]).view(entry["shape"]))
     del view
     if seg.header().seq != header.seq:
         raise CheckpointCorruptError(f"{seg.path}: the snapshot of step {step} changed while it was read")
@@ -199,13 +223,14 @@ def _read_step(
     on_storage: set[int],
     shard_rank: int,
     replica_group: Any,
+    into: Mapping[str, torch.Tensor] | None,
 ) -> tuple[tuple[dict[str, Any], list[torch.Tensor]] | None, str]:
     """Reads ``step`` from memory or storage; returns (None, source) after warning when it is corrupt."""
 
     def local() -> tuple[tuple[dict[str, Any], list[torch.Tensor]] | None, str]:
         if step in memory:
             try:
-                return read_memory(memory[step], step), "memory"
+                return read_memory(memory[step], step, into=into), "memory"
             except CheckpointCorruptError as exc:
                 _warn(f"skipping the in-memory snapshot of step {step}: {exc}")
         if ckpt.storage is not None and step in on_storage:  # the same step, persisted
@@ -225,9 +250,15 @@ def _read_step(
     return _broadcast_shard(got, src=src, group=replica_group), source
 
 
-def load(ckpt: Checkpointer, *, shard_rank: int, replica_group: Any = None) -> tuple[int, Any] | None:
+def load(
+    ckpt: Checkpointer, *, shard_rank: int, replica_group: Any = None, into: Any = None
+) -> tuple[int, Any] | None:
     """See :meth:`Checkpointer.load`."""
     started = time.perf_counter()
+    targets = None
+    if into is not None:
+        flat = codec.flatten(into)
+        targets = {entry["name"]: t for entry, t in zip(flat.table, flat.tensors, strict=True)}
     reads_before = ckpt.storage.reads if ckpt.storage else 0
     memory = _memory_steps(ckpt.memory_slots(shard_rank))
     on_storage = set(storage.committed_steps(ckpt.storage)) if ckpt.storage else set()
@@ -249,6 +280,7 @@ def load(ckpt: Checkpointer, *, shard_rank: int, replica_group: Any = None) -> t
             on_storage=on_storage,
             shard_rank=shard_rank,
             replica_group=replica_group,
+            into=targets,
         )
         if (
             _all_reduce(int(got is not None), dist.ReduceOp.MIN if _distributed() else None)

@@ -95,6 +95,12 @@ def register(subparsers: Any) -> None:
         parser.add_argument(
             *names, dest=_dest(path), default=None, metavar=path.rsplit(".", 1)[-1].upper(), help=describe(f)
         )
+    parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="shut down when the process that started this master exits, even by SIGKILL "
+        "(phalanx-run --standalone starts its master so)",
+    )
     parser.set_defaults(handler=_handle)
 
 
@@ -166,4 +172,5 @@ def _handle(args: argparse.Namespace) -> int:
     token = _read_token(settings.token_file)
     _setup_logging(settings.job_id)
     store, sink = _stores(settings.state_path)
-    return asyncio.run(run_master(settings, token=token, store=store, sink=sink))
+    parent = os.getppid() if args.exit_with_parent else 0
+    return asyncio.run(run_master(settings, token=token, store=store, sink=sink, parent_pid=parent))

@@ -51,7 +51,8 @@ hang, hang_analysis, checkpoint_committed, checkpoint_failed, node_completed, jo
 probe_started, probe_finished, probe_failed, straggler).
 
 ``POST /v1/probe`` -> 202 ``{"probe": <the probe field of /v1/job>}`` once a probe round started; 409
-``{"error": str}`` when none can start (probes disabled, no running round, a probe round running).
+``{"error": str}`` when none can start (probes disabled, no running round, a probe round running, no
+kind of ``probes.kinds`` that runs on this many nodes).
 
 ``GET /v1/logs?node=&rank=&tail=N`` -> ``{"lines": [{unix, node, rank, local_rank, stream (out|err),
 text}]}``: the newest ``tail`` (default 100) lines of the matching (node, rank) rings, oldest first.

@@ -3,8 +3,9 @@ straggler -> evict and replace the node").
 
 A probe round is started on demand (``POST /v1/probe``), right after a rendezvous round completes
 (``probes.on_round_complete``) or every ``probes.interval_s``; nothing starts unless ``probes.enabled``.
-It needs a completed rendezvous round that is not reopening. Every member then gets two ``RUN_PROBE``
-actions in its next heartbeat response, both tagged with the probe round's id (``Action.probe_round``):
+It needs a completed rendezvous round that is not reopening. Every member then gets one ``RUN_PROBE``
+action per kind in ``probes.kinds`` in its next heartbeat response, each tagged with the probe round's id
+(``Action.probe_round``):
 
 * ``PROBE_KIND_MATMUL`` -- local compute check, no group;
 * ``PROBE_KIND_ALLGATHER`` (only with two or more members) -- pairwise all-gather with ``probe_group``
@@ -40,11 +41,12 @@ from typing import Any
 from phalanx.api.settings import MasterSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics.stragglers import NodeVerdict, compute_verdicts, link_verdicts
+from phalanx.master import rendezvous as rdzv
 from phalanx.master.core import JobCore, action, failure_log, log
 from phalanx.master.errors import RequestError
 from phalanx.master.membership import ALIVE
 
-__all__ = ["PROBE_KINDS", "Measured", "ProbeCore", "ProbeRound", "judge"]
+__all__ = ["PROBE_KINDS", "Measured", "ProbeCore", "ProbeRound", "judge", "round_kinds", "run_probe_actions"]
 
 PROBE_KINDS = {pb.PROBE_KIND_MATMUL: "matmul", pb.PROBE_KIND_ALLGATHER: "allgather"}
 
@@ -110,6 +112,31 @@ class ProbeRound:
         }
 
 
+def round_kinds(*, configured: Sequence[str], members: int) -> tuple[str, ...]:
+    """The configured probe kinds a round of ``members`` nodes runs: all-gather needs a pair."""
+    return tuple(kind for kind in configured if kind != "allgather" or members >= 2)
+
+
+def run_probe_actions(probe: ProbeRound, *, store: rdzv.Round, reason: str) -> list[pb.Action]:
+    """The RUN_PROBE actions one member gets for ``probe``, one per kind, in :data:`PROBE_KINDS` order."""
+    common: dict[str, Any] = {"round": probe.rendezvous_round, "reason": reason, "probe_round": probe.id}
+    actions = []
+    if "matmul" in probe.kinds:
+        actions.append(action(pb.ACTION_KIND_RUN_PROBE, probe=pb.PROBE_KIND_MATMUL, **common))
+    if "allgather" in probe.kinds:
+        actions.append(
+            action(
+                pb.ACTION_KIND_RUN_PROBE,
+                probe=pb.PROBE_KIND_ALLGATHER,
+                probe_group=probe.members,
+                probe_store_addr=store.store_host,
+                probe_store_port=store.store_port + 1,
+                **common,
+            )
+        )
+    return actions
+
+
 def judge(probe: ProbeRound, *, timeout_s: float, settings: Any) -> list[NodeVerdict]:
     """Verdicts of a finished round; a member without a report failed that probe.
 
@@ -158,22 +185,13 @@ class ProbeCore(JobCore):
 
     def start_probe(self, *, now: float, trigger: str) -> ProbeRound:
         """Starts a probe round; RequestError (``failed_precondition``) when none can start now."""
-        cfg = self.settings.probes
-        why = ""
-        if not cfg.enabled:
-            why = "probes are disabled (probes.enabled)"
-        elif self.finished:
-            why = f"the job has {self.phase.lower()}"
-        elif self.round is None or self.round_open:
-            why = "no rendezvous round is running"
-        elif self.probe is not None and self.probe.result == "running":
-            why = f"probe round {self.probe.id} is still running"
+        why = self._cannot_probe()
         if why:
             raise RequestError(f"cannot start a probe round: {why}", code="failed_precondition")
         assert self.round is not None
         r = self.round
-        members = [m for m in r.node_ids if m in self.nodes and self.nodes[m].status == ALIVE]
-        kinds = ("matmul", "allgather") if len(members) >= 2 else ("matmul",)
+        members = self._probe_members()
+        kinds = round_kinds(configured=self.settings.probes.kind_names, members=len(members))
         probe = ProbeRound(
             id=self.next_probe,
             rendezvous_round=r.number,
@@ -188,29 +206,7 @@ class ProbeCore(JobCore):
         self.last_probe_at = now
         reason = f"probe round {probe.id} ({trigger})"
         for node_id in members:
-            pending = self.nodes[node_id].pending
-            pending.append(
-                action(
-                    pb.ACTION_KIND_RUN_PROBE,
-                    round=r.number,
-                    reason=reason,
-                    probe=pb.PROBE_KIND_MATMUL,
-                    probe_round=probe.id,
-                )
-            )
-            if "allgather" in kinds:
-                pending.append(
-                    action(
-                        pb.ACTION_KIND_RUN_PROBE,
-                        round=r.number,
-                        reason=reason,
-                        probe=pb.PROBE_KIND_ALLGATHER,
-                        probe_group=members,
-                        probe_store_addr=r.store_host,
-                        probe_store_port=r.store_port + 1,
-                        probe_round=probe.id,
-                    )
-                )
+            self.nodes[node_id].pending.extend(run_probe_actions(probe, store=r, reason=reason))
         self._event("probe_started", now=now, message=f"{reason}: {', '.join(members)}")
         log.info("%s started on %d nodes", reason, len(members), extra={"round": r.number})
         return probe
@@ -257,7 +253,7 @@ class ProbeCore(JobCore):
                 self._finish_probe(now=now)
             return
         cfg = self.settings.probes
-        if not cfg.enabled or self.finished or self.round is None or self.round_open:
+        if self._cannot_probe() or self.round is None:
             return
         trigger = ""
         if cfg.on_round_complete and self.round_number > self.probed_round:
@@ -266,6 +262,28 @@ class ProbeCore(JobCore):
             trigger = f"every {cfg.interval_s:g}s"
         if trigger:
             self.start_probe(now=now, trigger=trigger)
+
+    def _probe_members(self) -> list[str]:
+        """The running rendezvous round's members that are alive, in group-rank order."""
+        node_ids = self.round.node_ids if self.round is not None else []
+        return [m for m in node_ids if m in self.nodes and self.nodes[m].status == ALIVE]
+
+    def _cannot_probe(self) -> str:
+        """Why no probe round can start now; empty when one can."""
+        cfg = self.settings.probes
+        if not cfg.enabled:
+            return "probes are disabled (probes.enabled)"
+        if self.finished:
+            return f"the job has {self.phase.lower()}"
+        if self.round is None or self.round_open:
+            return "no rendezvous round is running"
+        if self.probe is not None and self.probe.result == "running":
+            return f"probe round {self.probe.id} is still running"
+        members = len(self._probe_members())
+        if not round_kinds(configured=cfg.kind_names, members=members):
+            # An allgather-only setup on a one-node round: a round would measure nothing.
+            return f"no probe of probes.kinds={cfg.kinds!r} runs on {members} node(s); allgather needs two"
+        return ""
 
     def _end_probe(self, probe: ProbeRound, result: str, *, now: float, why: str) -> None:
         probe.result = result

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -40,6 +41,7 @@ log = logging.getLogger("phalanx.master")
 
 MAX_SEND_BYTES = 16 * 1024 * 1024
 SHUTDOWN_GRACE_S = 1.0
+PARENT_POLL_S = 0.5
 
 
 class _HttpServer(uvicorn.Server):
@@ -85,10 +87,28 @@ def _http_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def _watch_parent(parent_pid: int, stopping: asyncio.Event) -> None:
+    """Sets ``stopping`` once ``parent_pid`` is no longer this process's parent (it exited: this process
+    was re-parented), so a master started for one agent never outlives it."""
+    while True:  # polled: Linux tells a process nothing when its parent dies, short of PDEATHSIG
+        await asyncio.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            break
+    log.warning("the process that started this master (pid %d) is gone; shutting down", parent_pid)
+    stopping.set()
+
+
 async def run_master(
-    settings: MasterSettings, *, token: str, store: StateStore, sink: StatusSink, out: TextIO = sys.stdout
+    settings: MasterSettings,
+    *,
+    token: str,
+    store: StateStore,
+    sink: StatusSink,
+    out: TextIO = sys.stdout,
+    parent_pid: int = 0,
 ) -> int:
-    """Serves the job until SIGTERM/SIGINT; returns the process exit code."""
+    """Serves the job until SIGTERM/SIGINT (or, with ``parent_pid``, until that parent exits); returns
+    the process exit code."""
     loop = asyncio.get_running_loop()
     saved = await asyncio.to_thread(store.load)
     job = Job(settings=settings, now=Runtime.now(), saved=saved)
@@ -147,6 +167,8 @@ async def run_master(
         asyncio.create_task(rt.ticker(_tick_interval(settings))),
         asyncio.create_task(rt.publisher()),
     ]
+    if parent_pid:
+        workers.append(asyncio.create_task(_watch_parent(parent_pid, rt.stopping)))
     try:
         await rt.stopping.wait()
     finally:

@@ -18,7 +18,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from phalanx.api.errors import ConfigError
-from phalanx.api.settings import OperatorSettings
+from phalanx.api.settings import OperatorSettings, ProbeSettings
 from phalanx.operator import names
 from phalanx.operator.crd import API_VERSION, GROUP, KIND, PLURAL
 from phalanx.operator.crd import format_duration as _dur
@@ -229,8 +229,21 @@ def _settings_env(spec: JobSpec, *, master: bool) -> list[Obj]:
             "PHALANX_HEARTBEAT_TIMEOUT_S": str(spec.heartbeat.timeout_s),
             "PHALANX_RESTART_MAX_RESTARTS": str(spec.restart.max_restarts),
             "PHALANX_RESTART_MAX_EVICTIONS": str(spec.restart.max_evictions),
+            **_probe_env(spec.probes),
         }
     return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def _probe_env(probes: ProbeSettings) -> dict[str, str]:
+    """``spec.healthChecks`` for the master (``MasterSettings.probes``); the straggler thresholds keep
+    their defaults, the CRD does not expose them."""
+    return {
+        "PHALANX_PROBES_ENABLED": str(probes.enabled).lower(),
+        "PHALANX_PROBES_ON_ROUND_COMPLETE": str(probes.on_round_complete).lower(),
+        "PHALANX_PROBES_INTERVAL_S": str(probes.interval_s),
+        "PHALANX_PROBES_TIMEOUT_S": str(probes.timeout_s),
+        "PHALANX_PROBES_KINDS": ",".join(probes.kind_names),
+    }
 
 
 _PYTHONS = ("python", "python3")

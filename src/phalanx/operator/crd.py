@@ -56,6 +56,8 @@ SETTINGS_FIELDS: dict[tuple[str, ...], tuple[type, str]] = {
     ("checkpoint", "persistIntervalSteps"): (s.CheckpointSettings, "persist_interval_steps"),
     ("checkpoint", "storagePath"): (s.CheckpointSettings, "storage_path"),
     ("checkpoint", "keepLast"): (s.CheckpointSettings, "keep_last"),
+    ("healthChecks", "interval"): (s.ProbeSettings, "interval_s"),
+    ("healthChecks", "timeout"): (s.ProbeSettings, "timeout_s"),
 }
 """CRD spec path -> (settings class, field). The single mapping between the spec and the settings."""
 
@@ -211,19 +213,37 @@ def _spec_schema() -> dict[str, Any]:
         default={},
     )
     health = _obj(
-        "Health probes run on the nodes before and during training; failing or straggling nodes are evicted.",
+        "Health probes run on the nodes as training starts or resumes and during training; the master "
+        "evicts and replaces the nodes that fail them or straggle behind their peers.",
         {
-            "enabled": {"type": "boolean", "description": "Run health probes.", "default": False},
+            "enabled": {
+                "type": "boolean",
+                "description": "Run a probe round right after every rendezvous round completes (as training "
+                "starts or resumes), every interval during training, and on demand (POST /v1/probe).",
+                "default": False,
+            },
             "probes": {
                 "type": "array",
-                "description": "Probes to run: matmul (per node), allgather (between nodes).",
-                "items": {"type": "string", "enum": ["matmul", "allgather"]},
-                "maxItems": 2,
+                "description": "Probes every node runs: matmul (compute of each device), allgather "
+                "(bandwidth between nodes; runs only with two or more nodes).",
+                "items": {"type": "string", "enum": list(s.PROBE_KINDS)},
+                "minItems": 1,
+                "maxItems": len(s.PROBE_KINDS),
                 "x-kubernetes-list-type": "set",
-                "default": ["matmul", "allgather"],
+                "default": list(s.ProbeSettings().kind_names),
             },
+            "interval": _setting_prop(("healthChecks", "interval")),
+            "timeout": _setting_prop(("healthChecks", "timeout")),
         },
         default={},
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": "duration(self.timeout) > duration('0s')",
+                    "message": "healthChecks.timeout must be greater than 0",
+                },
+            ]
+        },
     )
     checkpoint = _obj(
         "Flash checkpoint: in-memory snapshots every few steps, persisted to storage in the background.",

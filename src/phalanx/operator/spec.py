@@ -14,9 +14,11 @@ from typing import Any
 
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import (
+    PROBE_KINDS,
     CheckpointSettings,
     HangSettings,
     HeartbeatSettings,
+    ProbeSettings,
     RendezvousSettings,
     RestartSettings,
     parse_duration,
@@ -33,11 +35,11 @@ class JobSpec:
     hang: HangSettings
     restart: RestartSettings
     checkpoint: CheckpointSettings
+    probes: ProbeSettings = field(default_factory=ProbeSettings)
+    """``spec.healthChecks`` as the master's probe settings (off unless ``healthChecks.enabled``)."""
     nproc_per_node: int = 1
     tensor: int = 1
     pipeline: int = 1
-    health_checks: bool = False
-    probes: tuple[str, ...] = ()
     cordon_bad_nodes: bool = False
     clean_pod_policy: str = "Running"
     template: Mapping[str, Any] = field(default_factory=dict)
@@ -61,6 +63,36 @@ def _group(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
 
 def _dur(group: Mapping[str, Any], key: str, default: float, where: str) -> float:
     return parse_duration(group[key], name=f"spec.{where}.{key}") if key in group else default
+
+
+def _probes(health: Mapping[str, Any]) -> ProbeSettings:
+    """``spec.healthChecks`` -> the master's probe settings.
+
+    ``enabled`` turns on both the round right after every completed rendezvous round (a bad node is
+    caught as training starts or resumes) and, with ``interval`` above 0, the periodic rounds during
+    training.
+    """
+    default = ProbeSettings()
+    enabled = bool(health.get("enabled", default.enabled))
+    kinds = health.get("probes", default.kind_names)
+    if isinstance(kinds, str) or not isinstance(kinds, list | tuple) or not kinds:
+        allowed = ", ".join(PROBE_KINDS)
+        raise ConfigError(f"expected a list of one or more of {allowed}", field="spec.healthChecks.probes")
+    try:
+        return ProbeSettings(
+            enabled=enabled,
+            on_round_complete=enabled,
+            interval_s=_dur(health, "interval", default.interval_s, "healthChecks"),
+            timeout_s=_dur(health, "timeout", default.timeout_s, "healthChecks"),
+            kinds=",".join(str(kind) for kind in kinds),
+        )
+    except ConfigError as exc:
+        # The settings name their own field (kinds, timeout_s); the user wrote the spec's.
+        spec_name = {"kinds": "probes", "interval_s": "interval", "timeout_s": "timeout"}.get(exc.field or "")
+        if spec_name is None:
+            raise
+        message = str(exc).split(": ", 1)[-1]
+        raise ConfigError(message, field=f"spec.healthChecks.{spec_name}") from exc
 
 
 def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
@@ -100,10 +132,10 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
             storage_path=str(ck.get("storagePath", ck_default.storage_path)),
             keep_last=int(ck.get("keepLast", ck_default.keep_last)),
         )
+        probes = _probes(_group(spec, "healthChecks"))
     except ConfigError as exc:
         raise ConfigError(f"invalid ElasticJob spec: {exc}") from exc
     par = _group(spec, "parallelism")
-    health = _group(spec, "healthChecks")
     policy = str(spec.get("cleanPodPolicy", "Running"))
     if policy not in CLEAN_POD_POLICIES:
         raise ConfigError(
@@ -119,11 +151,10 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         hang=hang,
         restart=restart,
         checkpoint=checkpoint,
+        probes=probes,
         nproc_per_node=int(spec.get("nprocPerNode", 1)),
         tensor=int(par.get("tensor", 1)),
         pipeline=int(par.get("pipeline", 1)),
-        health_checks=bool(health.get("enabled", False)),
-        probes=tuple(health.get("probes", ())),
         cordon_bad_nodes=bool(spec.get("cordonBadNodes", False)),
         clean_pod_policy=policy,
         template=template,

@@ -28,14 +28,21 @@ class CheckpointSeam(Protocol):
     last_source: str
     """Where the last ``load`` read from ("file", "memory", "storage"), for the trainer's events."""
 
+    def prepare(self, *, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Readies the memory for saves of shard ``key`` shaped like ``tensors``, off the training path,
+        so the first save costs what every later one does. Returns at once."""
+
     def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> None:
         """Stores ``tensors`` as shard ``key`` of ``step``."""
 
     def steps(self, *, key: str) -> list[int]:
         """Steps of shard ``key`` that can be loaded, newest first."""
 
-    def load(self, *, step: int, key: str) -> dict[str, torch.Tensor]:
-        """The tensors of shard ``key`` at ``step``."""
+    def load(
+        self, *, step: int, key: str, into: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The tensors of shard ``key`` at ``step``; an implementation may fill the matching tensors of
+        ``into`` in place and return them (the caller copies whatever it gets back)."""
 
 
 def shard_key(*, pipeline: int, tensor: int) -> str:
@@ -53,6 +60,9 @@ class FileCheckpoint:
 
     def _path(self, key: str, step: int) -> Path:
         return self.root / key / f"step-{step:010d}.safetensors"
+
+    def prepare(self, *, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Nothing to ready: a file is written whole at each save."""
 
     def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> None:
         path = self._path(key, step)
@@ -74,7 +84,10 @@ class FileCheckpoint:
                 found.append(int(name[len("step-") : -len(".safetensors")]))
         return sorted(found, reverse=True)
 
-    def load(self, *, step: int, key: str) -> dict[str, torch.Tensor]:
+    def load(
+        self, *, step: int, key: str, into: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        del into  # read whole from the file; the caller copies
         path = self._path(key, step)
         if not path.exists():
             raise CheckpointNotFoundError(f"no checkpoint of shard {key} at step {step} under {self.root}")

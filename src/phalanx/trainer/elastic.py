@@ -84,6 +84,20 @@ class _GroupFailed(PhalanxError):
     """Forming the process group or running the recovery collectives failed."""
 
 
+def checkpoint_action(*, step: int, every: int, prepared: bool) -> str:
+    """What to do with the checkpoint after completing ``step``: "save", "prepare" or "" (nothing).
+
+    A shard's memory is readied ("prepare", in the background) after the first step that does not save:
+    the state's shape is known once a step has created the optimizer's moments, and the first save then
+    costs a plain copy instead of allocating and first-touching the memory on the training path.
+    """
+    if not every:
+        return ""
+    if step % every == 0:
+        return "save"
+    return "" if prepared else "prepare"
+
+
 class ElasticTrainer:
     """Trains for a number of steps, surviving membership changes in-process where the replicas allow."""
 
@@ -109,6 +123,7 @@ class ElasticTrainer:
         self.mesh: Mesh | None = None
         self.spec: RoundSpec | None = None
         self._store: Store | None = None
+        self._prepared: set[str] = set()  # shard keys whose checkpoint memory is allocated
 
     def on_event(self, event: Event) -> None:
         """Passes ``event`` (stamped with the wall time) to the caller's handler."""
@@ -288,10 +303,12 @@ class ElasticTrainer:
         if plan.action is Action.LOAD:
             assert self.checkpoint is not None
             key = shard_key(pipeline=mesh.coord.pipeline, tensor=mesh.coord.tensor)
-            loaded = self.checkpoint.load(step=plan.step, key=key)
+            state = dict(self.engine.state_tensors())
+            loaded = self.checkpoint.load(step=plan.step, key=key, into=state)
             with torch.no_grad():
-                for name, tensor in self.engine.state_tensors():
-                    tensor.copy_(loaded[name])
+                for name, tensor in state.items():
+                    if loaded[name] is not tensor:  # not filled in place by the load
+                        tensor.copy_(loaded[name])
         elif plan.action is Action.BROADCAST:
             source = plan.sources.get(mesh.data_ranks[0])
             if source is not None:
@@ -351,15 +368,19 @@ class ElasticTrainer:
         )
 
     def _maybe_checkpoint(self) -> None:
-        every = self.config.checkpoint_every
-        if not (self.checkpoint and every and self.step % every == 0):
-            return
+        if self.checkpoint is None or self.mesh is None or self.mesh.coord.data != 0:
+            return  # replicas are identical: one copy per shard, from data coordinate 0, is enough
         assert self.engine is not None
-        assert self.mesh is not None
-        if self.mesh.coord.data != 0:
-            return  # replicas are identical; one copy per shard is enough
         key = shard_key(pipeline=self.mesh.coord.pipeline, tensor=self.mesh.coord.tensor)
-        self.checkpoint.save(step=self.step, key=key, tensors=dict(self.engine.state_tensors()))
+        action = checkpoint_action(
+            step=self.step, every=self.config.checkpoint_every, prepared=key in self._prepared
+        )
+        if action == "save":
+            self.checkpoint.save(step=self.step, key=key, tensors=dict(self.engine.state_tensors()))
+        elif action == "prepare":
+            self.checkpoint.prepare(key=key, tensors=dict(self.engine.state_tensors()))
+        if action:
+            self._prepared.add(key)
 
     def digest(self) -> str:
         """SHA-256 of this rank's parameters and optimizer state (bitwise)."""

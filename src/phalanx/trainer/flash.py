@@ -93,6 +93,11 @@ class FlashCheckpoint:
     def _ckpt(self, key: str) -> Checkpointer:
         return self._checkpointer(shard_index(key, parallel=self.parallel))
 
+    def prepare(self, *, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Allocates and prefaults the shard's two slots in the background (the host allocates, a thread
+        of this process maps them), so the first :meth:`save` is a plain memory copy."""
+        self._ckpt(key).prepare({k: v.detach() for k, v in tensors.items()})
+
     def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> None:
         """Copies the shard into shared memory; persisting (if configured) continues in the background."""
         ckpt = self._ckpt(key)
@@ -119,15 +124,18 @@ class FlashCheckpoint:
             found |= set(storage.committed_steps(ckpt.storage))
         return sorted(found, reverse=True)
 
-    def load(self, *, step: int, key: str) -> dict[str, torch.Tensor]:
-        """The shard at ``step``: from memory when this node holds it intact, else from storage."""
+    def load(
+        self, *, step: int, key: str, into: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The shard at ``step``: from memory when this node holds it intact (copied straight into the
+        tensors of ``into`` that match by name, dtype and shape), else from storage."""
         ckpt = self._ckpt(key)
         got: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         problems: list[str] = []
         seg = self._memory(ckpt).get(step)
         if seg is not None:
             try:
-                got, self.last_source = read_memory(seg, step), "memory"
+                got, self.last_source = read_memory(seg, step, into=into), "memory"
             except CheckpointCorruptError as exc:
                 problems.append(str(exc))
         if got is None and ckpt.storage is not None and step in storage.committed_steps(ckpt.storage):
