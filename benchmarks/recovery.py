@@ -149,10 +149,9 @@ def main() -> None:
     t, ph = report.get("torchrun", {}), report.get("phalanx", {})
     if t.get("median_recovery_s") and ph.get("median_recovery_s"):
         report["ratio_phalanx_to_torchrun"] = round(ph["median_recovery_s"] / t["median_recovery_s"], 3)
-    text = json.dumps(report, indent=2)
-    print(text)
+    print(json.dumps(report))  # one line: benchmarks/run_all.py reads the last JSON line
     if args.out:
-        args.out.write_text(text)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

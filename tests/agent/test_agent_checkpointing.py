@@ -34,6 +34,15 @@ def test_agreed_step_is_the_newest_step_every_rank_holds() -> None:
     assert checkpointing.agreed_step({}) is None
 
 
+def test_breakpoint_ranks_fall_back_to_the_slots_on_the_node() -> None:
+    # Checkpointer slots named by global rank: this node's ranks that saved.
+    assert checkpointing.breakpoint_ranks(local_ranks=[2, 3], slot_ranks=[0, 1, 2, 3]) == [2, 3]
+    assert checkpointing.breakpoint_ranks(local_ranks=[2, 3], slot_ranks=[3]) == [3]
+    # The trainer's slots are named by model shard: none matches a global rank of this node.
+    assert checkpointing.breakpoint_ranks(local_ranks=[4, 5], slot_ranks=[1, 0]) == [0, 1]
+    assert checkpointing.breakpoint_ranks(local_ranks=[0], slot_ranks=[]) == []
+
+
 def test_probe_plan() -> None:
     matmul = probes.plan(pb.Action(kind=pb.ACTION_KIND_RUN_PROBE, probe=pb.PROBE_KIND_MATMUL), node_id="n0")
     assert matmul.kind == "matmul"
@@ -159,7 +168,9 @@ def test_host_lifecycle_persists_agreed_step_and_unlinks(tmp_path: Path) -> None
             0: {6, 7},
             1: {7, 8},
         }
-        result = host.save_at_breakpoint("test", ranks=[0, 1])
+        # The node's workers are global ranks 4 and 5, but the slots are named 0 and 1 (as the trainer
+        # names them, by model shard): the snapshots on the node are persisted all the same.
+        result = host.save_at_breakpoint("test", ranks=[4, 5])
         assert result == {"ok": True, "step": 7, "errors": []}, said
         from phalanx.checkpoint import storage as storage_lib
 

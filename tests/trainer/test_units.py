@@ -3,6 +3,8 @@ watching, the checkpoint seam and the public surface. No processes, no sockets."
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from phalanx.trainer.membership import RoundSource
 from phalanx.trainer.mesh import Coord, ParallelConfig, coord_of, group_ranks, rank_of
 from phalanx.trainer.model import stage_layers
 from phalanx.trainer.recovery import NO_STATE, Action, Row, decode, encode, plan_recovery
+from phalanx.trainer.watchdog import RoundWatch
 
 
 def test_mesh_layout_keeps_tensor_groups_consecutive_and_replicas_contiguous() -> None:
@@ -127,6 +130,30 @@ def test_round_source_notices_rewrites_and_waits_for_newer(tmp_path: Path) -> No
         source.wait_newer(2, timeout_s=0.05)
 
 
+def test_round_watch_aborts_a_step_once_a_newer_round_is_written(tmp_path: Path) -> None:
+    path = tmp_path / "round.json"
+    round_file.write(path, _info(1, 1000))
+    source = RoundSource(path, local_rank=1)
+    spec = source.current()
+    assert spec is not None
+    aborted = threading.Event()
+    watch = RoundWatch(changed=lambda: source.newer_than(spec.round), abort=aborted.set, poll_s=0.01)
+    try:
+        with watch:  # a step during which nothing changes
+            round_file.write(path, _info(1, 1000))  # rewritten, same round: not a reason to abort
+            time.sleep(0.1)
+        assert not aborted.is_set()
+        round_file.write(path, _info(2, 1001))
+        time.sleep(0.1)
+        assert not aborted.is_set()  # between steps the trainer's own loop notices the round
+        with watch:  # a step stuck in a collective when the agent writes the new round
+            assert aborted.wait(5)
+        assert watch.aborted == 1
+    finally:
+        watch.close()
+    assert source.changed()  # the watch never marks the round seen: the trainer's loop reads it
+
+
 def test_file_checkpoint_round_trip_and_retention(tmp_path: Path) -> None:
     store = FileCheckpoint(tmp_path, keep=2)
     key = shard_key(pipeline=1, tensor=0)
@@ -144,7 +171,7 @@ def test_public_surface_is_what_all_says() -> None:
         assert hasattr(phalanx.trainer, name), name
     public = {n for n in vars(phalanx.trainer) if not n.startswith("_")}
     modules = {"checkpointing", "comm", "data_parallel", "elastic", "engine", "flash", "layers", "membership",
-               "mesh", "model", "optim", "pipeline", "recovery", "annotations"}  # fmt: skip
+               "mesh", "model", "optim", "pipeline", "recovery", "watchdog", "annotations"}  # fmt: skip
     assert public - modules == set(phalanx.trainer.__all__)
 
 

@@ -74,6 +74,13 @@ def held_steps(shm_dir: Path, *, job_id: str, ranks: list[int]) -> dict[int, set
     return held
 
 
+def breakpoint_ranks(*, local_ranks: list[int], slot_ranks: list[int]) -> list[int]:
+    """Whose snapshots a save at breakpoint persists: this node's ranks that have slots, or, when none has
+    (the trainer names its slots by model shard, not by rank), every slot owner on this node."""
+    mine = [r for r in local_ranks if r in slot_ranks]
+    return mine or sorted(slot_ranks)
+
+
 def agreed_step(held: dict[int, set[int]]) -> int | None:
     """The newest step every rank holds, or None (no ranks, or nothing in common)."""
     if not held:
@@ -165,8 +172,8 @@ class NodeCheckpointHost:
         step: int | None = None,
         timeout_s: float = PERSIST_NOW_LIMIT_S,
     ) -> dict[str, Any]:
-        """Persists the newest step that every one of ``ranks`` (this node's current ranks) holds complete
-        in memory, or ``step`` when given; bounded by ``timeout_s``. Logs and returns
+        """Persists the newest step that every one of ``ranks`` (this node's current ranks; see
+        :func:`breakpoint_ranks`) holds complete in memory, or ``step`` when given; bounded by ``timeout_s``. Logs and returns
         ``{"ok", "step", "errors"}`` ({} without a host, storage or a common step).
 
         The host's own ``persist_now`` takes each rank's newest snapshot, which differ by one step when a
@@ -174,6 +181,8 @@ class NodeCheckpointHost:
         must agree on the step first."""
         if not self.running or not self.handle.storage or self.shm_dir is None:
             return {}
+        slot_ranks = sorted(shm.list_job_slots(self.shm_dir, self.handle.job_id))
+        ranks = breakpoint_ranks(local_ranks=ranks, slot_ranks=slot_ranks)
         held = held_steps(self.shm_dir, job_id=self.handle.job_id, ranks=ranks)
         chosen = (
             agreed_step(held) if step is None else (step if all(step in s for s in held.values()) else None)

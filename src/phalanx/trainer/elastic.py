@@ -35,6 +35,7 @@ from phalanx.trainer.membership import RoundSource, RoundSpec
 from phalanx.trainer.mesh import Mesh, ParallelConfig
 from phalanx.trainer.model import GPTConfig
 from phalanx.trainer.recovery import NO_STATE, Action, RecoveryPlan, Row, decode, encode, plan_recovery
+from phalanx.trainer.watchdog import RoundWatch, abort_all_groups
 
 RESTART_EXIT_CODE = 75
 """Exit status asking the agent to restart this worker (it then loads the checkpoint)."""
@@ -124,6 +125,12 @@ class ElasticTrainer:
         self.spec: RoundSpec | None = None
         self._store: Store | None = None
         self._prepared: set[str] = set()  # shard keys whose checkpoint memory is allocated
+        # NCCL collectives wait out their timeout when a peer dies; gloo's fail when its sockets close.
+        self._watch = (
+            RoundWatch(changed=self._round_moved_on, abort=abort_all_groups)
+            if self.backend == "nccl" and self.rounds.elastic
+            else None
+        )
 
     def on_event(self, event: Event) -> None:
         """Passes ``event`` (stamped with the wall time) to the caller's handler."""
@@ -152,7 +159,8 @@ class ElasticTrainer:
                 started = time.monotonic()
                 failure = ""
                 try:
-                    loss = self.engine.train_step(self.batches(self.step))
+                    with self._watch or contextlib.nullcontext():
+                        loss = self.engine.train_step(self.batches(self.step))
                 except (RuntimeError, dist.DistError) as exc:
                     if not self.rounds.elastic:
                         raise
@@ -173,7 +181,12 @@ class ElasticTrainer:
             self.on_event({"event": "gave_up", "reason": str(exc), "pid": os.getpid()})
             return RESTART_EXIT_CODE
         finally:
+            if self._watch is not None:
+                self._watch.close()
             self._teardown()
+
+    def _round_moved_on(self) -> bool:
+        return self.spec is not None and self.rounds.newer_than(self.spec.round)
 
     def _recover_from_failure(self, error: str) -> bool:
         assert self.engine is not None

@@ -72,6 +72,15 @@ class RoundSource:
         """Cheap check (one stat) whether the file was rewritten since the last :meth:`current`."""
         return self.path is not None and self._stat() != self._seen
 
+    def newer_than(self, round_no: int) -> bool:
+        """Whether the file now holds a round after ``round_no``; reads it only when :meth:`changed`, and
+        leaves it unseen (safe from another thread while the owner trains)."""
+        if not self.changed():
+            return False
+        assert self.path is not None
+        info = round_file.read(self.path)
+        return info is not None and info.round > round_no
+
     def wait_newer(self, than: int, *, timeout_s: float, poll_s: float = 0.01) -> RoundSpec:
         """Blocks until a round newer than ``than`` is written."""
         deadline = time.monotonic() + timeout_s
