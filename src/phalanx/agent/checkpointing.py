@@ -173,8 +173,9 @@ class NodeCheckpointHost:
         timeout_s: float = PERSIST_NOW_LIMIT_S,
     ) -> dict[str, Any]:
         """Persists the newest step that every one of ``ranks`` (this node's current ranks; see
-        :func:`breakpoint_ranks`) holds complete in memory, or ``step`` when given; bounded by ``timeout_s``. Logs and returns
-        ``{"ok", "step", "errors"}`` ({} without a host, storage or a common step).
+        :func:`breakpoint_ranks`) holds complete in memory, or ``step`` when given; bounded by
+        ``timeout_s``. Logs and returns ``{"ok", "step", "errors"}`` ({} without a host, storage or a
+        common step).
 
         The host's own ``persist_now`` takes each rank's newest snapshot, which differ by one step when a
         rank died mid-save; a step is committed on storage only when every rank wrote it, so the ranks
