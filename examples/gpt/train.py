@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(path).open("a", buffering=1) if path else None  # noqa: SIM115
 
     def on_event(event: dict[str, Any]) -> None:
-        if event.get("event") != "step":
+        if event.get("event") not in ("step", "checkpoint"):  # those two go to --log-json only
             print(json.dumps(event), file=sys.stderr, flush=True)
         elif args.pace_ms:
             time.sleep(args.pace_ms / 1000)

@@ -179,3 +179,10 @@ def test_losing_a_whole_shard_restarts_from_the_checkpoint(
         steps_after = c.steps(node, rank)
         assert steps_after[0]["step"] == formed[0]["step"] + 1
         assert steps_after[-1]["step"] == steps
+    # The trainer readied its checkpoint memory after step 1, so no save paid for allocating it (and the
+    # restarted workers found the memory their node's host kept).
+    first = [r for r in c.records("a", 0, generation=1) if r["event"] == "checkpoint"]
+    again = [r for r in c.records("a", 0) if r["event"] == "checkpoint"]
+    assert first[0]["step"] == 5
+    assert again[0]["step"] > 20
+    assert not any(r["allocated"] for r in first + again), first + again

@@ -32,8 +32,9 @@ class CheckpointSeam(Protocol):
         """Readies the memory for saves of shard ``key`` shaped like ``tensors``, off the training path,
         so the first save costs what every later one does. Returns at once."""
 
-    def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Stores ``tensors`` as shard ``key`` of ``step``."""
+    def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, object]:
+        """Stores ``tensors`` as shard ``key`` of ``step``; returns facts about the save for the trainer's
+        ``checkpoint`` event (may be empty)."""
 
     def steps(self, *, key: str) -> list[int]:
         """Steps of shard ``key`` that can be loaded, newest first."""
@@ -64,7 +65,7 @@ class FileCheckpoint:
     def prepare(self, *, key: str, tensors: dict[str, torch.Tensor]) -> None:
         """Nothing to ready: a file is written whole at each save."""
 
-    def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> None:
+    def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, object]:
         path = self._path(key, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -72,6 +73,7 @@ class FileCheckpoint:
         tmp.replace(path)
         for old in self.steps(key=key)[self.keep :]:
             self._path(key, old).unlink(missing_ok=True)
+        return {"path": str(path)}
 
     def steps(self, *, key: str) -> list[int]:
         folder = self.root / key

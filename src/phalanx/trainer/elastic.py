@@ -389,7 +389,12 @@ class ElasticTrainer:
             step=self.step, every=self.config.checkpoint_every, prepared=key in self._prepared
         )
         if action == "save":
-            self.checkpoint.save(step=self.step, key=key, tensors=dict(self.engine.state_tensors()))
+            started = time.monotonic()
+            facts = self.checkpoint.save(step=self.step, key=key, tensors=dict(self.engine.state_tensors()))
+            blocking_s = round(time.monotonic() - started, 5)
+            self.on_event(
+                {"event": "checkpoint", "step": self.step, "key": key, "blocking_s": blocking_s, **facts}
+            )
         elif action == "prepare":
             self.checkpoint.prepare(key=key, tensors=dict(self.engine.state_tensors()))
         if action:

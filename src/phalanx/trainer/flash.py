@@ -98,8 +98,9 @@ class FlashCheckpoint:
         of this process maps them), so the first :meth:`save` is a plain memory copy."""
         self._ckpt(key).prepare({k: v.detach() for k, v in tensors.items()})
 
-    def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Copies the shard into shared memory; persisting (if configured) continues in the background."""
+    def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, object]:
+        """Copies the shard into shared memory; persisting (if configured) continues in the background.
+        Returns whether the save had to allocate the memory (it was not prepared) and whether it persists."""
         ckpt = self._ckpt(key)
         self._saves += 1
         persist = (
@@ -107,6 +108,7 @@ class FlashCheckpoint:
         )
         ckpt.save(step, {k: v.detach() for k, v in tensors.items()}, persist=persist)
         self.last_save_s = float(ckpt.last_save.get("seconds", 0.0))
+        return {"allocated": bool(ckpt.last_save.get("allocated")), "persist": persist}
 
     def _memory(self, ckpt: Checkpointer) -> dict[int, shm.Segment]:
         steps: dict[int, shm.Segment] = {}
