@@ -156,7 +156,9 @@ def test_peer_that_dies_or_hangs_after_joining_fails_its_pairs_not_a_hang(fault:
         m = by_peer[(rank, "c")]
         assert not m.ok
         assert m.error.startswith("all-gather failed: "), m.error
-    # Each rank may wait out one pair set-up timeout, and rank 0 one more for the hand-over.
-    assert after_kill < 3 * TIMEOUT_S + 8, after_kill
+    # It ends by itself: within its own watchdog budget (presence, hand-over and one set-up per pair may
+    # each take up to the timeout), far below the runner's. Typically one or two timeouts; a loaded
+    # 2-core machine was seen at 30.7 s.
+    assert after_kill < TIMEOUT_S * (3 + 2) + 8, after_kill
     report = {NODES[r]: ms for r, ms in results.items()}
     assert suspects(link_verdicts(report, expected=NODES)) == ["c"]
