@@ -113,6 +113,27 @@ def test_persisted_round_trip_loads_on_a_new_node(
     assert_same(state, got)
 
 
+def test_a_rank_added_since_the_save_loads_a_replica_shard(
+    host: host_mod.HostHandle, store: Path, job_id: str
+) -> None:
+    # Two data-parallel ranks persist step 7; then the job grows to three ranks on a new node.
+    states = {rank: training_state(rank) for rank in (0, 1)}
+    for rank, state in states.items():
+        ckpt = Checkpointer(rank=rank, world_size=2)
+        ckpt.save(7, state, persist=True)
+        ckpt.wait()
+        ckpt.close()
+    assert storage.committed_steps(storage.open_storage(str(store))) == [7]
+    host.stop()
+    grown = Checkpointer(rank=2, world_size=3, storage=str(store), shm_dir=str(store.parent))
+    step, got = grown.load()  # type: ignore[misc]
+    assert step == 7
+    assert grown.last_load["source"] == "storage"
+    assert_same(states[0], got)  # rank 2 % 2 saved ranks = rank 0's shard
+    own = Checkpointer(rank=1, world_size=3, storage=str(store), shm_dir=str(store.parent))
+    assert_same(states[1], own.load()[1])  # type: ignore[index]
+
+
 def test_retention_keeps_last_k(host: host_mod.HostHandle, store: Path) -> None:
     ckpt = Checkpointer()
     for step in range(1, 5):

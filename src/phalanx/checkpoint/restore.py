@@ -139,6 +139,23 @@ def read_memory(
     return meta, tensors
 
 
+def stored_shard(store: storage.LocalStorage, step: int, rank: int) -> int:
+    """The persisted shard ``rank`` reads: its own, or, when the job has grown since ``step`` was saved by
+    fewer ranks, ``rank % saved ranks``: the ranks that can change with membership are data-parallel
+    replicas of the same state (model-parallel shards are keyed by mesh coordinate, not rank)."""
+    saved = storage.committed_world_size(store, step)
+    if 0 < saved <= rank:
+        log.info(
+            "rank %d loads the shard of rank %d: step %d was saved by %d ranks",
+            rank,
+            rank % saved,
+            step,
+            saved,
+        )
+        return rank % saved
+    return rank
+
+
 def read_storage(
     store: storage.LocalStorage, step: int, rank: int
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -235,7 +252,9 @@ def _read_step(
                 _warn(f"skipping the in-memory snapshot of step {step}: {exc}")
         if ckpt.storage is not None and step in on_storage:  # the same step, persisted
             try:
-                return read_storage(ckpt.storage, step, shard_rank), "storage"
+                return read_storage(
+                    ckpt.storage, step, stored_shard(ckpt.storage, step, shard_rank)
+                ), "storage"
             except CheckpointCorruptError as exc:
                 _warn(f"skipping the persisted checkpoint step {step}: {exc}")
         return None, "memory" if step in memory else "storage"

@@ -187,6 +187,14 @@ def shard_manifests(storage: Storage, step: int) -> list[int]:
     return sorted(ranks)
 
 
+def committed_world_size(storage: Storage, step: int) -> int:
+    """How many ranks saved the committed ``step`` (0 when its commit record cannot be read)."""
+    try:
+        return int(json.loads(storage.read(f"{step_dir(step)}/{COMMIT}"))["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def try_commit(storage: Storage, *, step: int, world_size: int) -> bool:
     """Writes the commit marker of ``step`` when every rank's manifest is present; returns whether the
     step is committed. Idempotent: several hosts may race here, each rename is atomic and equal."""
