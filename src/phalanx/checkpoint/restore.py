@@ -143,6 +143,8 @@ def stored_shard(store: storage.LocalStorage, step: int, rank: int) -> int:
     """The persisted shard ``rank`` reads: its own, or, when the job has grown since ``step`` was saved by
     fewer ranks, ``rank % saved ranks``: the ranks that can change with membership are data-parallel
     replicas of the same state (model-parallel shards are keyed by mesh coordinate, not rank)."""
+    if store.exists(storage.manifest_file(step, rank)):
+        return rank
     saved = storage.committed_world_size(store, step)
     if 0 < saved <= rank:
         log.info(
