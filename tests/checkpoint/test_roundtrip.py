@@ -132,6 +132,11 @@ def test_a_rank_added_since_the_save_loads_a_replica_shard(
     assert_same(states[0], got)  # rank 2 % 2 saved ranks = rank 0's shard
     own = Checkpointer(rank=1, world_size=3, storage=str(store), shm_dir=str(store.parent))
     assert_same(states[1], own.load()[1])  # type: ignore[index]
+    # Read from storage, not memory: ``into`` is filled all the same.
+    target = training_state(5)
+    grown.load(into=target)
+    assert_same(states[0]["model"], target["model"])
+    assert_same(states[0]["opt"]["state"], target["opt"]["state"])
 
 
 def test_retention_keeps_last_k(host: host_mod.HostHandle, store: Path) -> None:

@@ -139,6 +139,23 @@ def read_memory(
     return meta, tensors
 
 
+def _fill(
+    targets: Mapping[str, torch.Tensor], entries: list[dict[str, Any]], tensors: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Copies loaded tensors into the matching ``targets`` not filled in place yet; returns the list with
+    those targets in their place."""
+    out = []
+    for entry, loaded in zip(entries, tensors, strict=True):
+        dst = targets.get(entry["name"])
+        if dst is None or dst is loaded or not _fits(dst, entry):
+            out.append(loaded)
+            continue
+        with torch.no_grad():
+            dst.copy_(loaded)
+        out.append(dst)
+    return out
+
+
 def stored_shard(store: storage.LocalStorage, step: int, rank: int) -> int:
     """The persisted shard ``rank`` reads: its own, or, when the job has grown since ``step`` was saved by
     fewer ranks, ``rank % saved ranks``: the ranks that can change with membership are data-parallel
@@ -308,6 +325,8 @@ def load(
             and got is not None
         ):
             meta, tensors = got
+            if targets is not None:  # whichever way it was read: ``into`` ends up holding the state
+                tensors = _fill(targets, meta["tensors"], tensors)
             ckpt.last_load = {
                 "step": step,
                 "source": source,
