@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from phalanx.api.errors import CheckpointCorruptError, PersistError
+from phalanx.api.errors import CheckpointCorruptError, CheckpointError, PersistError
 from phalanx.checkpoint import Checkpointer, CheckpointWarning, shm, storage
 from phalanx.checkpoint import host as host_mod
 from tests.checkpoint.conftest import worker_env
@@ -221,3 +221,50 @@ def test_full_disk_is_a_clear_persist_error_and_training_goes_on(
         ckpt.close()
     finally:
         handle.stop()
+
+
+@pytest.fixture
+def tiny_shm(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs standing in for a node's /dev/shm that is too small."""
+    mount = tmp_path / "tiny-shm"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], check=False, capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs for the full shared-memory test: {done.stderr!r}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_shared_memory_is_a_clear_error_and_the_last_snapshot_survives(
+    job_id: str, tiny_shm: Path, tmp_path: Path
+) -> None:
+    handle = host_mod.start(job_id=job_id, shm_dir=tiny_shm, socket_path=tmp_path / "h.sock")
+    try:
+        ckpt = Checkpointer(
+            job_id=job_id, shm_dir=str(tiny_shm), host_socket=str(handle.socket_path), rank=0, world_size=1
+        )
+        ckpt.save(1, {"w": torch.full((1 << 18,), 1.0)})  # 1 MiB: two slots fit in 8 MiB
+        with pytest.raises(CheckpointError, match="give the node more shared memory"):
+            ckpt.save(2, {"w": torch.full((1 << 20,), 2.0)})  # 4 MiB: two slots do not
+        step, got = ckpt.load()  # type: ignore[misc]
+        assert step == 1
+        assert torch.equal(got["w"], torch.full((1 << 18,), 1.0))
+
+        # Slots sized earlier whose memory is gone by the time a rank writes them (another rank or a data
+        # loader filled the tmpfs): the save fails with the same clear error instead of dying of SIGBUS.
+        for slot in range(shm.SLOTS):
+            shm.create(shm.slot_path(tiny_shm, job_id, 1, slot), 6 << 20)
+        other = Checkpointer(
+            job_id=job_id, shm_dir=str(tiny_shm), host_socket=str(handle.socket_path), rank=1, world_size=2
+        )
+        with pytest.raises(CheckpointError, match="give the node more shared memory"):
+            other.save(1, {"w": torch.full((1 << 20,), 3.0)})
+        other.close()
+        ckpt.save(3, {"w": torch.full((1 << 18,), 3.0)})  # training goes on in the memory it has
+        assert ckpt.load()[0] == 3  # type: ignore[index]
+        ckpt.close()
+    finally:
+        handle.stop()
+    assert not [p for p in tiny_shm.iterdir() if p.name.startswith(shm.job_prefix(job_id))]

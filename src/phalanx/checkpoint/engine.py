@@ -44,47 +44,69 @@ def copy_threads_for(*, local_world_size: int) -> int:
 
 
 class _Slots:
-    """This rank's two slots, mapped, with a uint8 tensor view over each."""
+    """This rank's two slots, mapped, with a uint8 tensor view over each.
+
+    A slot is written only once all its memory is allocated (:meth:`writable`): a write into a page that
+    tmpfs cannot allocate would kill the process with SIGBUS instead of raising."""
 
     def __init__(self, paths: list[Path]) -> None:
         self.segments = [shm.Segment(p) for p in paths]
         self.views = [torch.frombuffer(s.buf, dtype=torch.uint8) for s in self.segments]
         self.size = min(s.size for s in self.segments)
-        self.registered = False
-        self._prefaulting: list[threading.Thread] = []
+        self._registered: set[int] = set()
+        self._populating: dict[int, threading.Thread] = {}
 
-    def prefault_async(self, indices: list[int]) -> None:
-        """Populates this process's page tables of some slots on a background thread (madvise releases
-        the GIL), so the next copy into them takes no page faults."""
+    def populate_async(self, indices: list[int]) -> None:
+        """Allocates and maps some slots on one background thread while training goes on; a failure shows
+        again, with its cause, when a save needs that slot."""
+        for i in indices:
+            if i in self._populating:
+                continue
+            thread = threading.Thread(target=self._populate_quietly, args=(i,), name="phalanx-ckpt-populate")
+            thread.daemon = True
+            thread.start()
+            self._populating[i] = thread
 
-        def run() -> None:
-            for i in indices:
-                with contextlib.suppress(OSError, ValueError):
-                    self.segments[i].prefault()
+    def _populate_quietly(self, index: int) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.segments[index].populate()
 
-        thread = threading.Thread(target=run, name="phalanx-ckpt-prefault", daemon=True)
-        thread.start()
-        self._prefaulting.append(thread)
-
-    def register_cuda(self) -> None:
-        """Pins the slots for fast device-to-host copies (cudaHostRegister)."""
-        if self.registered or not torch.cuda.is_available():
+    def writable(self, index: int, *, threads: int) -> None:
+        """Returns once slot ``index`` has all its memory (populating it on ``threads`` threads if the
+        background has not); raises CheckpointError when the node's shared memory cannot hold it."""
+        pending = self._populating.pop(index, None)
+        if pending is not None:
+            pending.join()
+        seg = self.segments[index]
+        if seg.allocated():
             return
-        for view in self.views:
-            torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
-                view.data_ptr(), view.numel(), 0
-            )
-        self.registered = True
+        try:
+            seg.populate(threads=threads)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot allocate {seg.size} bytes of shared memory for the checkpoint slot {seg.path}: "
+                f"{exc.strerror}; give the node more shared memory (/dev/shm, or the Pod's memory-backed "
+                "emptyDir) or checkpoint less state"
+            ) from exc
+
+    def register_cuda(self, index: int) -> None:
+        """Pins a slot for fast device-to-host copies (cudaHostRegister)."""
+        if index in self._registered or not torch.cuda.is_available():
+            return
+        view = self.views[index]
+        torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), 0)  # type: ignore[no-untyped-call]
+        self._registered.add(index)
 
     def close(self) -> None:
-        for thread in self._prefaulting:  # never unmap under a running madvise
+        for thread in self._populating.values():  # never unmap under a running madvise
             thread.join()
-        if self.registered:
-            for view in self.views:
-                with contextlib.suppress(RuntimeError):
-                    torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
-                        view.data_ptr()
-                    )
+        self._populating.clear()
+        for index in self._registered:
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
+                    self.views[index].data_ptr()
+                )
+        self._registered.clear()
         self.views.clear()  # the buffer exports must go before the mmaps can close
         for seg in self.segments:
             seg.close()
@@ -195,17 +217,16 @@ class Checkpointer:
         except (OSError, ValueError):
             return None
 
-    def _allocate(self, size: int, *, prefault: bool) -> None:
+    def _allocate(self, size: int) -> _Slots:
+        """New slots of ``size`` bytes from the host; their pages are allocated by whoever populates them."""
         reply = self.client().call({"op": "alloc", "rank": self.rank, "size": size})
         if not reply.get("ok"):
             raise CheckpointError(str(reply.get("error")))
         slots = _Slots([Path(p) for p in reply["paths"]])
-        if prefault:
-            for seg in slots.segments:
-                seg.prefault()
         old, self._slots = self._slots, slots
         if old is not None:
             old.close()
+        return slots
 
     def _needed(self, flat: codec.Flat, meta_len: int) -> int:
         return shm.align(shm.HEADER_SIZE + meta_len, shm.PAGE) + flat.data_len
@@ -219,15 +240,13 @@ class Checkpointer:
 
         def run() -> None:
             try:
-                existing = self._slots or self._open_existing()
-                if existing is not None and existing.size >= size:
-                    self._slots = existing
-                    for seg in existing.segments:
-                        seg.prefault()
-                    return
-                if existing is not None:
-                    existing.close()
-                self._allocate(size, prefault=True)
+                if self._slots is None:
+                    self._slots = self._open_existing()
+                slots = self._slots
+                if slots is None or slots.size < size:
+                    slots = self._allocate(size)
+                for seg in slots.segments:  # one thread: training runs beside it
+                    seg.populate()
             except BaseException as exc:
                 self._prepare_error = exc
 
@@ -251,10 +270,7 @@ class Checkpointer:
             self._slots = self._open_existing()
         if self._slots is not None and self._slots.size >= size:
             return self._slots, False
-        self._allocate(int(size * _GROWTH), prefault=False)
-        assert self._slots is not None
-        self._slots.prefault_async([1])  # this save fills slot 0 itself; the next one uses slot 1
-        return self._slots, True
+        return self._allocate(int(size * _GROWTH)), True
 
     def _pick_slot(self, slots: _Slots) -> tuple[int, int]:
         """The slot to write and the next sequence number: never the one the persister has pinned, else
@@ -292,6 +308,7 @@ class Checkpointer:
         data_off = shm.align(shm.HEADER_SIZE + len(meta), shm.PAGE)
         slots, allocated = self._ensure(data_off + flat.data_len)
         index, seq = self._pick_slot(slots)
+        slots.writable(index, threads=self.copy_threads)
         seg, view = slots.segments[index], slots.views[index]
         writing = shm.SlotHeader(
             state=shm.STATE_WRITING, seq=seq, step=step, rank=self.rank, world_size=self.world_size
@@ -300,7 +317,7 @@ class Checkpointer:
         seg.buf[shm.HEADER_SIZE : shm.HEADER_SIZE + len(meta)] = meta
         on_device = any(t.is_cuda for t in flat.tensors)
         if on_device:
-            slots.register_cuda()
+            slots.register_cuda(index)
         threads = torch.get_num_threads()
         if self.copy_threads and threads != self.copy_threads:
             torch.set_num_threads(self.copy_threads)
@@ -333,6 +350,8 @@ class Checkpointer:
             "seconds": time.perf_counter() - started,
             "allocated": allocated,
         }
+        if allocated:  # the next save writes the other slot: ready it off the training path
+            slots.populate_async([1 - index])
         if persist:
             self.persist(step)
 
@@ -402,7 +421,7 @@ class Checkpointer:
             if self._slots is None:
                 self._slots = self._open_existing()
                 if self._slots is not None:  # a restarted process: get the mapping ready for its saves
-                    self._slots.prefault_async([0, 1])
+                    self._slots.populate_async([0, 1])
             return list(self._slots.segments) if self._slots else []
         paths = [shm.slot_path(self.shm_dir, self.job_id, shard_rank, s) for s in range(shm.SLOTS)]
         return [shm.Segment(p) for p in paths if p.exists()]

@@ -12,9 +12,10 @@ Contract for the node agent (``phalanx-run``), which must not import torch::
     handle.stop()                     # job over: drain persistence, unlink every segment, exit
 
 The host outlives training processes, so a restarted process finds its snapshot in memory. It creates
-and prefaults (fallocate) each rank's two slots when the rank first asks, adopts slots it finds in
-``shm_dir`` after its own restart, unlinks them at :meth:`HostHandle.stop` (or when its parent dies,
-or, when it was started by a training process itself, after ``idle_exit_s`` without any client).
+and sizes each rank's two slots when the rank first asks (the rank allocates their pages), adopts slots
+it finds in ``shm_dir`` after its own restart, unlinks them at :meth:`HostHandle.stop` (or when its
+parent dies, or, when it was started by a training process itself, after ``idle_exit_s`` without any
+client).
 
 Without ``phalanx-run`` the Checkpointer on local rank 0 starts a host itself (same module, same
 protocol). Requests on the socket (JSON lines; see :mod:`phalanx.checkpoint.protocol`)::
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -119,8 +121,17 @@ class HostServer:
     def _alloc(self, rank: int, size: int) -> dict[str, Any]:
         paths = [shm.slot_path(self.shm_dir, self.job_id, rank, s) for s in range(shm.SLOTS)]
         try:
+            # The rank allocates the pages itself (in parallel, and a full tmpfs then fails its populate
+            # cleanly); this check only turns the common case, a /dev/shm too small, into an early answer.
+            needed = sum(shm.unallocated_bytes(path, size) for path in paths)
+            free = shm.free_bytes(self.shm_dir)
+            if needed > free:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"{free} bytes free, two slots need {needed} more; give the node more shared memory",
+                )
             for path in paths:
-                shm.grow(path, size)
+                shm.create(path, size)
         except OSError as exc:
             return {
                 "ok": False,

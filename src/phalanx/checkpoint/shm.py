@@ -22,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import mmap
 import os
 import re
 import struct
+import threading
 from pathlib import Path
 
 MAGIC = b"PHXCKPT1"
@@ -40,7 +42,9 @@ STATE_COMPLETE = 2
 
 # magic, state, seq, step, meta_len, data_off, data_len, crc, crc_seq, rank, world_size, pin
 _HEADER = struct.Struct("<8sIQqQQQIQiiI")
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; prefaults page tables without touching the contents
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; allocates and maps pages without touching the contents
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 _JOB_RE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -141,18 +145,11 @@ def set_crc(buf: mmap.mmap, *, crc: int, seq: int) -> None:
 class Segment:
     """One slot file mapped into this process."""
 
-    def __init__(self, path: Path, *, create_size: int = 0) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        flags = os.O_RDWR | (os.O_CREAT if create_size else 0)
-        self._fd = os.open(path, flags, 0o600)
+        self._fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(self._fd).st_size
-            if create_size > size:
-                os.ftruncate(self._fd, create_size)
-                # fallocate on tmpfs allocates (and zeroes) the pages now, in the caller, so a later copy
-                # into them only takes cheap minor faults.
-                os.posix_fallocate(self._fd, 0, create_size)
-                size = create_size
             if size < HEADER_SIZE:
                 raise ValueError(f"{path} is too small to be a checkpoint slot ({size} bytes)")
             self.size = size
@@ -173,15 +170,42 @@ class Segment:
         finally:
             del probe
 
-    def prefault(self) -> None:
-        """Populates this process's page tables for the whole mapping without touching the contents.
+    def allocated(self) -> bool:
+        """Whether every page of the slot has memory behind it, so that writing it cannot fault."""
+        return os.fstat(self._fd).st_blocks * 512 >= self.size
 
-        Done through ctypes so the GIL is released: callers run it on a background thread while training
-        goes on.
+    def populate(self, *, threads: int = 1) -> None:
+        """Allocates the slot's pages and fills this process's page tables for them, split over ``threads``.
+
+        Writing into a page that tmpfs cannot allocate kills the writer with SIGBUS; populating first turns a
+        full ``/dev/shm`` into an OSError (ENOSPC). One pass of MADV_POPULATE_WRITE allocates and maps (1 GiB:
+        ~0.4 s on two threads here, against ~0.5 s for fallocate alone and ~0.3-0.5 s more of page faults in
+        the first copy). ctypes releases the GIL, so callers may run it beside training. Kernels before 5.14
+        lack the advice: there the pages are allocated with fallocate and mapped by the first copy.
         """
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(ctypes.c_void_p(self.address()), ctypes.c_size_t(self.size), _MADV_POPULATE_WRITE)
+        base = self.address()
+        chunk = align(-(-self.size // max(1, threads)), PAGE)
+        spans = [(off, min(chunk, self.size - off)) for off in range(0, self.size, chunk)]
+        errors = [0] * len(spans)
+
+        def run(k: int) -> None:
+            off, length = spans[k]
+            if _LIBC.madvise(ctypes.c_void_p(base + off), ctypes.c_size_t(length), _MADV_POPULATE_WRITE):
+                errors[k] = ctypes.get_errno()
+
+        workers = [threading.Thread(target=run, args=(k,)) for k in range(1, len(spans))]
+        for worker in workers:
+            worker.start()
+        run(0)
+        for worker in workers:
+            worker.join()
+        err = next((e for e in errors if e), 0)
+        if err == errno.EINVAL:  # no MADV_POPULATE_WRITE on this kernel
+            os.posix_fallocate(self._fd, 0, self.size)
+        elif err:
+            # EFAULT is the advice's word for "a write here would SIGBUS": tmpfs has no memory left.
+            err = errno.ENOSPC if err == errno.EFAULT else err
+            raise OSError(err, f"{os.strerror(err)} (shared memory for {self.size} bytes)", str(self.path))
 
     def close(self) -> None:
         """Unmaps the slot (the file stays)."""
@@ -191,12 +215,28 @@ class Segment:
             os.close(self._fd)
 
 
-def grow(path: Path, size: int) -> None:
-    """Creates or grows a slot file to ``size`` bytes with its pages allocated."""
+def create(path: Path, size: int) -> None:
+    """Creates or grows a slot file to ``size`` bytes. Only the header page is allocated here (reading a
+    header must never fault on a full tmpfs); the rest is allocated by the rank that writes the slot
+    (:meth:`Segment.populate`), in parallel and off the host's request loop. Contents are kept."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         if os.fstat(fd).st_size < size:
             os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, 0, HEADER_SIZE)
     finally:
         os.close(fd)
+
+
+def unallocated_bytes(path: Path, size: int) -> int:
+    """How many more bytes a slot file needs to hold ``size`` bytes with every page allocated."""
+    try:
+        return max(0, size - os.stat(path).st_blocks * 512)
+    except FileNotFoundError:
+        return size
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes still free in the file system of ``directory`` (for a tmpfs: shared memory left)."""
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize

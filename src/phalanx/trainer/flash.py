@@ -94,8 +94,8 @@ class FlashCheckpoint:
         return self._checkpointer(shard_index(key, parallel=self.parallel))
 
     def prepare(self, *, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Allocates and prefaults the shard's two slots in the background (the host allocates, a thread
-        of this process maps them), so the first :meth:`save` is a plain memory copy."""
+        """Allocates and maps the shard's two slots in the background (the host sizes them, a thread of
+        this process populates them), so the first :meth:`save` is a plain memory copy."""
         self._ckpt(key).prepare({k: v.detach() for k, v in tensors.items()})
 
     def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, object]:
