@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from phalanx.checkpoint import Checkpointer, ElasticDistributedSampler, storage
+from phalanx.checkpoint import Checkpointer, ElasticDistributedSampler, shm, storage
 from phalanx.checkpoint import host as host_mod
 from tests.checkpoint.conftest import job_segments
 
@@ -168,6 +169,28 @@ def test_first_save_after_prepare_reuses_the_memory(host: host_mod.HostHandle) -
     ckpt.save(2, state)
     assert {ckpt.last_save["slot"]} <= {0, 1}
     assert ckpt.load()[0] == 2  # type: ignore[index]
+    ckpt.close()
+
+
+def test_unprepared_first_save_allocates_its_slot_and_readies_the_other_in_the_background(
+    host: host_mod.HostHandle, job_id: str
+) -> None:
+    ckpt = Checkpointer()
+    state = {"w": torch.randn(1 << 20)}  # 4 MiB
+    ckpt.save(1, state)
+    assert ckpt.last_save["allocated"] is True
+    first = ckpt.last_save["slot"]
+    other = shm.slot_path(Path("/dev/shm"), job_id, 0, 1 - first)
+    deadline = time.monotonic() + 10
+    while shm.unallocated_bytes(other, other.stat().st_size) and time.monotonic() < deadline:
+        time.sleep(0.01)  # populated by a background thread, not by a save
+    assert shm.unallocated_bytes(other, other.stat().st_size) == 0
+    ckpt.save(2, state)
+    assert ckpt.last_save["allocated"] is False
+    assert ckpt.last_save["slot"] == 1 - first
+    step, got = ckpt.load()  # type: ignore[misc]
+    assert step == 2
+    assert torch.equal(got["w"], state["w"])
     ckpt.close()
 
 
