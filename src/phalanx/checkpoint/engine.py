@@ -57,8 +57,8 @@ class _Slots:
         self._populating: dict[int, threading.Thread] = {}
 
     def populate_async(self, indices: list[int]) -> None:
-        """Allocates and maps some slots on one background thread while training goes on; a failure shows
-        again, with its cause, when a save needs that slot."""
+        """Allocates and maps some slots, each on a background thread of its own, while training goes on;
+        a failure shows again, with its cause, when a save needs that slot (:meth:`writable`)."""
         for i in indices:
             if i in self._populating:
                 continue
