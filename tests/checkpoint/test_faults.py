@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -187,18 +188,26 @@ def test_corrupt_persisted_file_falls_back_with_a_warning(
         fresh.load()
 
 
+@contextlib.contextmanager
+def small_tmpfs(mount: Path, *, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` mounted at ``mount`` (tests run as root), unmounted afterwards."""
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=False, capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.fail(f"cannot mount a {size} tmpfs at {mount}: {done.stderr!r}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs: a real full disk."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=False, capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs for the full-disk test: {done.stderr!r}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    with small_tmpfs(tmp_path / "tiny", size="2m") as mount:
+        yield mount
 
 
 def test_full_disk_is_a_clear_persist_error_and_training_goes_on(
@@ -226,15 +235,8 @@ def test_full_disk_is_a_clear_persist_error_and_training_goes_on(
 @pytest.fixture
 def tiny_shm(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs standing in for a node's /dev/shm that is too small."""
-    mount = tmp_path / "tiny-shm"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], check=False, capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs for the full shared-memory test: {done.stderr!r}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    with small_tmpfs(tmp_path / "tiny-shm", size="8m") as mount:
+        yield mount
 
 
 def test_full_shared_memory_is_a_clear_error_and_the_last_snapshot_survives(
