@@ -152,10 +152,15 @@ def test_peer_that_dies_or_hangs_after_joining_fails_its_pairs_not_a_hang(fault:
         victim.wait()
     by_peer = {(r, m.peer_node_id): m for r, ms in results.items() for m in ms}
     assert by_peer[(0, "b")].ok, by_peer[(0, "b")].error
+    # A killed peer's sockets close, so the all-gather itself fails. A stopped peer keeps them open: gloo's
+    # timeout or the probe's watchdog, whichever fires first on a loaded machine, fails the pair.
+    verdicts = ("all-gather failed: ",)
+    if fault is signal.SIGSTOP:
+        verdicts += ("pair with c did not finish in time",)
     for rank in (0, 1):
         m = by_peer[(rank, "c")]
         assert not m.ok
-        assert m.error.startswith("all-gather failed: "), m.error
+        assert m.error.startswith(verdicts), m.error
     # It ends by itself: within its own watchdog budget (presence, hand-over and one set-up per pair may
     # each take up to the timeout), far below the runner's. Typically one or two timeouts; a loaded
     # 2-core machine was seen at 30.7 s.
