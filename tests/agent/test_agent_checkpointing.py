@@ -249,9 +249,12 @@ def test_run_probe_action_reports_matmul_measurements(tmp_path: Path) -> None:
 @pytest.mark.timeout(40)
 def test_host_outlives_a_killed_agent_only_to_release_the_memory(tmp_path: Path) -> None:
     """SIGKILL to the agent's whole process group (a node kill in ``phalanx local``): the detached host
-    notices the agent's connection is gone and unlinks every segment after the idle limit."""
+    notices the agent's connection is gone and unlinks every segment, and the files the agent handed it
+    (its workers' beacons), after the idle limit."""
     shm_root = tmp_path / "shm"
     shm_root.mkdir()
+    beacon = shm_root / "phalanx-j-n-0.beacon"
+    beacon.write_bytes(bytes(32))
     agent = subprocess.Popen(
         [
             sys.executable,
@@ -263,13 +266,15 @@ def test_host_outlives_a_killed_agent_only_to_release_the_memory(tmp_path: Path)
             "from phalanx.checkpoint import protocol\n"
             "h = c.NodeCheckpointHost(print)\n"
             "assert h.start(settings=CheckpointSettings(), shm_root=Path(sys.argv[1]), job_id=sys.argv[2],"
-            " node_id='n', master_addr='', token_file='', incarnation='i')\n"
+            " node_id='n', master_addr='', token_file='', incarnation='i',"
+            " release_also=[Path(sys.argv[3])])\n"
             "cl = protocol.HostClient(h.env()[protocol.ENV_SOCKET])\n"
             "print(cl.call({'op': 'alloc', 'rank': 0, 'size': 4096}), flush=True)\n"
             "cl.close()\n"
             "time.sleep(60)\n",
             str(shm_root),
             f"killed-{os.getpid()}",
+            str(beacon),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -279,7 +284,7 @@ def test_host_outlives_a_killed_agent_only_to_release_the_memory(tmp_path: Path)
     try:
         lines = [agent.stdout.readline() for _ in range(2)]
         assert "paths" in lines[1], lines
-        assert len(list(shm_root.iterdir())) == 2
+        assert len(list(shm_root.iterdir())) == 3  # two slots and the beacon
     finally:
         os.killpg(agent.pid, signal.SIGKILL)
         agent.wait()

@@ -20,7 +20,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +109,10 @@ class NodeCheckpointHost:
         master_addr: str,
         token_file: str,
         incarnation: str,
+        release_also: Sequence[Path] = (),
     ) -> bool:
-        """Starts the host; returns False (after logging why) when it could not start."""
+        """Starts the host; returns False (after logging why) when it could not start. ``release_also``:
+        the node's files the host removes when it exits (it outlives a SIGKILLed agent)."""
         # The host module is torch-free; importing it here keeps agents that never checkpoint lean.
         from phalanx.checkpoint import host
 
@@ -135,6 +137,7 @@ class NodeCheckpointHost:
                 watch_parent=False,
                 detach=True,
                 timeout_s=START_LIMIT_S,
+                release_also=release_also,
             )
             self._keepalive = protocol.HostClient(str(self.handle.socket_path), timeout_s=5.0)
         except (CheckpointError, OSError) as exc:

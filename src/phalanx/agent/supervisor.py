@@ -489,6 +489,7 @@ class Supervisor:
             master_addr=self.config.master_addr,
             token_file=self.config.token_file,
             incarnation=self.incarnation,
+            release_also=self._beacon_paths(),  # a SIGKILLed agent cannot remove them itself
         ):
             self.base_env.update(self.ckpt.env())  # every worker and warm spare finds the host
 
@@ -620,11 +621,17 @@ class Supervisor:
                         timeout=1.0,
                     )
         self.ckpt.stop()  # after the workers: nothing writes to the segments it unlinks
-        for lr in range(self.config.nproc_per_node):
+        for path in self._beacon_paths():
             with contextlib.suppress(OSError):
-                worker_env.beacon_path(
-                    shm_dir=SHM_DIR, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=lr
-                ).unlink()
+                path.unlink()
+
+    def _beacon_paths(self) -> list[Path]:
+        return [
+            worker_env.beacon_path(
+                shm_dir=SHM_DIR, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=lr
+            )
+            for lr in range(self.config.nproc_per_node)
+        ]
 
 
 _NO_ROUND = RoundInfo(

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,7 @@ class HostServer:
         reporter: MasterReporter | None = None,
         idle_exit_s: float = 0.0,
         parent_pid: int = 0,
+        release_also: Sequence[Path] = (),
     ) -> None:
         self.job_id = job_id
         self.socket_path = socket_path
@@ -88,6 +90,9 @@ class HostServer:
         self.reporter = reporter
         self.idle_exit_s = idle_exit_s
         self.parent_pid = parent_pid
+        # Files of the node that must not outlive a SIGKILLed owner (the agent's progress beacons): the
+        # host outlives the agent by design, so it removes them with the job's memory.
+        self.release_also = list(release_also)
         self._ranks: dict[int, _Rank] = {}
         self._cond = threading.Condition()
         self._queue: queue.Queue[tuple[int, int | None] | None] = queue.Queue()
@@ -299,9 +304,10 @@ class HostServer:
             self.release()
 
     def release(self) -> None:
-        """Unlinks the socket and every shared-memory segment of the job."""
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
+        """Unlinks the socket, every shared-memory segment of the job and the ``release_also`` files."""
+        for path in [self.socket_path, *self.release_also]:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
         for entry in self._ranks.values():
             for seg in entry.segments:
                 seg.close()
@@ -391,8 +397,10 @@ def start(
     watch_parent: bool = True,
     detach: bool = False,
     timeout_s: float = 30.0,
+    release_also: Sequence[Path] = (),
 ) -> HostHandle:
-    """Starts a checkpoint host process and waits until it accepts connections."""
+    """Starts a checkpoint host process and waits until it accepts connections. ``release_also``: files
+    the host unlinks when it exits, with the job's shared memory."""
     if socket_path is None:
         socket_path = (
             Path(tempfile.gettempdir()) / f"phalanx-ckpt-{shm.sanitize_job(job_id)}-{os.getuid()}.sock"
@@ -412,6 +420,7 @@ def start(
         f"--incarnation={incarnation}",
         f"--idle-exit-s={idle_exit_s}",
     ]
+    argv += [f"--release-also={path}" for path in release_also]
     if watch_parent:
         argv.append(f"--parent-pid={os.getpid()}")
     if detach:
@@ -467,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--incarnation", default="")
     parser.add_argument("--idle-exit-s", type=float, default=0.0)
     parser.add_argument("--parent-pid", type=int, default=0)
+    parser.add_argument("--release-also", type=Path, action="append", default=[], help="unlink on exit too")
     parser.add_argument("--daemon", action="store_true", help="detach from the starting process")
     args = parser.parse_args(argv)
     if args.daemon:
@@ -493,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         reporter=reporter,
         idle_exit_s=args.idle_exit_s,
         parent_pid=args.parent_pid,
+        release_also=args.release_also,
     )
     server.serve()
     return 0
