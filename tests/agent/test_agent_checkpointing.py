@@ -3,6 +3,7 @@ real host and probe processes driven through the agent's own code paths."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,8 +12,10 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from phalanx.agent import checkpointing, probes
 from phalanx.agent import config as agent_config
@@ -245,51 +248,114 @@ def test_run_probe_action_reports_matmul_measurements(tmp_path: Path) -> None:
         master.stdout.close()
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(40)
-def test_host_outlives_a_killed_agent_only_to_release_the_memory(tmp_path: Path) -> None:
-    """SIGKILL to the agent's whole process group (a node kill in ``phalanx local``): the detached host
-    notices the agent's connection is gone and unlinks every segment, and the files the agent handed it
-    (its workers' beacons), after the idle limit."""
-    shm_root = tmp_path / "shm"
-    shm_root.mkdir()
-    beacon = shm_root / "phalanx-j-n-0.beacon"
-    beacon.write_bytes(bytes(32))
+# An agent's checkpoint-host lifecycle in a process of its own, so a test can SIGKILL it: it starts the
+# node's host, reports it, and lives until killed.
+_AGENT = (
+    "import json, sys, time\n"
+    "from pathlib import Path\n"
+    "from phalanx.agent import checkpointing as c\n"
+    "from phalanx.api.settings import CheckpointSettings\n"
+    "from phalanx.checkpoint import protocol\n"
+    "h = c.NodeCheckpointHost(lambda line: print(line, file=sys.stderr))\n"
+    "assert h.start(settings=CheckpointSettings(), shm_root=Path(sys.argv[1]), job_id=sys.argv[2],"
+    " node_id='n', master_addr='', token_file='', incarnation='i', release_also=[Path(sys.argv[3])])\n"
+    "print(json.dumps({'pid': h.handle.pid, 'socket': h.env()[protocol.ENV_SOCKET],"
+    " 'job': h.handle.job_id}), flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def _start_agent(shm_root: Path, job_id: str, beacon: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\n"
-            "from pathlib import Path\n"
-            "from phalanx.agent import checkpointing as c\n"
-            "from phalanx.api.settings import CheckpointSettings\n"
-            "from phalanx.checkpoint import protocol\n"
-            "h = c.NodeCheckpointHost(print)\n"
-            "assert h.start(settings=CheckpointSettings(), shm_root=Path(sys.argv[1]), job_id=sys.argv[2],"
-            " node_id='n', master_addr='', token_file='', incarnation='i',"
-            " release_also=[Path(sys.argv[3])])\n"
-            "cl = protocol.HostClient(h.env()[protocol.ENV_SOCKET])\n"
-            "print(cl.call({'op': 'alloc', 'rank': 0, 'size': 4096}), flush=True)\n"
-            "cl.close()\n"
-            "time.sleep(60)\n",
-            str(shm_root),
-            f"killed-{os.getpid()}",
-            str(beacon),
-        ],
+        [sys.executable, "-c", _AGENT, str(shm_root), job_id, str(beacon)],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     assert agent.stdout is not None
+    line = agent.stdout.readline()
+    if not line:
+        agent.wait()
+        raise AssertionError(f"the agent exited {agent.returncode} before its host ran")
+    return agent, json.loads(line)
+
+
+def _kill_agent(agent: subprocess.Popen[str]) -> None:
+    """SIGKILL to the agent's whole process group (a node kill in ``phalanx local``)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait()
+    if agent.stdout is not None:
+        agent.stdout.close()
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(40)
+def test_host_outlives_a_killed_agent_only_to_release_the_memory(tmp_path: Path) -> None:
+    """The detached host notices the SIGKILLed agent's connection is gone and unlinks every segment, and
+    the files the agent handed it (its workers' beacons), after the idle limit."""
+    shm_root = tmp_path / "shm"
+    shm_root.mkdir()
+    beacon = shm_root / "phalanx-j-n-0.beacon"
+    beacon.write_bytes(bytes(32))
+    agent, host = _start_agent(shm_root, f"killed-{os.getpid()}", beacon)
     try:
-        lines = [agent.stdout.readline() for _ in range(2)]
-        assert "paths" in lines[1], lines
+        with contextlib.closing(protocol.HostClient(host["socket"])) as client:
+            assert client.call({"op": "alloc", "rank": 0, "size": 4096})["ok"]
         assert len(list(shm_root.iterdir())) == 3  # two slots and the beacon
     finally:
-        os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait()
-        agent.stdout.close()
-    deadline = time.monotonic() + checkpointing.IDLE_EXIT_S + 10
-    while any(shm_root.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.2)
+        _kill_agent(agent)
+    assert _wait_gone(host["pid"], checkpointing.IDLE_EXIT_S + 10), "the orphaned host never exited"
     assert not any(shm_root.iterdir()), list(shm_root.iterdir())
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_agent_restarted_within_the_idle_limit_keeps_the_snapshot_in_memory(tmp_path: Path) -> None:
+    """An agent SIGKILLed and restarted on the node before its old host's idle limit: the new host takes
+    the job's memory over, and the old one exits without unlinking the snapshot, the new socket or the
+    beacons, so the restarted workers load from memory; the new host releases everything when it stops."""
+    from phalanx.checkpoint import Checkpointer
+
+    shm_root = tmp_path / "shm"
+    shm_root.mkdir()
+    beacon = shm_root / "phalanx-j-n-0.beacon"
+    beacon.write_bytes(bytes(32))
+    job = f"restarted-{os.getpid()}"
+    first, old = _start_agent(shm_root, job, beacon)
+    try:
+        ckpt = Checkpointer(job_id=old["job"], host_socket=old["socket"], shm_dir=str(shm_root), rank=0)
+        ckpt.save(7, {"w": torch.arange(1000, dtype=torch.float32), "epoch": 2})
+        ckpt.close()
+    finally:
+        _kill_agent(first)
+    second, new = _start_agent(shm_root, job, beacon)
+    try:
+        assert new["pid"] != old["pid"] and new["socket"] == old["socket"]
+        # Without the handover the old host exits only at its idle limit and unlinks everything then.
+        assert _wait_gone(old["pid"], checkpointing.IDLE_EXIT_S + 10), "the old host never exited"
+        assert beacon.exists() and Path(new["socket"]).exists()
+        ckpt = Checkpointer(job_id=new["job"], host_socket=new["socket"], shm_dir=str(shm_root), rank=0)
+        loaded = ckpt.load()
+        assert loaded is not None and loaded[0] == 7 and ckpt.last_load.get("source") == "memory", (
+            ckpt.last_load
+        )
+        assert torch.equal(loaded[1]["w"], torch.arange(1000, dtype=torch.float32))
+        ckpt.close()
+        with contextlib.closing(protocol.HostClient(new["socket"])) as client:
+            assert client.call({"op": "stop"})["ok"]
+        assert _wait_gone(new["pid"], 30), "the new host did not stop"
+        assert not any(shm_root.iterdir()), list(shm_root.iterdir())
+    finally:
+        _kill_agent(second)

@@ -13,7 +13,8 @@ Contract for the node agent (``phalanx-run``), which must not import torch::
 
 The host outlives training processes, so a restarted process finds its snapshot in memory. It creates
 and sizes each rank's two slots when the rank first asks (the rank allocates their pages), adopts slots
-it finds in ``shm_dir`` after its own restart, unlinks them at :meth:`HostHandle.stop` (or when its
+it finds in ``shm_dir`` after its own restart (taking them over from a lingering older host, which then
+exits without releasing them), unlinks them at :meth:`HostHandle.stop` (or when its
 parent dies, or, when it was started by a training process itself, after ``idle_exit_s`` without any
 client).
 
@@ -99,8 +100,7 @@ class HostServer:
         self._clients = 0
         self._last_client = time.monotonic()
         self._stopping = threading.Event()
-        for rank, paths in shm.list_job_slots(shm_dir, job_id).items():  # adopt after a host restart
-            self._ranks[rank] = _Rank(paths=paths, segments=[shm.Segment(p) for p in paths])
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket this host bound
 
     # ---------------------------------------------------------------------------------------------
     # Requests
@@ -264,8 +264,32 @@ class HostServer:
                 self._clients -= 1
                 self._last_client = time.monotonic()
 
+    def _adopt(self) -> None:
+        """Maps the job's slots already in ``shm_dir``: a host that restarts (or takes over from the host
+        of a SIGKILLed agent) keeps the snapshots a restarted training process loads from."""
+        for rank, paths in shm.list_job_slots(self.shm_dir, self.job_id).items():
+            if rank not in self._ranks:
+                self._ranks[rank] = _Rank(paths=paths, segments=[shm.Segment(p) for p in paths])
+
+    def _superseded(self) -> bool:
+        """Whether a newer host bound this host's socket path: the node's job memory is then the newer
+        host's to keep or release, not this one's."""
+        if self._socket_id is None:
+            return False
+        try:
+            st = os.stat(self.socket_path)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) != self._socket_id
+
     def _should_exit(self) -> bool:
         if self._stopping.is_set():
+            return True
+        if self._superseded():
+            log.warning(
+                "another checkpoint host took over %s; exiting and leaving the job's memory to it",
+                self.socket_path,
+            )
             return True
         if self.parent_pid and os.getppid() != self.parent_pid:
             log.warning("the checkpoint host's parent %d is gone; releasing shared memory", self.parent_pid)
@@ -275,11 +299,21 @@ class HostServer:
         return bool(self.idle_exit_s) and idle
 
     def serve(self, ready: socket.socket | None = None) -> None:
-        """Serves until stopped, then drains persistence and unlinks every segment of the job."""
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
+        """Serves until stopped, then drains persistence and unlinks every segment of the job, unless a
+        newer host took the job over meanwhile (see :meth:`_superseded`).
+
+        A host whose agent was SIGKILLed lingers until its idle limit; the restarted agent's host must
+        neither lose the snapshots to that host's release nor release what that host still writes. Both
+        steps (adopt + bind here, check + release at exit) run under one lock on the shared-memory
+        directory, so the old host either releases before the new one looks, or sees it was replaced."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.socket_path))
+        with shm.directory_lock(self.shm_dir):
+            self._adopt()
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+            listener.bind(str(self.socket_path))
+            st = os.stat(self.socket_path)
+            self._socket_id = (st.st_dev, st.st_ino)
         listener.listen(64)
         listener.settimeout(0.2)
         worker = threading.Thread(target=self._persist_loop, name="persister", daemon=True)
@@ -301,16 +335,23 @@ class HostServer:
             listener.close()
             self._queue.put(None)
             worker.join(timeout=600)
-            self.release()
+            with shm.directory_lock(self.shm_dir):
+                if self._superseded():
+                    self._close_segments()
+                else:
+                    self.release()
+
+    def _close_segments(self) -> None:
+        for entry in self._ranks.values():
+            for seg in entry.segments:
+                seg.close()
 
     def release(self) -> None:
         """Unlinks the socket, every shared-memory segment of the job and the ``release_also`` files."""
         for path in [self.socket_path, *self.release_also]:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        for entry in self._ranks.values():
-            for seg in entry.segments:
-                seg.close()
+        self._close_segments()
         for paths in shm.list_job_slots(self.shm_dir, self.job_id).values():
             for path in paths:
                 with contextlib.suppress(FileNotFoundError):

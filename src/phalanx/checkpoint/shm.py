@@ -23,11 +23,13 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import fcntl
 import mmap
 import os
 import re
 import struct
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 MAGIC = b"PHXCKPT1"
@@ -226,6 +228,18 @@ def create(path: Path, size: int) -> None:
         os.posix_fallocate(fd, 0, HEADER_SIZE)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def directory_lock(directory: Path) -> Iterator[None]:
+    """Holds an exclusive lock on ``directory`` (flock on the directory itself: no lock file to leak),
+    so that one host's check-and-release of a job's files and another's adoption of them never interleave."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the only descriptor drops the lock
 
 
 def unallocated_bytes(path: Path, size: int) -> int:
