@@ -342,15 +342,17 @@ def test_agent_restarted_within_the_idle_limit_keeps_the_snapshot_in_memory(tmp_
         _kill_agent(first)
     second, new = _start_agent(shm_root, job, beacon)
     try:
-        assert new["pid"] != old["pid"] and new["socket"] == old["socket"]
+        assert new["pid"] != old["pid"]
+        assert new["socket"] == old["socket"]
         # Without the handover the old host exits only at its idle limit and unlinks everything then.
         assert _wait_gone(old["pid"], checkpointing.IDLE_EXIT_S + 10), "the old host never exited"
-        assert beacon.exists() and Path(new["socket"]).exists()
+        assert beacon.exists()
+        assert Path(new["socket"]).exists()
         ckpt = Checkpointer(job_id=new["job"], host_socket=new["socket"], shm_dir=str(shm_root), rank=0)
         loaded = ckpt.load()
-        assert loaded is not None and loaded[0] == 7 and ckpt.last_load.get("source") == "memory", (
-            ckpt.last_load
-        )
+        assert loaded is not None
+        assert loaded[0] == 7
+        assert ckpt.last_load.get("source") == "memory", ckpt.last_load
         assert torch.equal(loaded[1]["w"], torch.arange(1000, dtype=torch.float32))
         ckpt.close()
         with contextlib.closing(protocol.HostClient(new["socket"])) as client:
