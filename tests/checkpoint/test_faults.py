@@ -88,18 +88,23 @@ import sys, torch
 from phalanx.checkpoint import Checkpointer
 ck = Checkpointer()
 w = torch.empty(16 << 20)
+blocking = sys.argv[1] == "blocking"
 step = 0
 while True:
     step += 1
+    ck.fence()  # a save behind training must be done before the state changes
     w.fill_(float(step))
-    ck.save(step, {"w": w, "step": step})
+    ck.save(step, {"w": w, "step": step}, blocking=blocking)
     print(step, flush=True)
 """
 
 
-def test_sigkill_during_a_save_keeps_the_previous_snapshot(host: host_mod.HostHandle, job_id: str) -> None:
+@pytest.mark.parametrize("mode", ["blocking", "behind"])
+def test_sigkill_during_a_save_keeps_the_previous_snapshot(
+    host: host_mod.HostHandle, job_id: str, mode: str
+) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-c", SAVER], env=worker_env(host), stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", SAVER, mode], env=worker_env(host), stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None
     try:

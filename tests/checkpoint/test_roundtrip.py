@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import subprocess
 import sys
@@ -90,6 +91,53 @@ def test_memory_round_trip_is_bitwise(host: host_mod.HostHandle) -> None:
     # the restored RNG states drive the generators exactly as the saved ones did
     np.random.set_state(got["rng"]["numpy"])
     random.setstate(got["rng"]["python"])
+    ckpt.close()
+
+
+def test_a_save_behind_the_next_step_holds_the_state_of_its_own_step(
+    host: host_mod.HostHandle, store: Path
+) -> None:
+    """``blocking=False``: the copy runs while the next forward and backward do; the optimizer step after
+    :meth:`fence` changes every saved tensor, and the snapshot (in memory and persisted) is still the
+    state of the step it was taken at, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
+    opt = torch.optim.Adam(model.parameters())
+    batch = torch.randn(32, 64)
+
+    def forward_backward() -> None:
+        opt.zero_grad()
+        model(batch).square().mean().backward()
+
+    forward_backward()
+    opt.step()
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": 1}
+    expected = copy.deepcopy(state)
+    ckpt = Checkpointer(overlap_threads=2)  # two copy threads: a tensor is cut between them
+    ckpt.save(1, state, blocking=False, persist=True)
+    forward_backward()  # the next step, beside the copy
+    ckpt.fence()
+    opt.step()
+    assert ckpt.last_save["overlapped"] is True
+    assert ckpt.last_save["copy_s"] > 0
+    assert ckpt.last_save["fence_wait_s"] >= 0
+    assert not torch.equal(model[0].weight, expected["model"]["0.weight"])  # the step did change it
+    results = ckpt.wait()  # fence() asked for the persist once the copy was done
+    assert [r["step"] for r in results] == [1]
+    assert results[0]["committed"]
+    files = load_file(str(store / storage.shard_file(1, 0)))
+    assert torch.equal(files["model/0.weight"], expected["model"]["0.weight"])
+    step, got = ckpt.load()  # type: ignore[misc]
+    assert step == 1
+    assert_same(expected, got)
+    # A save while one is still copying waits for it first; each snapshot holds its own step's state.
+    ckpt.save(2, {"model": model.state_dict(), "opt": opt.state_dict(), "step": 2}, blocking=False)
+    forward_backward()
+    after_two = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "step": 3})
+    ckpt.save(3, after_two, blocking=False)
+    step, got = ckpt.load()  # type: ignore[misc]
+    assert step == 3
+    assert_same(after_two, got)
     ckpt.close()
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from phalanx.checkpoint import codec, shm, storage
+from phalanx.checkpoint import codec, copier, shm, storage
 
 
 def test_codec_keeps_types_and_refuses_what_it_cannot_represent() -> None:
@@ -69,3 +69,28 @@ def test_commit_only_when_every_rank_is_present_and_retention(tmp_path: Path) ->
     assert storage.committed_steps(store) == [2, 3]
     assert storage.step_dirs(store) == [2, 3, 4]
     assert not [p for p in tmp_path.rglob(".*")]  # no temporary files remain
+
+
+@pytest.mark.parametrize(
+    ("sizes", "parts"), [([10, 0, 7, 30], 3), ([5], 4), ([0, 0], 2), ([1 << 20, 3, 4096], 1), ([8, 8], 2)]
+)
+def test_split_covers_every_byte_once_in_nearly_equal_runs(sizes: list[int], parts: int) -> None:
+    runs = copier.split(sizes, parts)
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for run in runs:
+        assert run, "no empty runs"
+        for index, offset, length in run:
+            assert length > 0
+            covered.setdefault(index, []).append((offset, length))
+    for index, size in enumerate(sizes):
+        spans = sorted(covered.get(index, []))
+        at = 0
+        for offset, length in spans:
+            assert offset == at, (index, spans)
+            at += length
+        assert at == size
+    totals = [sum(length for _, _, length in run) for run in runs]
+    assert len(runs) <= parts
+    if totals:
+        assert max(totals) - min(totals) <= -(-sum(sizes) // len(runs))
+        assert max(totals) <= -(-sum(sizes) // parts)

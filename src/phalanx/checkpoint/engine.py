@@ -9,6 +9,7 @@ storage (see :mod:`phalanx.checkpoint.restore`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from phalanx.api.errors import CheckpointError, PersistError
-from phalanx.checkpoint import codec, protocol, shm
+from phalanx.checkpoint import codec, copier, protocol, shm
 from phalanx.checkpoint.storage import LocalStorage, open_storage
 
 _GROWTH = 1.1  # headroom when a slot is (re)allocated, so a slightly bigger state does not reallocate
@@ -112,13 +113,30 @@ class _Slots:
             seg.close()
 
 
+@dataclasses.dataclass
+class _Behind:
+    """A ``blocking=False`` save whose copy is still running."""
+
+    step: int
+    persist: bool
+    ready_next: list[int]  # slots to populate once the copy is done
+    copy: copier.BackgroundCopy
+
+
+def _slot_view(view: torch.Tensor, data_off: int, entry: dict[str, Any], like: torch.Tensor) -> torch.Tensor:
+    """The part of a slot's byte view that holds the tensor of table ``entry``, typed and shaped like it."""
+    start = data_off + entry["offset"]
+    return view[start : start + entry["nbytes"]].view(like.dtype).view(like.shape)
+
+
 class Checkpointer:
     """Saves a rank's training state to node-local shared memory and loads the newest consistent one.
 
     Ranks and the job come from the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``PHALANX_CHECKPOINT_*``) unless given. Without a host advertised in the environment, local rank 0
     starts one (detached, so it survives the training process) and the other local ranks connect to it.
-    ``copy_threads`` (0: the node's cores divided by its local ranks, at most 4) copy the tensors.
+    ``copy_threads`` (0: the node's cores divided by its local ranks, at most 4) copy the tensors of a
+    blocking save, ``overlap_threads`` those of a save that runs behind training (``blocking=False``).
     """
 
     def __init__(
@@ -134,6 +152,7 @@ class Checkpointer:
         host_socket: str | None = None,
         host_idle_exit_s: float = 300.0,
         copy_threads: int = 0,
+        overlap_threads: int = 1,
     ) -> None:
         env = os.environ
         self.rank = rank if rank is not None else _env_int("RANK", 0)
@@ -151,6 +170,9 @@ class Checkpointer:
         # copied 1 GiB in 0.09-0.12 s against 0.13-0.17 s for one here); more would only fight the
         # node's other ranks, which save at the same moment.
         self.copy_threads = copy_threads or copy_threads_for(local_world_size=_env_int("LOCAL_WORLD_SIZE", 1))
+        # A copy behind the training step competes with it for the cores; one thread is its share.
+        self.overlap_threads = max(1, overlap_threads)
+        self._behind: _Behind | None = None
         self._client: protocol.HostClient | None = None
         self._own_host: Any = None  # the HostHandle of a host this process started
         self._slots: _Slots | None = None
@@ -235,6 +257,7 @@ class Checkpointer:
         """Allocates and prefaults the slots for a state like ``state`` on a background thread, so that
         the first :meth:`save` costs what every later one does. Optional; call it as early as the
         state's shape is known (for Adam: after the first optimizer step)."""
+        self.fence()  # a reallocation must not unmap a slot under a running copy
         flat = codec.flatten(state)
         size = int(self._needed(flat, 2 * len(json.dumps(flat.skeleton)) + 65536) * _GROWTH)
 
@@ -286,12 +309,19 @@ class Checkpointer:
                 return i, seq
         return (0 if headers[0].seq < headers[1].seq else 1), seq
 
-    def save(self, step: int, state: Any, *, persist: bool = False) -> None:
+    def save(self, step: int, state: Any, *, persist: bool = False, blocking: bool = True) -> None:
         """Copies ``state`` into shared memory; returns once the copy is complete.
 
         With ``persist=True`` the host then writes this snapshot to storage in the background; see
         :meth:`wait`. A crash during the copy leaves the previous snapshot intact.
+
+        With ``blocking=False`` the copy runs behind the caller, which may run its next forward and
+        backward meanwhile but must call :meth:`fence` before it changes any saved tensor: before the
+        optimizer step, and before a forward pass that updates buffers (BatchNorm's running statistics).
+        Training then stalls only for whatever part of the copy the forward and backward did not cover.
+        The next save, :meth:`load`, :meth:`persist` and :meth:`close` fence first themselves.
         """
+        self.fence()
         started = time.perf_counter()
         flat = codec.flatten(state)
         meta = json.dumps(
@@ -315,48 +345,59 @@ class Checkpointer:
         )
         shm.pack_header(seg.buf, writing)
         seg.buf[shm.HEADER_SIZE : shm.HEADER_SIZE + len(meta)] = meta
-        on_device = any(t.is_cuda for t in flat.tensors)
-        if on_device:
+        if any(t.is_cuda for t in flat.tensors):
             slots.register_cuda(index)
-        threads = torch.get_num_threads()
-        if self.copy_threads and threads != self.copy_threads:
-            torch.set_num_threads(self.copy_threads)
-        try:
-            for t, entry in zip(flat.tensors, flat.table, strict=True):
-                start = data_off + entry["offset"]
-                dst = view[start : start + entry["nbytes"]].view(t.dtype).view(t.shape)
-                dst.copy_(t, non_blocking=on_device)
-        finally:
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-        if on_device:
-            torch.cuda.synchronize()
-        shm.pack_header(
-            seg.buf,
-            shm.SlotHeader(
-                state=shm.STATE_COMPLETE,
-                seq=seq,
-                step=step,
-                meta_len=len(meta),
-                data_off=data_off,
-                data_len=flat.data_len,
-                rank=self.rank,
-                world_size=self.world_size,
-            ),
+        pairs = [(_slot_view(view, data_off, e, t), t) for t, e in zip(flat.tensors, flat.table, strict=True)]
+        complete = shm.SlotHeader(
+            state=shm.STATE_COMPLETE,
+            seq=seq,
+            step=step,
+            meta_len=len(meta),
+            data_off=data_off,
+            data_len=flat.data_len,
+            rank=self.rank,
+            world_size=self.world_size,
         )
-        self.last_save = {
-            "step": step,
-            "slot": index,
-            "seconds": time.perf_counter() - started,
-            "allocated": allocated,
-        }
-        if allocated:  # the next save writes the other slot: ready it off the training path
-            slots.populate_async([1 - index])
-        if persist:
-            self.persist(step)
+        self.last_save = {"step": step, "slot": index, "allocated": allocated, "overlapped": not blocking}
+        # After an allocating save the next one writes the other slot: it is readied off the training path
+        # once this copy is done (a populate beside the copy would only slow it).
+        ready_next = [1 - index] if allocated else []
+        if blocking:
+            copier.copy_now(pairs, threads=self.copy_threads)
+            shm.pack_header(seg.buf, complete)
+            self.last_save["seconds"] = time.perf_counter() - started
+            slots.populate_async(ready_next)
+            if persist:
+                self.persist(step)
+            return
+        copy = copier.BackgroundCopy(
+            pairs, threads=self.overlap_threads, on_done=lambda: shm.pack_header(seg.buf, complete)
+        )
+        self._behind = _Behind(step=step, persist=persist, ready_next=ready_next, copy=copy)
+        self.last_save["seconds"] = time.perf_counter() - started
+
+    def fence(self) -> None:
+        """Waits for the copy of a ``blocking=False`` save (a no-op without one); after it the saved tensors
+        may change. Raises CheckpointError if that copy failed: the snapshot is then not used, and the one
+        before it stays the newest."""
+        behind, self._behind = self._behind, None
+        if behind is None:
+            return
+        started = time.perf_counter()
+        try:
+            behind.copy.wait()
+        finally:
+            waited = time.perf_counter() - started
+            self.last_save.update(fence_wait_s=waited, copy_s=behind.copy.copy_s)
+            self.last_save["seconds"] = self.last_save.get("seconds", 0.0) + waited
+        if self._slots is not None:
+            self._slots.populate_async(behind.ready_next)
+        if behind.persist:
+            self.persist(behind.step)
 
     def persist(self, step: int) -> None:
         """Asks the host to persist the in-memory snapshot of ``step`` in the background."""
+        self.fence()  # the snapshot of a save still copying is not complete yet
         if self.storage is None:
             raise PersistError(
                 "persisting needs a checkpoint storage location (storage= or PHALANX_CHECKPOINT_STORAGE)"
@@ -408,6 +449,7 @@ class Checkpointer:
         """
         from phalanx.checkpoint import restore
 
+        self.fence()
         return restore.load(
             self,
             shard_rank=self.rank if shard_rank is None else shard_rank,
@@ -428,6 +470,8 @@ class Checkpointer:
 
     def close(self, *, stop_host: bool = False) -> None:
         """Unmaps the slots; with ``stop_host`` also stops the host, which unlinks the job's memory."""
+        with contextlib.suppress(CheckpointError):  # never unmap under a running copy
+            self.fence()
         if self._prepare is not None:
             self._prepare.join()
         if self._slots is not None:
