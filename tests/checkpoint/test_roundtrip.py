@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import random
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def test_a_save_behind_the_next_step_holds_the_state_of_its_own_step(
     opt.step()
     state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": 1}
     expected = copy.deepcopy(state)
-    ckpt = Checkpointer(overlap_threads=2)  # two copy threads: a tensor is cut between them
+    ckpt = Checkpointer(copy_threads=2)  # two threads finish the copy at the fence
     ckpt.save(1, state, blocking=False, persist=True)
     forward_backward()  # the next step, beside the copy
     ckpt.fence()
@@ -138,6 +139,23 @@ def test_a_save_behind_the_next_step_holds_the_state_of_its_own_step(
     step, got = ckpt.load()  # type: ignore[misc]
     assert step == 3
     assert_same(after_two, got)
+    ckpt.close()
+
+
+def test_a_save_behind_training_keeps_a_state_the_caller_dropped(host: host_mod.HostHandle) -> None:
+    """The copy goes on after ``save`` returned: it holds the tensors it copies, so a state built just for
+    the save and dropped at once (the caller's only reference) is still copied whole, and the memory it
+    held is not handed to anything else meanwhile."""
+    ckpt = Checkpointer(copy_threads=1)
+    ckpt.save(1, {"w": torch.arange(float(16 << 20)), "b": torch.full((1 << 20,), 3.0)}, blocking=False)
+    gc.collect()  # nothing but the copy may keep the state alive now, not even a reference cycle
+    filler = [torch.full((1 << 20,), -1.0) for _ in range(64)]  # the allocator would reuse freed memory
+    ckpt.fence()
+    step, got = ckpt.load()  # type: ignore[misc]
+    assert step == 1
+    assert torch.equal(got["w"], torch.arange(float(16 << 20)))
+    assert torch.equal(got["b"], torch.full((1 << 20,), 3.0))
+    assert all(bool((f == -1.0).all()) for f in filler)  # nothing was copied into them
     ckpt.close()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from phalanx.api.errors import CheckpointError
 from phalanx.checkpoint import codec, copier, shm, storage
 
 
@@ -71,26 +73,33 @@ def test_commit_only_when_every_rank_is_present_and_retention(tmp_path: Path) ->
     assert not [p for p in tmp_path.rglob(".*")]  # no temporary files remain
 
 
-@pytest.mark.parametrize(
-    ("sizes", "parts"), [([10, 0, 7, 30], 3), ([5], 4), ([0, 0], 2), ([1 << 20, 3, 4096], 1), ([8, 8], 2)]
-)
-def test_split_covers_every_byte_once_in_nearly_equal_runs(sizes: list[int], parts: int) -> None:
-    runs = copier.split(sizes, parts)
-    covered: dict[int, list[tuple[int, int]]] = {}
-    for run in runs:
-        assert run, "no empty runs"
-        for index, offset, length in run:
-            assert length > 0
-            covered.setdefault(index, []).append((offset, length))
-    for index, size in enumerate(sizes):
-        spans = sorted(covered.get(index, []))
-        at = 0
-        for offset, length in spans:
-            assert offset == at, (index, spans)
-            at += length
-        assert at == size
-    totals = [sum(length for _, _, length in run) for run in runs]
-    assert len(runs) <= parts
-    if totals:
-        assert max(totals) - min(totals) <= -(-sum(sizes) // len(runs))
-        assert max(totals) <= -(-sum(sizes) // parts)
+def test_background_copy_is_bitwise_and_completes_once_whoever_copies_the_last_chunk() -> None:
+    big = torch.randn(3 * copier.CHUNK // 4 + 5)  # several chunks, the last one short
+    strided = torch.arange(40.0).view(5, 8).t()  # not contiguous: copied by torch, not memmove
+    sources = [big, strided, torch.zeros(0), torch.tensor(7, dtype=torch.int64)]
+    for fence_at_once in (True, False):
+        dests = [torch.empty_like(t) for t in sources]
+        done: list[bool] = []
+        job = copier.BackgroundCopy(
+            list(zip(dests, sources, strict=True)), threads=2, on_done=lambda: done.append(True)
+        )
+        if not fence_at_once:  # idle cores here: the background finishes it alone
+            deadline = time.monotonic() + 30
+            while not job.done():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert done == [True]
+        job.wait()
+        assert done == [True]
+        assert all(torch.equal(d, t) for d, t in zip(dests, sources, strict=True))
+    assert job.copy_s > 0
+
+
+def test_background_copy_failure_is_raised_at_the_fence_and_never_marked_complete() -> None:
+    def broken() -> None:
+        raise OSError("header write failed")
+
+    job = copier.BackgroundCopy([(torch.empty(10), torch.ones(10))], threads=1, on_done=broken)
+    with pytest.raises(CheckpointError, match="header write failed"):
+        job.wait()
+    assert job.done()

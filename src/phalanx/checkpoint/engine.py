@@ -68,6 +68,12 @@ class _Slots:
             thread.start()
             self._populating[i] = thread
 
+    def wait_populated(self) -> None:
+        """Waits for the background populates started so far (a failure shows again at :meth:`writable`)."""
+        for thread in self._populating.values():
+            thread.join()
+        self._populating.clear()
+
     def _populate_quietly(self, index: int) -> None:
         with contextlib.suppress(OSError, ValueError):
             self.segments[index].populate()
@@ -99,9 +105,7 @@ class _Slots:
         self._registered.add(index)
 
     def close(self) -> None:
-        for thread in self._populating.values():  # never unmap under a running madvise
-            thread.join()
-        self._populating.clear()
+        self.wait_populated()  # never unmap under a running madvise
         for index in self._registered:
             with contextlib.suppress(RuntimeError):
                 torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
@@ -135,8 +139,8 @@ class Checkpointer:
     Ranks and the job come from the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``PHALANX_CHECKPOINT_*``) unless given. Without a host advertised in the environment, local rank 0
     starts one (detached, so it survives the training process) and the other local ranks connect to it.
-    ``copy_threads`` (0: the node's cores divided by its local ranks, at most 4) copy the tensors of a
-    blocking save, ``overlap_threads`` those of a save that runs behind training (``blocking=False``).
+    ``copy_threads`` (0: the node's cores divided by its local ranks, at most 4) copy while training waits:
+    a blocking save, and what a save behind training has left when :meth:`fence` is called.
     """
 
     def __init__(
@@ -152,7 +156,6 @@ class Checkpointer:
         host_socket: str | None = None,
         host_idle_exit_s: float = 300.0,
         copy_threads: int = 0,
-        overlap_threads: int = 1,
     ) -> None:
         env = os.environ
         self.rank = rank if rank is not None else _env_int("RANK", 0)
@@ -170,8 +173,6 @@ class Checkpointer:
         # copied 1 GiB in 0.09-0.12 s against 0.13-0.17 s for one here); more would only fight the
         # node's other ranks, which save at the same moment.
         self.copy_threads = copy_threads or copy_threads_for(local_world_size=_env_int("LOCAL_WORLD_SIZE", 1))
-        # A copy behind the training step competes with it for the cores; one thread is its share.
-        self.overlap_threads = max(1, overlap_threads)
         self._behind: _Behind | None = None
         self._client: protocol.HostClient | None = None
         self._own_host: Any = None  # the HostHandle of a host this process started
@@ -277,7 +278,14 @@ class Checkpointer:
         self._prepare.start()
 
     def wait_prepared(self) -> None:
-        """Waits for a :meth:`prepare` in progress; raises CheckpointError if it failed."""
+        """Waits for a :meth:`prepare` in progress, and for the slot an unprepared first save readies in the
+        background; raises CheckpointError if preparing failed."""
+        self._join_prepare()
+        if self._slots is not None:
+            self._slots.wait_populated()
+
+    def _join_prepare(self) -> None:
+        """Waits for a :meth:`prepare` in progress (a save's own slot is readied by the save itself)."""
         if self._prepare is not None:
             self._prepare.join()
             self._prepare = None
@@ -288,7 +296,7 @@ class Checkpointer:
     def _ensure(self, size: int) -> tuple[_Slots, bool]:
         """This rank's slots, big enough for ``size`` bytes, and whether this call had to allocate them
         (then the save also pays for first-touching the memory: see :meth:`prepare`)."""
-        self.wait_prepared()
+        self._join_prepare()
         if self._slots is None:
             self._slots = self._open_existing()
         if self._slots is not None and self._slots.size >= size:
@@ -371,7 +379,7 @@ class Checkpointer:
                 self.persist(step)
             return
         copy = copier.BackgroundCopy(
-            pairs, threads=self.overlap_threads, on_done=lambda: shm.pack_header(seg.buf, complete)
+            pairs, threads=self.copy_threads, on_done=lambda: shm.pack_header(seg.buf, complete)
         )
         self._behind = _Behind(step=step, persist=persist, ready_next=ready_next, copy=copy)
         self.last_save["seconds"] = time.perf_counter() - started
@@ -388,7 +396,9 @@ class Checkpointer:
             behind.copy.wait()
         finally:
             waited = time.perf_counter() - started
-            self.last_save.update(fence_wait_s=waited, copy_s=behind.copy.copy_s)
+            self.last_save.update(
+                fence_wait_s=waited, copy_s=behind.copy.copy_s, behind_bytes=behind.copy.behind_bytes
+            )
             self.last_save["seconds"] = self.last_save.get("seconds", 0.0) + waited
         if self._slots is not None:
             self._slots.populate_async(behind.ready_next)
