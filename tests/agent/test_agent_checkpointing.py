@@ -183,7 +183,7 @@ def test_host_lifecycle_persists_agreed_step_and_unlinks(tmp_path: Path) -> None
         started = time.monotonic()
         host.stop()
     assert time.monotonic() - started < 5
-    assert not any(shm_root.iterdir())
+    assert not list(shm_root.iterdir())
     assert not Path(env[protocol.ENV_SOCKET]).exists()
 
 

@@ -144,7 +144,7 @@ def test_sigkilled_persister_commits_nothing_then_the_next_persist_commits(
     ckpt.save(7, state, persist=True)
     step_dir = store / storage.step_dir(7)
     deadline = time.monotonic() + 60
-    while not (step_dir.exists() and any(p.name.startswith(".") for p in step_dir.iterdir())):
+    while not (step_dir.exists() and [p for p in step_dir.iterdir() if p.name.startswith(".")]):
         assert time.monotonic() < deadline, "never saw the shard being written"
         time.sleep(0.001)
     os.kill(first.pid, signal.SIGKILL)
@@ -253,6 +253,7 @@ def test_full_shared_memory_is_a_clear_error_and_the_last_snapshot_survives(
             job_id=job_id, shm_dir=str(tiny_shm), host_socket=str(handle.socket_path), rank=0, world_size=1
         )
         ckpt.save(1, {"w": torch.full((1 << 18,), 1.0)})  # 1 MiB: two slots fit in 8 MiB
+        ckpt.wait_prepared()  # the other slot, populated in the background after this first save
         with pytest.raises(CheckpointError, match="give the node more shared memory"):
             ckpt.save(2, {"w": torch.full((1 << 20,), 2.0)})  # 4 MiB: two slots do not
         step, got = ckpt.load()  # type: ignore[misc]
