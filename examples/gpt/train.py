@@ -82,6 +82,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ckpt-every", type=int, default=0, help="save every this many steps (0: never)")
     p.add_argument("--persist-every", type=int, default=1, help="flash: persist every this many saves")
+    p.add_argument(
+        "--ckpt-behind",
+        action="store_true",
+        help="flash: copy each save behind the next step's forward and backward (fenced before its update)",
+    )
     p.add_argument("--collective-timeout", type=float, default=30.0)
     p.add_argument("--digest", action="store_true", help="log a state digest after every (re)group")
     p.add_argument("--pace-ms", type=float, default=0.0, help="sleep this long per step (demos and tests)")
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             parallel=config.parallel,
             storage_location=args.ckpt_dir or None,
             persist_every=args.persist_every,
+            behind=args.ckpt_behind,
         )
     batches = make_batches(seed=args.seed, batch=args.global_batch, seq_len=args.seq_len, vocab=args.vocab)
     trainer = ElasticTrainer(

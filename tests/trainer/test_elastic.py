@@ -117,9 +117,12 @@ def test_node_loss_regroups_in_process_and_joiner_gets_identical_state(
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)  # ~40 s on an idle 2-core machine; slack for a busy one
+@pytest.mark.parametrize("saves", ["blocking", "behind"])
 def test_losing_a_whole_shard_restarts_from_the_checkpoint(
-    tmp_path: Path, cluster_factory: list[Cluster]
+    tmp_path: Path, cluster_factory: list[Cluster], saves: str
 ) -> None:
+    """``behind``: each save copies during the next step's forward and backward; the workers that exit for
+    the restart fence it first, so their node's memory holds complete snapshots to load."""
     steps = 60
     ckpt = tmp_path / "ckpt"
     c = Cluster(
@@ -142,6 +145,7 @@ def test_losing_a_whole_shard_restarts_from_the_checkpoint(
             str(ckpt),
             "--ckpt-every",
             "5",
+            *(["--ckpt-behind"] if saves == "behind" else []),
         ],
     )
     cluster_factory.append(c)
@@ -186,3 +190,4 @@ def test_losing_a_whole_shard_restarts_from_the_checkpoint(
     assert first[0]["step"] == 5
     assert again[0]["step"] > 20
     assert not any(r["allocated"] for r in first + again), first + again
+    assert all(r["behind"] == (saves == "behind") for r in first + again)

@@ -15,8 +15,11 @@ from phalanx.api.errors import CheckpointNotFoundError
 from phalanx.checkpoint import Checkpointer, protocol
 from phalanx.checkpoint import host as host_mod
 from phalanx.trainer.checkpointing import shard_key
+from phalanx.trainer.elastic import ElasticConfig, ElasticTrainer
+from phalanx.trainer.engine import Engine
 from phalanx.trainer.flash import FlashCheckpoint, shard_index
 from phalanx.trainer.mesh import ParallelConfig
+from phalanx.trainer.model import GPTConfig
 
 MESH = ParallelConfig(tensor=2, pipeline=2)
 KEYS = [shard_key(pipeline=p, tensor=t) for p in range(2) for t in range(2)]
@@ -117,3 +120,86 @@ def test_prepare_allocates_before_the_first_save(jobs: list[str]) -> None:
     assert unprepared.last_save["allocated"] is True
     assert torch.equal(ckpt.load(step=1, key="pp1-tp1")["w"], tensors["w"])
     ckpt.close()
+
+
+def _batches(step: int) -> torch.Tensor:
+    """A deterministic global batch of the small model's shape (vocab 32, 8 tokens + the next one)."""
+    return torch.randint(0, 32, (6, 9), generator=torch.Generator().manual_seed(step))
+
+
+SMALL = ElasticConfig(
+    model=GPTConfig(layers=1, hidden=32, heads=2, vocab=32, seq_len=8), global_batch=6, checkpoint_every=1
+)
+
+
+class _BehindSeam:
+    """A seam that, like a save behind training, keeps reading the saved tensors until its fence: the
+    fence checks that they still hold the values they had at the save (no update ran in between)."""
+
+    def __init__(self) -> None:
+        self.last_source = "memory"
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.log: list[str] = []
+
+    def prepare(self, *, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        del key, tensors
+
+    def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, object]:
+        self.pending = [(t, t.clone()) for t in tensors.values()]
+        self.log.append(f"save {step}")
+        return {}
+
+    def fence(self) -> None:
+        if self.pending:
+            changed = sum(not torch.equal(t, at_save) for t, at_save in self.pending)
+            self.log.append(f"fence changed={changed}")
+        self.pending = []
+
+    def steps(self, *, key: str) -> list[int]:
+        return []
+
+    def load(
+        self, *, step: int, key: str, into: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        raise CheckpointNotFoundError(key)
+
+
+def test_the_trainer_fences_a_save_before_the_update_that_changes_its_tensors() -> None:
+    seam = _BehindSeam()
+    trainer = ElasticTrainer(SMALL, batches=_batches, checkpoint=seam)
+    assert trainer.run(3) == 0
+    # Each save is fenced in the next step, after its forward and backward and before its optimizer
+    # update; the last one when the run ends.
+    assert seam.log == ["save 1", "fence changed=0", "save 2", "fence changed=0", "save 3", "fence changed=0"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_saves_behind_training_hold_their_own_steps_state_bitwise(jobs: list[str]) -> None:
+    job = f"tf-{uuid.uuid4().hex[:8]}"
+    jobs.append(job)
+    ckpt = FlashCheckpoint(parallel=ParallelConfig(), local_rank=0, job_id=job, behind=True)
+    events: list[dict[str, object]] = []
+    trainer = ElasticTrainer(SMALL, batches=_batches, checkpoint=ckpt, on_event=events.append)
+    assert trainer.run(4) == 0
+    saves = [e for e in events if e["event"] == "checkpoint"]
+    assert [(e["step"], e["behind"]) for e in saves] == [(s, True) for s in (1, 2, 3, 4)]
+    assert not [e for e in events if e["event"] == "checkpoint_failed"]
+    # The run ended with a fence: the last snapshot is complete, and it is the final state.
+    saver = ckpt._ckpt("pp0-tp0")
+    assert sorted(seg.header().step for seg in saver.memory_slots(0) if seg.header().complete) == [3, 4]
+    assert trainer.engine is not None
+    _assert_state_equal(ckpt.load(step=4, key="pp0-tp0"), trainer.engine)
+    # Step 3's snapshot was copied while step 4 ran its forward and backward: it is step 3's state.
+    reference = ElasticTrainer(SMALL, batches=_batches)
+    assert reference.run(3) == 0
+    assert reference.engine is not None
+    _assert_state_equal(ckpt.load(step=3, key="pp0-tp0"), reference.engine)
+    ckpt.close()
+
+
+def _assert_state_equal(loaded: dict[str, torch.Tensor], engine: Engine) -> None:
+    expected = dict(engine.state_tensors())
+    assert sorted(loaded) == sorted(expected)
+    unequal = [name for name, t in expected.items() if not torch.equal(loaded[name], t)]
+    assert not unequal, f"differ from the trained state: {unequal}"

@@ -34,7 +34,13 @@ class CheckpointSeam(Protocol):
 
     def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, object]:
         """Stores ``tensors`` as shard ``key`` of ``step``; returns facts about the save for the trainer's
-        ``checkpoint`` event (may be empty)."""
+        ``checkpoint`` event (may be empty). It may go on reading ``tensors`` after it returns, until
+        :meth:`fence`."""
+
+    def fence(self) -> None:
+        """Returns once no save reads its tensors any more; the trainer calls it before it changes them
+        (the optimizer step, a load, a broadcast from a peer). Raises CheckpointError when such a save
+        failed (its snapshot is then not used; the one before it stays the newest)."""
 
     def steps(self, *, key: str) -> list[int]:
         """Steps of shard ``key`` that can be loaded, newest first."""
@@ -64,6 +70,9 @@ class FileCheckpoint:
 
     def prepare(self, *, key: str, tensors: dict[str, torch.Tensor]) -> None:
         """Nothing to ready: a file is written whole at each save."""
+
+    def fence(self) -> None:
+        """Nothing to wait for: :meth:`save` writes the file before it returns."""
 
     def save(self, *, step: int, key: str, tensors: dict[str, torch.Tensor]) -> dict[str, object]:
         path = self._path(key, step)

@@ -28,7 +28,7 @@ from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
 
 import phalanx
 from phalanx.api import round as round_file
-from phalanx.api.errors import PhalanxError, RendezvousTimeoutError
+from phalanx.api.errors import CheckpointError, PhalanxError, RendezvousTimeoutError
 from phalanx.trainer.checkpointing import CheckpointSeam, shard_key
 from phalanx.trainer.engine import Engine, OptimConfig, default_device
 from phalanx.trainer.membership import RoundSource, RoundSpec
@@ -160,7 +160,9 @@ class ElasticTrainer:
                 failure = ""
                 try:
                     with self._watch or contextlib.nullcontext():
-                        loss = self.engine.train_step(self.batches(self.step))
+                        loss = self.engine.train_step(
+                            self.batches(self.step), before_update=self._fence_checkpoint
+                        )
                 except (RuntimeError, dist.DistError) as exc:
                     if not self.rounds.elastic:
                         raise
@@ -346,6 +348,9 @@ class ElasticTrainer:
                 offset += n
 
     def _teardown(self) -> None:
+        # Whatever comes next (a load, a broadcast from a peer, the process's exit) may change or drop the
+        # tensors a save behind training still copies.
+        self._fence_checkpoint()
         # Drop every reference to the old groups first: a gloo group closes its sockets only when its last
         # reference goes, and survivors blocked in a collective with this rank fail fast only then.
         if self.engine is not None:
@@ -379,6 +384,16 @@ class ElasticTrainer:
                 "time": time.time(),
             }
         )
+
+    def _fence_checkpoint(self) -> None:
+        """Waits for a checkpoint still copying behind training. A failed copy costs that snapshot, never
+        the training: the one before it stays the newest."""
+        if self.checkpoint is None:
+            return
+        try:
+            self.checkpoint.fence()
+        except CheckpointError as exc:
+            self.on_event({"event": "checkpoint_failed", "step": self.step, "error": str(exc)[:300]})
 
     def _maybe_checkpoint(self) -> None:
         if self.checkpoint is None or self.mesh is None or self.mesh.coord.data != 0:

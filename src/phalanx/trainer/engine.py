@@ -7,6 +7,7 @@ re-binds this one to new groups, whenever the mesh changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -125,13 +126,17 @@ class Engine:
             dist.all_reduce(value)
         return float(value.item())
 
-    def train_step(self, tokens: torch.Tensor) -> float:
+    def train_step(self, tokens: torch.Tensor, *, before_update: Callable[[], None] | None = None) -> float:
         """One optimizer step on the global batch; returns the global mean loss.
 
         The loss is reduced before the optimizer step so that, once any rank updates its weights, no
         collective of this step is left that could fail and leave the ranks at different steps.
+        ``before_update`` runs after forward and backward, just before the weights change (a checkpoint
+        copied behind the step is fenced there).
         """
         loss = self.global_loss(self.forward_backward(tokens))
+        if before_update is not None:
+            before_update()
         self.optimizer.step()
         return loss
 

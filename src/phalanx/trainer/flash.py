@@ -43,6 +43,11 @@ class FlashCheckpoint:
 
     ``storage`` defaults to ``PHALANX_CHECKPOINT_STORAGE``; without either, snapshots live in memory only
     (they survive worker restarts on this node, not the loss of the node).
+
+    With ``behind`` a save copies while the next step's forward and backward run, and the trainer fences
+    it before that step's optimizer update: training stalls only for what the copy has left by then. The
+    price: until the fence the newest complete snapshot is the one before, so a process killed outright
+    during that forward and backward resumes one step further back than with a blocking save.
     """
 
     def __init__(
@@ -55,8 +60,10 @@ class FlashCheckpoint:
         local_rank: int | None = None,
         job_id: str | None = None,
         host_idle_exit_s: float = 300.0,
+        behind: bool = False,
     ) -> None:
         self.parallel = parallel
+        self.behind = behind
         self.shards = parallel.tensor * parallel.pipeline
         env_storage = os.environ.get(protocol.ENV_STORAGE, "")
         self.storage_location = storage_location if storage_location is not None else env_storage
@@ -106,9 +113,16 @@ class FlashCheckpoint:
         persist = (
             ckpt.storage is not None and self.persist_every > 0 and self._saves % self.persist_every == 0
         )
-        ckpt.save(step, {k: v.detach() for k, v in tensors.items()}, persist=persist)
+        ckpt.save(
+            step, {k: v.detach() for k, v in tensors.items()}, persist=persist, blocking=not self.behind
+        )
         self.last_save_s = float(ckpt.last_save.get("seconds", 0.0))
-        return {"allocated": bool(ckpt.last_save.get("allocated")), "persist": persist}
+        return {"allocated": bool(ckpt.last_save.get("allocated")), "persist": persist, "behind": self.behind}
+
+    def fence(self) -> None:
+        """Waits for the saves still copying behind training (see ``behind``)."""
+        for ckpt in self._by_shard.values():
+            ckpt.fence()
 
     def _memory(self, ckpt: Checkpointer) -> dict[int, shm.Segment]:
         steps: dict[int, shm.Segment] = {}
@@ -121,6 +135,7 @@ class FlashCheckpoint:
     def steps(self, *, key: str) -> list[int]:
         """Steps of the shard in this node's memory or committed on storage, newest first."""
         ckpt = self._ckpt(key)
+        ckpt.fence()  # a snapshot still copying is listed once it is complete
         found = set(self._memory(ckpt))
         if ckpt.storage is not None:
             found |= set(storage.committed_steps(ckpt.storage))
@@ -132,6 +147,7 @@ class FlashCheckpoint:
         """The shard at ``step``: from memory when this node holds it intact (copied straight into the
         tensors of ``into`` that match by name, dtype and shape), else from storage."""
         ckpt = self._ckpt(key)
+        ckpt.fence()  # ``into`` may be the very tensors a save behind training still reads
         got: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         problems: list[str] = []
         seg = self._memory(ckpt).get(step)
