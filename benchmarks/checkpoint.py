@@ -1,9 +1,10 @@
 """Flash-checkpoint benchmark: phalanx against torch.save, DCP async_save and DLRover's flash checkpoint.
 
 Saves the same state (8 fp32 Linear layers plus their Adam state, ``--size-gb`` GiB in all) with every
-method and prints one JSON object with medians of ``--repeats`` saves. DLRover runs in a throwaway venv
-(``--dlrover-python``, e.g. made with ``python -m venv /tmp/dlrover-venv && /tmp/dlrover-venv/bin/pip
-install 'dlrover[torch]==0.6.1' grpcio``); without it the result says why.
+method and prints one JSON object with medians of ``--repeats`` saves, then what each save costs a training
+loop (:func:`in_training`). DLRover runs in a venv of its own (``--dlrover-python``; the default one is
+made with uv from PyPI when missing: ``dlrover[torch]==0.6.1`` and grpcio beside this project's torch);
+without it the result says why.
 
     python benchmarks/checkpoint.py --size-gb 1
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
 import math
 import os
@@ -24,14 +26,16 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def build_state(size_bytes: int) -> dict[str, Any]:
-    """8 Linear layers and an Adam state after one step: parameters + exp_avg + exp_avg_sq = size."""
+def build_training(size_bytes: int) -> tuple[torch.nn.Sequential, torch.optim.Adam, dict[str, Any]]:
+    """8 Linear layers and an Adam state after one step: parameters + exp_avg + exp_avg_sq = size. The
+    state's tensors are the model's and the optimizer's own, so a training step changes them in place."""
     params = size_bytes // 12  # fp32 parameter + two fp32 Adam moments
     d = int(math.sqrt(params / 8))
     model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(8)])
@@ -39,7 +43,88 @@ def build_state(size_bytes: int) -> dict[str, Any]:
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
     opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+    return model, opt, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+
+
+def build_state(size_bytes: int) -> dict[str, Any]:
+    return build_training(size_bytes)[2]
+
+
+Saver = tuple[Callable[[int], None], Callable[[], None] | None]  # save(step); fence before the update
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """The training loop of :func:`in_training`: interleaved rounds, batch, intra-op threads to try."""
+
+    rounds: int
+    batch: int
+    threads: list[int]
+
+
+def in_training(
+    model: torch.nn.Sequential,
+    opt: torch.optim.Optimizer,
+    savers: dict[str, Saver],
+    *,
+    rounds: int,
+    batch: int,
+    threads: int,
+) -> dict[str, Any]:
+    """What a save costs a real training loop: iterations of save, forward, backward, fence, optimizer
+    step, without a save and with each saver in turn, interleaved so the machine's drift hits all alike.
+    The step computes on ``threads`` intra-op threads: all the cores (nothing left for a copy behind it,
+    as in CPU training), or fewer (a host with cores to spare, as beside a GPU, whose step the host only
+    drives). Per saver: the median iteration, the stall (that minus the median iteration without a save:
+    the training time the save costs) and the median time training waited in save and fence (blocking)."""
+    x = torch.randn(batch, model[0].in_features)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+    def iteration(saver: Saver | None, step: int) -> tuple[float, float]:
+        started = time.perf_counter()
+        blocked = 0.0
+        if saver is not None:
+            saver[0](step)
+            blocked = time.perf_counter() - started
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        if saver is not None and saver[1] is not None:
+            fenced = time.perf_counter()
+            saver[1]()
+            blocked += time.perf_counter() - fenced
+        opt.step()
+        return time.perf_counter() - started, blocked
+
+    names = ["none", *savers]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    waits: dict[str, list[float]] = {name: [] for name in names}
+    step = 1000
+    try:
+        for r in range(rounds + 1):
+            for name in names:
+                step += 1
+                took, blocked = iteration(savers.get(name), step)
+                if r:  # the first round warms up
+                    times[name].append(took)
+                    waits[name].append(blocked)
+    finally:
+        torch.set_num_threads(before)
+    base = statistics.median(times["none"])
+    out: dict[str, Any] = {
+        "batch": batch,
+        "rounds": rounds,
+        "threads": threads,
+        "iteration_without_save_s": base,
+    }
+    for name in savers:
+        median = statistics.median(times[name])
+        out[name] = {
+            "iteration_s": median,
+            "stall_s": median - base,
+            "blocking_s": statistics.median(waits[name]),
+        }
+    return out
 
 
 def tensors_of(state: Any) -> list[torch.Tensor]:
@@ -163,6 +248,48 @@ def bench_phalanx(state: Any, repeats: int, workdir: Path, *, first_runs: int) -
     return results
 
 
+def bench_phalanx_training(
+    model: torch.nn.Sequential,
+    opt: torch.optim.Optimizer,
+    state: Any,
+    workdir: Path,
+    *,
+    rounds: int,
+    batch: int,
+    threads: list[int],
+) -> dict[str, Any]:
+    """:func:`in_training` with phalanx's blocking save and its save behind the next step, for each of
+    ``threads``."""
+    from phalanx.checkpoint import Checkpointer
+    from phalanx.checkpoint import host as host_mod
+
+    job = f"bench-{uuid.uuid4().hex[:8]}"
+    handle = host_mod.start(job_id=job, socket_path=workdir / f"{job}.sock")
+    try:
+        ckpt = Checkpointer(job_id=job, host_socket=str(handle.socket_path), rank=0, world_size=1)
+        ckpt.prepare(state)
+        ckpt.wait_prepared()
+        result: dict[str, Any] = {}
+        for count in threads:
+            behind: list[float] = []  # the share of each save the background copied before the fence
+
+            def fence(behind: list[float] = behind) -> None:
+                ckpt.fence()
+                behind.append(ckpt.last_save["behind_bytes"] / max(1, nbytes(state)))
+
+            savers: dict[str, Saver] = {
+                "phalanx": (lambda step: ckpt.save(step, state), None),
+                "phalanx_behind": (lambda step: ckpt.save(step, state, blocking=False), fence),
+            }
+            one = in_training(model, opt, savers, rounds=rounds, batch=batch, threads=count)
+            one["phalanx_behind"]["copied_behind_training"] = statistics.median(behind)
+            result[f"threads_{count}"] = one
+        ckpt.close()
+        return result
+    finally:
+        handle.stop()
+
+
 def bench_torch_save(state: Any, repeats: int, directory: Path) -> dict[str, Any]:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"bench-{uuid.uuid4().hex[:8]}.pt"
@@ -233,6 +360,20 @@ for step in range(1, repeats + 2):
         t = time.perf_counter()
         ours.save(step, state)
         mine.append(time.perf_counter() - t)
+train_rounds = int(os.environ.get("BENCH_TRAIN_ROUNDS", "0"))
+if ours is not None and train_rounds:
+    sys.path.insert(0, os.path.dirname(os.environ["BENCH_PHALANX_SRC"]))
+    from benchmarks.checkpoint import in_training
+    savers = {
+        "dlrover": (lambda s: ckpt.save_checkpoint(s, state, storage_type=StorageType.MEMORY), None),
+        "phalanx": (lambda s: ours.save(s, state), None),
+        "phalanx_behind": (lambda s: ours.save(s, state, blocking=False), ours.fence),
+    }
+    batch = int(os.environ["BENCH_TRAIN_BATCH"])
+    in_train = {
+        f"threads_{count}": in_training(model, opt, savers, rounds=train_rounds, batch=batch, threads=count)
+        for count in json.loads(os.environ["BENCH_TRAIN_THREADS"])
+    }
 t = time.perf_counter()
 path = os.path.join(workdir, "dlrover-ckpt", "x.pt")
 ckpt.save_checkpoint(repeats + 2, state, path, storage_type=StorageType.DISK)
@@ -241,6 +382,8 @@ result = {"first_blocking_s": times[0], "blocking_s": statistics.median(times[1:
 result["disk_blocking_s"] = disk_blocking
 if ours is not None:
     result["phalanx_interleaved"] = {"first_blocking_s": mine[0], "blocking_s": statistics.median(mine[1:])}
+    if train_rounds:
+        result["in_training"] = in_train
     ours.close()
     handle.stop()
 print("RESULT " + json.dumps(result), flush=True)
@@ -251,12 +394,46 @@ os._exit(0)
 DLROVER_SOCKETS = "/tmp/ckpt_sock"  # DLRover's fixed socket directory (dlrover.python.common.multi_process)
 
 
-def bench_dlrover(python: str, size: int, repeats: int, workdir: Path, *, first_runs: int) -> dict[str, Any]:
+DLROVER_VENV = Path("/tmp/dlrover-venv")
+DLROVER_REQUIREMENTS = [
+    "dlrover[torch]==0.6.1",
+    "grpcio",
+    f"torch=={torch.__version__.split('+')[0]}",
+    "numpy",
+]
+
+
+def make_dlrover_venv(venv: Path) -> str:
+    """Makes ``venv`` with DLRover and this project's torch (uv, beside this interpreter); "" or why not."""
+    uv = Path(sys.executable).with_name("uv")
+    commands = [
+        [str(uv), "venv", "-q", "-p", sys.executable, str(venv)],
+        [str(uv), "pip", "install", "-q", "-p", str(venv / "bin" / "python"), *DLROVER_REQUIREMENTS],
+    ]
+    for command in commands:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            shutil.rmtree(venv, ignore_errors=True)
+            return f"{' '.join(command[:3])} failed: {done.stderr.strip()[-300:]}"
+    return ""
+
+
+def bench_dlrover(
+    python: str, size: int, repeats: int, workdir: Path, *, first_runs: int, train: Training
+) -> dict[str, Any]:
     """DLRover's flash checkpoint, ``first_runs`` fresh processes (its first save happens once per process):
-    the medians of their first saves and of their steady-state medians, phalanx's interleaved saves alike."""
+    the medians of their first saves and of their steady-state medians, phalanx's interleaved saves alike.
+    The first process also trains (see :func:`in_training`) with DLRover's, phalanx's and phalanx's
+    overlapped saves interleaved."""
+    default = Path(python) == DLROVER_VENV / "bin" / "python"
+    if default and not Path(python).exists() and (why := make_dlrover_venv(DLROVER_VENV)):
+        return {"error": f"cannot make DLRover's venv: {why}"}
     if not Path(python).exists():
         return {"error": f"no DLRover environment at {python} (pip install 'dlrover[torch]==0.6.1' there)"}
-    runs = [_dlrover_once(python, size, repeats, workdir) for _ in range(first_runs)]
+    runs = [
+        _dlrover_once(python, size, repeats, workdir, train=train if i == 0 else None)
+        for i in range(first_runs)
+    ]
     failed = [r["error"] for r in runs if "error" in r]
     if failed:
         return {"error": failed[0], "failed_runs": len(failed)}
@@ -273,12 +450,18 @@ def bench_dlrover(python: str, size: int, repeats: int, workdir: Path, *, first_
         "disk_blocking_s": statistics.median(r["disk_blocking_s"] for r in runs),
         "phalanx_interleaved": medians([r["phalanx_interleaved"] for r in runs]),
         "runs": first_runs,
+        "in_training": runs[0].get("in_training", {}),
     }
 
 
-def _dlrover_once(python: str, size: int, repeats: int, workdir: Path) -> dict[str, Any]:
+def _dlrover_once(
+    python: str, size: int, repeats: int, workdir: Path, *, train: Training | None
+) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["BENCH_PHALANX_SRC"] = str(Path(__file__).resolve().parents[1] / "src")
+    if train is not None:
+        env["BENCH_TRAIN_ROUNDS"], env["BENCH_TRAIN_BATCH"] = str(train.rounds), str(train.batch)
+        env["BENCH_TRAIN_THREADS"] = json.dumps(train.threads)
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", NODE_RANK="0", GROUP_RANK="0")
     shutil.rmtree(DLROVER_SOCKETS, ignore_errors=True)  # stale sockets of an earlier, killed run
     before = set(os.listdir("/dev/shm"))
@@ -324,16 +507,34 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--first-runs", type=int, default=5, help="fresh jobs for the medians of first saves")
     parser.add_argument("--workdir", default="")
-    parser.add_argument("--dlrover-python", default="/tmp/dlrover-venv/bin/python")
+    parser.add_argument("--dlrover-python", default=str(DLROVER_VENV / "bin" / "python"))
     parser.add_argument(
-        "--only", default="", help="comma-separated subset: memcpy,phalanx,disk,shm,dcp,dlrover"
+        "--only", default="", help="comma-separated subset: memcpy,phalanx,training,disk,shm,dcp,dlrover"
+    )
+    parser.add_argument(
+        "--train-rounds", type=int, default=10, help="interleaved rounds of the training loop"
+    )
+    parser.add_argument("--train-batch", type=int, default=16, help="batch of the training loop's steps")
+    parser.add_argument(
+        "--train-threads",
+        default="",
+        help="comma-separated intra-op threads of the training step (default: all cores, then one fewer)",
     )
     args = parser.parse_args()
-    only = set(args.only.split(",")) if args.only else {"memcpy", "phalanx", "disk", "shm", "dcp", "dlrover"}
+    cores = torch.get_num_threads()
+    train = Training(
+        rounds=args.train_rounds,
+        batch=args.train_batch,
+        threads=[int(t) for t in args.train_threads.split(",")]
+        if args.train_threads
+        else sorted({cores, max(1, cores - 1)}, reverse=True),
+    )
+    sections = {"memcpy", "phalanx", "training", "disk", "shm", "dcp", "dlrover"}
+    only = set(args.only.split(",")) if args.only else sections
     size = int(args.size_gb * (1 << 30))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="phalanx-bench-", dir="/tmp"))
     workdir.mkdir(parents=True, exist_ok=True)
-    state = build_state(size)
+    model, opt, state = build_training(size)
     out: dict[str, Any] = {
         "name": "checkpoint",
         "size_bytes": nbytes(state),
@@ -347,6 +548,13 @@ def main() -> int:
             out["memcpy"] = limits
         if "phalanx" in only:
             results["phalanx"] = bench_phalanx(state, args.repeats, workdir, first_runs=args.first_runs)
+        if "training" in only:
+            results["phalanx"] = {
+                **results.get("phalanx", {}),
+                "in_training": bench_phalanx_training(
+                    model, opt, state, workdir, rounds=train.rounds, batch=train.batch, threads=train.threads
+                ),
+            }
         if "disk" in only:
             results["torch_save_disk"] = bench_torch_save(state, args.repeats, workdir / "disk")
         if "shm" in only:
@@ -355,7 +563,12 @@ def main() -> int:
             results["dcp_async"] = bench_dcp(state, args.repeats, workdir)
         if "dlrover" in only:
             results["dlrover"] = bench_dlrover(
-                args.dlrover_python, size, args.repeats, workdir, first_runs=args.first_runs
+                args.dlrover_python,
+                size,
+                args.repeats,
+                workdir,
+                first_runs=args.first_runs,
+                train=train,
             )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
