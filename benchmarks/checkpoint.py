@@ -33,21 +33,19 @@ from typing import Any
 import torch
 
 
-def build_training(size_bytes: int) -> tuple[torch.nn.Sequential, torch.optim.Adam, dict[str, Any]]:
+def build_training(
+    size_bytes: int, device: str = "cpu"
+) -> tuple[torch.nn.Sequential, torch.optim.Adam, dict[str, Any]]:
     """8 Linear layers and an Adam state after one step: parameters + exp_avg + exp_avg_sq = size. The
     state's tensors are the model's and the optimizer's own, so a training step changes them in place."""
     params = size_bytes // 12  # fp32 parameter + two fp32 Adam moments
     d = int(math.sqrt(params / 8))
-    model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(8)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(8)]).to(device)
     opt = torch.optim.Adam(model.parameters())
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
     opt.step()
     return model, opt, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
-
-
-def build_state(size_bytes: int) -> dict[str, Any]:
-    return build_training(size_bytes)[2]
 
 
 Saver = tuple[Callable[[int], None], Callable[[], None] | None]  # save(step); fence before the update
@@ -77,7 +75,8 @@ def in_training(
     as in CPU training), or fewer (a host with cores to spare, as beside a GPU, whose step the host only
     drives). Per saver: the median iteration, the stall (that minus the median iteration without a save:
     the training time the save costs) and the median time training waited in save and fence (blocking)."""
-    x = torch.randn(batch, model[0].in_features)
+    x = torch.randn(batch, model[0].in_features, device=model[0].weight.device)
+    on_device = x.is_cuda
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
 
@@ -94,6 +93,8 @@ def in_training(
             saver[1]()
             blocked += time.perf_counter() - fenced
         opt.step()
+        if on_device:
+            torch.cuda.synchronize()  # the iteration ends when its kernels have
         return time.perf_counter() - started, blocked
 
     names = ["none", *savers]
@@ -183,6 +184,25 @@ def memcpy_limit(state: Any, repeats: int) -> dict[str, float]:
         "torch_copy_one_thread_s": one,
         f"torch_copy_{threads}_threads_s": many,
         "fresh_memory_s": fresh_s,
+    }
+
+
+def d2h_limit(state: Any, repeats: int) -> dict[str, float]:
+    """Copying the device tensors into pinned host memory (the floor for a save from a GPU), and into
+    ordinary host memory for comparison."""
+    tensors = tensors_of(state)
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    pageable = [torch.empty(t.shape, dtype=t.dtype).fill_(0) for t in tensors]
+
+    def copy(into: list[torch.Tensor]) -> None:
+        for d, t in zip(into, tensors, strict=True):
+            d.copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+
+    copy(pinned)  # warm up
+    return {
+        "d2h_pinned_s": median_of(lambda: copy(pinned), repeats),
+        "d2h_pageable_s": median_of(lambda: copy(pageable), repeats),
     }
 
 
@@ -326,19 +346,14 @@ def bench_dcp(state: Any, repeats: int, workdir: Path) -> dict[str, Any]:
 
 
 DLROVER_SCRIPT = r"""
-import json, math, os, shutil, statistics, sys, time
+import json, os, shutil, statistics, sys, time
 import torch, torch.distributed as dist
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
-size, repeats, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+sys.path.insert(0, os.path.dirname(os.environ["BENCH_PHALANX_SRC"]))
+from benchmarks.checkpoint import build_training, in_training
+size, repeats, workdir, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=f"file://{workdir}/dl-store", rank=0, world_size=1)
-params = size // 12
-d = int(math.sqrt(params / 8))
-model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(8)])
-opt = torch.optim.Adam(model.parameters())
-for p in model.parameters():
-    p.grad = torch.full_like(p, 1e-3)
-opt.step()
-state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+model, opt, state = build_training(size, device)
 ckpt = DdpCheckpointer(os.path.join(workdir, "dlrover-ckpt"))
 ours = None
 if os.environ.get("BENCH_PHALANX_SRC"):  # phalanx in the same process, saves interleaved with DLRover's
@@ -362,8 +377,6 @@ for step in range(1, repeats + 2):
         mine.append(time.perf_counter() - t)
 train_rounds = int(os.environ.get("BENCH_TRAIN_ROUNDS", "0"))
 if ours is not None and train_rounds:
-    sys.path.insert(0, os.path.dirname(os.environ["BENCH_PHALANX_SRC"]))
-    from benchmarks.checkpoint import in_training
     savers = {
         "dlrover": (lambda s: ckpt.save_checkpoint(s, state, storage_type=StorageType.MEMORY), None),
         "phalanx": (lambda s: ours.save(s, state), None),
@@ -419,7 +432,7 @@ def make_dlrover_venv(venv: Path) -> str:
 
 
 def bench_dlrover(
-    python: str, size: int, repeats: int, workdir: Path, *, first_runs: int, train: Training
+    python: str, size: int, repeats: int, workdir: Path, *, first_runs: int, train: Training, device: str
 ) -> dict[str, Any]:
     """DLRover's flash checkpoint, ``first_runs`` fresh processes (its first save happens once per process):
     the medians of their first saves and of their steady-state medians, phalanx's interleaved saves alike.
@@ -431,7 +444,7 @@ def bench_dlrover(
     if not Path(python).exists():
         return {"error": f"no DLRover environment at {python} (pip install 'dlrover[torch]==0.6.1' there)"}
     runs = [
-        _dlrover_once(python, size, repeats, workdir, train=train if i == 0 else None)
+        _dlrover_once(python, size, repeats, workdir, train=train if i == 0 else None, device=device)
         for i in range(first_runs)
     ]
     failed = [r["error"] for r in runs if "error" in r]
@@ -455,7 +468,7 @@ def bench_dlrover(
 
 
 def _dlrover_once(
-    python: str, size: int, repeats: int, workdir: Path, *, train: Training | None
+    python: str, size: int, repeats: int, workdir: Path, *, train: Training | None, device: str
 ) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["BENCH_PHALANX_SRC"] = str(Path(__file__).resolve().parents[1] / "src")
@@ -467,7 +480,7 @@ def _dlrover_once(
     before = set(os.listdir("/dev/shm"))
     log = (workdir / "dlrover.log").open("w")
     proc = subprocess.Popen(
-        [python, "-c", DLROVER_SCRIPT, str(size), str(repeats), str(workdir)],
+        [python, "-c", DLROVER_SCRIPT, str(size), str(repeats), str(workdir), device],
         env=env,
         stdout=subprocess.PIPE,
         stderr=log,
@@ -520,29 +533,40 @@ def main() -> int:
         default="",
         help="comma-separated intra-op threads of the training step (default: all cores, then one fewer)",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model and its state live (cuda: saves copy device to host; the limit is pinned D2H)",
+    )
     args = parser.parse_args()
     cores = torch.get_num_threads()
+    # Beside a GPU the host only drives the step: one thread count says it all.
+    default_threads = [cores] if args.device == "cuda" else sorted({cores, max(1, cores - 1)}, reverse=True)
     train = Training(
         rounds=args.train_rounds,
         batch=args.train_batch,
-        threads=[int(t) for t in args.train_threads.split(",")]
-        if args.train_threads
-        else sorted({cores, max(1, cores - 1)}, reverse=True),
+        threads=[int(t) for t in args.train_threads.split(",")] if args.train_threads else default_threads,
     )
     sections = {"memcpy", "phalanx", "training", "disk", "shm", "dcp", "dlrover"}
     only = set(args.only.split(",")) if args.only else sections
     size = int(args.size_gb * (1 << 30))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="phalanx-bench-", dir="/tmp"))
     workdir.mkdir(parents=True, exist_ok=True)
-    model, opt, state = build_training(size)
+    model, opt, state = build_training(size, args.device)
     out: dict[str, Any] = {
         "name": "checkpoint",
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "size_bytes": nbytes(state),
         "torch_threads": torch.get_num_threads(),
     }
     results: dict[str, Any] = {}
     try:
-        if "memcpy" in only:
+        if "memcpy" in only and args.device == "cuda":
+            limits = d2h_limit(state, args.repeats)
+            out["d2h_limit_s"] = limits["d2h_pinned_s"]
+            out["d2h"] = limits
+        elif "memcpy" in only:
             limits = memcpy_limit(state, args.repeats)
             out["memcpy_limit_s"] = min(limits["memcpy_one_thread_s"], limits["torch_copy_one_thread_s"])
             out["memcpy"] = limits
@@ -569,6 +593,7 @@ def main() -> int:
                 workdir,
                 first_runs=args.first_runs,
                 train=train,
+                device=args.device,
             )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

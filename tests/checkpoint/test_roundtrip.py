@@ -301,3 +301,39 @@ def test_host_module_does_not_import_torch() -> None:
         "assert not {'torch', 'numpy', 'safetensors'} & set(sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "behind"])
+def test_device_state_round_trips_through_pinned_shared_memory(
+    host: host_mod.HostHandle, blocking: bool
+) -> None:
+    """A GPU's state goes device -> pinned slot (cudaHostRegister) and back, bit for bit; behind training
+    the copy runs on a side stream while the next forward and backward run, fenced before the update."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)
+    ).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    batch = torch.randn(64, 256, device="cuda")
+
+    def forward_backward() -> None:
+        opt.zero_grad()
+        model(batch).square().mean().backward()
+
+    forward_backward()
+    opt.step()
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": 1}
+    expected = {"model": {k: v.cpu() for k, v in model.state_dict().items()}}
+    ckpt = Checkpointer()
+    ckpt.save(1, state, blocking=blocking)
+    forward_backward()
+    ckpt.fence()
+    opt.step()  # changes every saved tensor, after the fence
+    step, got = ckpt.load()  # type: ignore[misc]
+    assert step == 1
+    assert_same(expected["model"], {k: v.cpu() for k, v in got["model"].items()})
+    ckpt.close()
