@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,26 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert a == b, path
 
 
+def small_training(
+    *, width: int, device: str
+) -> tuple[torch.nn.Sequential, torch.optim.Adam, Callable[[], None]]:
+    """A two-layer model on ``device`` after one Adam step, and its forward-and-backward on a fixed batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, 8 * width), torch.nn.ReLU(), torch.nn.Linear(8 * width, width)
+    ).to(device)
+    opt = torch.optim.Adam(model.parameters())
+    batch = torch.randn(32, width, device=device)
+
+    def forward_backward() -> None:
+        opt.zero_grad()
+        model(batch).square().mean().backward()
+
+    forward_backward()
+    opt.step()
+    return model, opt, forward_backward
+
+
 def test_memory_round_trip_is_bitwise(host: host_mod.HostHandle) -> None:
     state = training_state()
     ckpt = Checkpointer()
@@ -101,17 +122,7 @@ def test_a_save_behind_the_next_step_holds_the_state_of_its_own_step(
     """``blocking=False``: the copy runs while the next forward and backward do; the optimizer step after
     :meth:`fence` changes every saved tensor, and the snapshot (in memory and persisted) is still the
     state of the step it was taken at, bit for bit."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
-    opt = torch.optim.Adam(model.parameters())
-    batch = torch.randn(32, 64)
-
-    def forward_backward() -> None:
-        opt.zero_grad()
-        model(batch).square().mean().backward()
-
-    forward_backward()
-    opt.step()
+    model, opt, forward_backward = small_training(width=64, device="cpu")
     state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": 1}
     expected = copy.deepcopy(state)
     ckpt = Checkpointer(copy_threads=2)  # two threads finish the copy at the fence
@@ -313,19 +324,7 @@ def test_device_state_round_trips_through_pinned_shared_memory(
 ) -> None:
     """A GPU's state goes device -> pinned slot (cudaHostRegister) and back, bit for bit; behind training
     the copy runs on a side stream while the next forward and backward run, fenced before the update."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)
-    ).cuda()
-    opt = torch.optim.Adam(model.parameters())
-    batch = torch.randn(64, 256, device="cuda")
-
-    def forward_backward() -> None:
-        opt.zero_grad()
-        model(batch).square().mean().backward()
-
-    forward_backward()
-    opt.step()
+    model, opt, forward_backward = small_training(width=256, device="cuda")
     state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": 1}
     expected = {"model": {k: v.cpu() for k, v in model.state_dict().items()}}
     ckpt = Checkpointer()
