@@ -44,6 +44,9 @@ STATE_COMPLETE = 2
 
 # magic, state, seq, step, meta_len, data_off, data_len, crc, crc_seq, rank, world_size, pin
 _HEADER = struct.Struct("<8sIQqQQQIQiiI")
+_STATE_OFFSET = 8
+_CRC_OFFSET = _HEADER.size - 4 - 4 - 4 - 8 - 4  # crc, crc_seq, rank, world_size, pin come last
+_PIN_OFFSET = _HEADER.size - 4
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; allocates and maps pages without touching the contents
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -106,12 +109,17 @@ class SlotHeader:
 
 
 def pack_header(buf: mmap.mmap | memoryview, header: SlotHeader) -> None:
-    """Writes a header in one store sequence (state last would need two writes; the seqlock covers it)."""
-    _HEADER.pack_into(
-        buf,
-        0,
+    """Publishes a header so that a reader in another process never accepts a half-written one.
+
+    ``struct.pack_into`` would zero-fill the header and then write it field by field, showing a concurrent
+    reader transient values. The header is packed apart and copied in whole, with a COMPLETE state first
+    written as WRITING and then set alone, in one aligned 4-byte store: a reader that sees COMPLETE sees
+    every other field of that header too.
+    """
+    state = STATE_WRITING if header.state == STATE_COMPLETE else header.state
+    packed = _HEADER.pack(
         MAGIC,
-        header.state,
+        state,
         header.seq,
         header.step,
         header.meta_len,
@@ -123,6 +131,9 @@ def pack_header(buf: mmap.mmap | memoryview, header: SlotHeader) -> None:
         header.world_size,
         header.pin,
     )
+    buf[: _HEADER.size] = packed
+    if header.state != state:
+        _store_u32(buf, _STATE_OFFSET, header.state)
 
 
 def read_header(buf: mmap.mmap | memoryview | bytes) -> SlotHeader:
@@ -135,13 +146,18 @@ def read_header(buf: mmap.mmap | memoryview | bytes) -> SlotHeader:
 
 def set_pin(buf: mmap.mmap, value: int) -> None:
     """Sets only the pin field (the persister's reader mark), leaving the rest of the header alone."""
-    struct.pack_into("<I", buf, _HEADER.size - 4, value)
+    _store_u32(buf, _PIN_OFFSET, value)
 
 
 def set_crc(buf: mmap.mmap, *, crc: int, seq: int) -> None:
     """Records the checksum of the data of generation ``seq``."""
-    offset = _HEADER.size - 4 - 4 - 4 - 8 - 4  # crc, crc_seq, rank, world_size, pin come last
-    struct.pack_into("<IQ", buf, offset, crc, seq)
+    buf[_CRC_OFFSET : _CRC_OFFSET + 12] = struct.pack("<IQ", crc, seq)
+
+
+def _store_u32(buf: mmap.mmap | memoryview, offset: int, value: int) -> None:
+    # One 4-byte store (a memoryview item is copied with a fixed-size memcpy): never torn, never zeroed first.
+    with memoryview(buf) as whole, whole[offset : offset + 4].cast("I") as word:
+        word[0] = value
 
 
 class Segment:
