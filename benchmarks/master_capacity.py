@@ -4,7 +4,9 @@ Starts the real ``phalanx master`` pinned to CPU 0 and drives it over real gRPC 
 pinned to the other CPUs. Every heartbeat carries the progress of 8 ranks, as a node with 8 GPUs sends.
 Two phases:
 
-* ``paced``: ``--nodes`` nodes heartbeating at 1 Hz (the production pattern), for ``--seconds``;
+* ``paced``: ``--nodes`` nodes heartbeating at 1 Hz, answered at once (agents before held heartbeats);
+* ``held``: ``--nodes`` nodes each keeping one heartbeat held by the master (``wait_s`` = the 1 s interval),
+  the agent's pattern now: the master answers each after the interval, so about ``--nodes`` per second;
 * ``saturated``: closed loop, ``--concurrency`` calls in flight, as fast as the master answers.
 
 For each: heartbeats answered per second, p50/p99/max latency, and the master's CPU use from
@@ -147,6 +149,20 @@ async def client(
                     errors += 1
                 due += 1.0
 
+        async def held(k: int) -> None:
+            nonlocal errors
+            req = pb.HeartbeatRequest()
+            req.CopyFrom(reqs[k])
+            req.wait_s = 1.0
+            await asyncio.sleep(max(0.0, start + k / count - loop.time()))
+            while loop.time() < end:
+                t0 = time.perf_counter()
+                try:
+                    await stub.Heartbeat(req, metadata=AUTH, timeout=10)
+                    latencies.append(time.perf_counter() - t0)
+                except grpc.RpcError:
+                    errors += 1
+
         async def closed(k: int) -> None:
             nonlocal errors
             await asyncio.sleep(max(0.0, start - loop.time()))
@@ -162,6 +178,8 @@ async def client(
 
         if mode == "paced":
             await asyncio.gather(*(paced(k) for k in range(count)))
+        elif mode == "held":
+            await asyncio.gather(*(held(k) for k in range(count)))
         else:
             await asyncio.gather(*(closed(k) for k in range(concurrency)))
     return {"latencies": latencies, "errors": errors}
@@ -281,7 +299,7 @@ def main() -> int:
     parser.add_argument(
         "--pin-clients", action="store_true", help="pin the clients to the other CPUs (a quiet machine only)"
     )
-    parser.add_argument("--client", choices=["paced", "closed"], help=argparse.SUPPRESS)
+    parser.add_argument("--client", choices=["paced", "held", "closed"], help=argparse.SUPPRESS)
     parser.add_argument("--addr", help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
@@ -300,6 +318,9 @@ def main() -> int:
                 mode="paced", concurrency=0, cpus=client_cpus[:2] if args.pin_clients else [], **common
             )  # type: ignore[arg-type]
             paced["server_side"] = server_side_quantiles(http)
+            held = phase(
+                mode="held", concurrency=0, cpus=client_cpus[:2] if args.pin_clients else [], **common
+            )  # type: ignore[arg-type]
             closed = phase(
                 mode="closed",
                 concurrency=args.concurrency,
@@ -317,6 +338,7 @@ def main() -> int:
         "master_pinned_to_cpu": master_cpu,
         "client_cpus": client_cpus,
         "paced_1hz": paced,
+        "held_1s": held,
         "saturated": closed,
         "client_bound": client_bound,
         "capacity_per_core": round(closed["heartbeats_per_s"] / cpu, 0)

@@ -14,7 +14,9 @@ one node is SIGKILLed, and the time from the kill to the survivors' next complet
 
 ``local`` runs the same kill through the real stack (``phalanx local``: master, agents in regroup mode,
 2 s heartbeat timeout, no replacement) and reports the time from the kill to the first completed step
-after recovery from its summary; the heartbeat timeout is part of it.
+after recovery from its summary. ``local-default`` does the same with the default heartbeat settings (1 s
+interval, 10 s timeout). The master learns of the kill from the closed connection of the agent's held
+heartbeat and leaves the node out after one interval; the heartbeat timeout only decides its eviction.
 
 ``overhead`` runs the example on 2 processes without faults under ``torchrun --standalone`` and
 ``phalanx-run --standalone``, one launcher at a time, and reports steps/s of both in steady state (the last
@@ -114,13 +116,13 @@ def run_phalanx(folder: Path, *, restart: bool) -> float:
         shutil.rmtree(ckpt)
 
 
-def run_local(folder: Path) -> float:
+def run_local(folder: Path, *, heartbeat_timeout: str = "2s") -> float:
     """Kill-to-next-step of a node loss under ``phalanx local`` (master and agents in the loop)."""
     folder.mkdir(parents=True)
     summary = folder / "summary.json"
     cmd = [
         sys.executable, "-m", "phalanx.cli.main", "local", "--nodes", "2:3", "--nproc-per-node", "1",
-        "--heartbeat-timeout", "2s", "--max-replacements", "0",
+        "--heartbeat-timeout", heartbeat_timeout, "--max-replacements", "0",
         "--inject", f"kill-node@step={KILL_AT},node=2",
         "--summary-json", str(summary), "--workdir", str(folder / "work"), "--timeout", "170s",
         "--", str(ROOT / "examples" / "gpt" / "train.py"), *MODEL, "--steps", str(KILL_AT + 200),
@@ -442,7 +444,9 @@ def main() -> int:
         return torchrun_worker(Path(sys.argv[2]), Path(sys.argv[3]))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--modes", default="inprocess,restart,torchrun,local,overhead,overhead-pinned")
+    p.add_argument(
+        "--modes", default="inprocess,restart,torchrun,local,local-default,overhead,overhead-pinned"
+    )
     p.add_argument("--overhead-steps", type=int, default=4000)
     p.add_argument("--out", default="")
     p.add_argument("--keep", default="", help="keep the logs of every run under this folder")
@@ -469,6 +473,8 @@ def main() -> int:
                         samples.append(run_torchrun(folder))
                     elif mode == "local":
                         samples.append(run_local(folder))
+                    elif mode == "local-default":
+                        samples.append(run_local(folder, heartbeat_timeout="10s"))
                     else:
                         samples.append(run_phalanx(folder, restart=mode == "restart"))
                 except (RuntimeError, subprocess.SubprocessError) as exc:  # reported, not hidden

@@ -166,7 +166,7 @@ class Agent:
             self.round = resp.round
         return resp
 
-    def heartbeat(self, *, step: int = -1) -> list[pb.Action]:
+    def heartbeat(self, *, step: int = -1, wait_s: float = 0.0) -> list[pb.Action]:
         ranks = [pb.RankProgress(rank=0, step=step)] if step >= 0 else []
         req = pb.HeartbeatRequest(
             node_id=self.node_id,
@@ -174,8 +174,9 @@ class Agent:
             state=pb.NODE_STATE_RUNNING,
             round=self.round,
             ranks=ranks,
+            wait_s=wait_s,
         )
-        return list(self.stub.Heartbeat(req, metadata=AUTH, timeout=10).actions)
+        return list(self.stub.Heartbeat(req, metadata=AUTH, timeout=wait_s + 10).actions)
 
     def fail(self, *, rank: int, message: str) -> pb.Action:
         req = pb.ReportFailureRequest(

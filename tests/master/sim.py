@@ -55,6 +55,11 @@ class Sim:
         )
         return list(self.job.heartbeat(req, now=self.now).actions)
 
+    def disconnect(self, node: str) -> None:
+        """The connection of ``node``'s held heartbeat closed before its answer."""
+        req = pb.HeartbeatRequest(node_id=node, incarnation=self.inc[node], wait_s=1.0)
+        self.job.disconnected(req, now=self.now)
+
     def fail(
         self, node: str, *, rank: int = 0, cls: int = pb.FAILURE_CLASS_KILLED, msg: str = "", kind: int = 1
     ) -> pb.Action:

@@ -275,3 +275,93 @@ def test_hardware_failure_evicts_and_replaces_the_node() -> None:
     sim.fail("a", cls=pb.FAILURE_CLASS_HARDWARE, msg="ECC error")
     assert sim.job.phase == "Failed"
     assert "eviction budget (1)" in sim.job.reason
+
+
+# Held heartbeats: a closed connection leaves the node out long before the heartbeat timeout.
+DISCONNECT = {
+    "rendezvous": {"min_nodes": 1, "max_nodes": 3, "last_call_s": 0.5},
+    "heartbeat": {"interval_s": 1.0, "timeout_s": 10.0},
+}
+
+
+def test_a_member_whose_connection_closed_is_left_out_after_one_interval_not_the_timeout() -> None:
+    sim = Sim(**DISCONNECT)
+    sim.form("a", "b", "c")
+    assert sim.job.round_number == 1
+    sim.hb("a"), sim.hb("b"), sim.hb("c")
+    version = sim.job.action_version
+    sim.now += 0.3  # into c's held heartbeat
+    sim.disconnect("c")
+    sim.at(sim.now + 0.9)  # within the grace (one interval): nothing yet
+    assert not sim.job.round_open
+    assert sim.job.events.of_kind("node_disconnected") == []
+    sim.at(sim.now + 0.2)
+    assert sim.job.round_open
+    assert sim.job.action_version > version  # wakes the held heartbeats of a and b
+    assert [e.node for e in sim.job.events.of_kind("node_disconnected")] == ["c"]
+    assert sim.job.nodes["c"].status == "alive"  # not lost, not evicted: that is the timeout's call
+    assert sim.job.evictions == []
+    assert kinds(sim.hb("a")) == ["REJOIN"]
+    # the survivors' round completes without waiting for c
+    sim.join("a"), sim.join("b")
+    sim.at(sim.now + 0.6)
+    assert (sim.job.round_number, sim.job.members) == (2, ["a", "b"])
+    # one disconnection opens one round
+    sim.at(sim.now + 1.0)
+    assert not sim.job.round_open
+    # still silent at the heartbeat timeout: lost as before, without another round (it is no member)
+    sim.hb("a"), sim.hb("b")
+    sim.at(sim.now + 8.0)
+    sim.hb("a"), sim.hb("b")
+    sim.at(sim.now + 0.5)
+    assert sim.job.nodes["c"].status == "lost"
+    assert not sim.job.round_open
+    assert sim.job.round_number == 2
+
+
+def test_a_node_heard_from_within_the_grace_is_not_left_out() -> None:
+    sim = Sim(**DISCONNECT)
+    sim.form("a", "b")
+    sim.now += 0.3
+    sim.disconnect("b")
+    sim.at(sim.now + 0.5)
+    sim.hb("b")  # its agent reconnected: a broken connection, not a dead agent
+    sim.at(sim.now + 2.0)
+    assert not sim.job.round_open
+    assert sim.job.events.of_kind("node_disconnected") == []
+
+
+def test_a_disconnected_joiner_is_dropped_from_the_open_round() -> None:
+    sim = Sim(rendezvous={"min_nodes": 1, "max_nodes": 3, "last_call_s": 5.0})
+    sim.register("a"), sim.register("b")
+    sim.join("a"), sim.join("b")
+    sim.now += 0.3
+    sim.disconnect("b")
+    sim.at(sim.now + 1.5)
+    assert set(sim.job.joiners) == {"a"}
+    sim.at(sim.now + 5.0)
+    assert sim.job.members == ["a"]
+
+
+def test_a_disconnection_of_a_replaced_incarnation_or_after_the_end_changes_nothing() -> None:
+    sim = Sim(**DISCONNECT)
+    sim.form("a", "b")
+    old = sim.inc["b"]
+    sim.register("b", inc="b-i2")  # the agent restarted
+    req = pb.HeartbeatRequest(node_id="b", incarnation=old, wait_s=1.0)
+    sim.job.disconnected(req, now=sim.now)  # the old process's connection closing
+    assert sim.job.nodes["b"].disconnected_at == 0.0
+
+
+def test_held_heartbeat_answer_carries_new_actions_and_refreshes_liveness() -> None:
+    sim = Sim(**DISCONNECT)
+    sim.form("a", "b")
+    req = pb.HeartbeatRequest(
+        node_id="a", incarnation=sim.inc["a"], state=pb.NODE_STATE_RUNNING, round=1, wait_s=1.0
+    )
+    assert list(sim.job.heartbeat(req, now=sim.now).actions) == []
+    sim.now += 0.8
+    sim.fail("b", rank=2, msg="RuntimeError: boom")  # opens round 2
+    answer = sim.job.heartbeat_answer(req, now=sim.now)
+    assert kinds(list(answer.actions)) == ["REJOIN"]
+    assert sim.job.nodes["a"].last_seen == sim.now

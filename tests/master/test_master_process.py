@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -161,6 +163,83 @@ def test_two_agents_rendezvous_fail_rejoin_complete(master: Master) -> None:
     assert "phalanx.failures" in stderr
     assert master.stop() == 0
     assert TOKEN not in master.stderr()
+
+
+@pytest.mark.timeout(60)
+def test_a_held_heartbeat_is_answered_the_moment_a_new_round_opens(tmp_path: Path) -> None:
+    m = Master(tmp_path, "--nodes", "2:2", "--heartbeat-interval", "3", "--heartbeat-timeout", "9")
+    try:
+        a, b = Agent(m, "node-a"), Agent(m, "node-b")
+        a.register(), b.register()
+        form_round(a, b)
+        held: list[tuple[float, list[pb.Action]]] = []
+
+        def hold() -> None:
+            started = time.monotonic()
+            actions = a.heartbeat(wait_s=3.0)
+            held.append((time.monotonic() - started, actions))
+
+        t = threading.Thread(target=hold)
+        t.start()
+        time.sleep(0.5)
+        assert held == []  # nothing to say yet: the master holds the answer
+        b.fail(rank=3, message="RuntimeError: boom")  # opens round 2
+        t.join(10)
+        took, actions = held[0]
+        assert [(x.kind, x.round) for x in actions] == [(pb.ACTION_KIND_REJOIN, 2)]
+        assert took < 2.5  # pushed with the round, not at the end of the 3 s hold
+        # once both joined the round there is nothing to say: the hold runs its course, answered empty
+        form_round(a, b)
+        started = time.monotonic()
+        assert a.heartbeat(wait_s=1.0) == []
+        assert time.monotonic() - started >= 0.9
+    finally:
+        m.stop(signal.SIGKILL)
+
+
+HOLDER = """
+import sys, grpc
+from phalanx.api.v1 import master_pb2 as pb, master_pb2_grpc as pb_grpc
+addr, token, node, inc = sys.argv[1:5]
+stub = pb_grpc.MasterStub(grpc.insecure_channel(addr))
+while True:
+    print("holding", flush=True)
+    req = pb.HeartbeatRequest(node_id=node, incarnation=inc, state=pb.NODE_STATE_RUNNING, round=1, wait_s=60)
+    stub.Heartbeat(req, metadata=(("authorization", "Bearer " + token),), timeout=70)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_killed_mid_heartbeat_is_left_out_before_the_heartbeat_timeout(tmp_path: Path) -> None:
+    m = Master(tmp_path, "--nodes", "1:2", "--heartbeat-interval", "1", "--heartbeat-timeout", "10")
+    try:
+        a, b = Agent(m, "node-a"), Agent(m, "node-b")
+        a.register(), b.register()
+        form_round(a, b)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, m.grpc, TOKEN, b.node_id, b.incarnation],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "holding"
+        time.sleep(0.3)  # its heartbeat is now held by the master
+        holder.kill()  # SIGKILL: the kernel closes its connection
+        holder.wait(10)
+        holder.stdout.close()
+        m.wait_for(lambda job: job["phase"] == "Restarting", timeout=8.0, what="a new round")
+        events = [e["kind"] for e in m.events()]
+        assert "node_disconnected" in events
+        assert "node_lost" not in events
+        node_b = next(n for n in m.client.get("/v1/nodes").json()["nodes"] if n["node_id"] == "node-b")
+        assert node_b["status"] == "alive"
+        assert node_b["disconnected_unix"] is not None
+        # the survivor forms the next round alone, without waiting for b
+        assert [x.kind for x in a.heartbeat()] == [pb.ACTION_KIND_REJOIN]
+        assert a.get(a.join(5001)).status == pb.RENDEZVOUS_STATUS_COMPLETE
+        assert m.job()["members"] == ["node-a"]
+    finally:
+        m.stop(signal.SIGKILL)
 
 
 @pytest.mark.timeout(60)

@@ -3,6 +3,10 @@
 It runs on its own thread so that a slow stop of workers or a long rendezvous poll never delays a
 heartbeat, and a master that is away (restarting) only makes it back off: the workers keep running.
 Actions from heartbeat responses are queued for the supervisor's loop.
+
+Each heartbeat asks the master to hold its answer for up to one interval: an action (a new round) then
+arrives the moment the master decides it, and since a heartbeat is nearly always in flight, the master
+learns that this process died from its connection closing instead of from a heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from phalanx.api.settings import LogSettings
 from phalanx.api.v1 import master_pb2 as pb
 
 log = logging.getLogger("phalanx.agent")
+
+HEARTBEAT_TIMEOUT_S = 2.0  # how long an answer may take beyond the hold
 
 
 class LogShipper:
@@ -119,9 +125,9 @@ class Link(threading.Thread):
         self._stop.set()
 
     def beat_now(self) -> None:
-        self._beat()
+        self._beat(wait_s=0.0)
 
-    def _beat(self) -> None:
+    def _beat(self, *, wait_s: float) -> None:
         with self._lock:
             req = pb.HeartbeatRequest(
                 node_id=self._node_id,
@@ -131,8 +137,9 @@ class Link(threading.Thread):
                 ranks=list(self._ranks),
                 restart_count=self._restart_count,
                 sent_unix_ns=time.time_ns(),
+                wait_s=wait_s,
             )
-        resp = self._client.heartbeat(req)
+        resp = self._client.heartbeat(req, timeout=wait_s + HEARTBEAT_TIMEOUT_S)
         self.last_ok = time.monotonic()
         self.master_round = resp.round
         for action in resp.actions:
@@ -156,11 +163,12 @@ class Link(threading.Thread):
     def run(self) -> None:
         failures = 0
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
-                self._beat()
+                self._beat(wait_s=self.interval_s)
                 self._ship()
                 failures = 0
-                wait = self.interval_s
+                wait = self.interval_s - (time.monotonic() - started)  # a held heartbeat waited already
             except UnknownNodeError:
                 log.warning("master does not know this incarnation; registering again")
                 try:

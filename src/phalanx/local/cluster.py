@@ -166,7 +166,7 @@ class LocalCluster:
         kind, node = ev.get("kind", ""), ev.get("node", "")
         text = f"{kind:<18} {node:<8} {ev.get('message', '')}".rstrip()
         self.say(f"event {text}")
-        if kind in ("failure", "node_lost", "hang", "eviction_requested"):
+        if kind in ("failure", "node_disconnected", "node_lost", "hang", "eviction_requested"):
             for f in self.summary.failures:
                 if f.detected_at is None and (not node or node == f.node) and f.kind != "kill-master":
                     f.detected_at = ev["at"]

@@ -1,5 +1,6 @@
 """The job's state, its bookkeeping and everything that happens with time (heartbeat timeouts, last
-calls, hang-analysis and min-nodes timeouts). :class:`phalanx.master.job.Job` adds the agent requests.
+calls, hang-analysis and min-nodes timeouts, absent nodes). :class:`phalanx.master.job.Job` adds the agent
+requests.
 
 Pure: every method takes ``now`` and does no I/O (see :mod:`phalanx.master.job`).
 """
@@ -18,7 +19,7 @@ from phalanx.master import snapshot
 from phalanx.master.checkpoints import CheckpointTracker
 from phalanx.master.errors import RequestError
 from phalanx.master.events import EventLog
-from phalanx.master.membership import ALIVE, EVICTED, LOST, Node, expired
+from phalanx.master.membership import ALIVE, EVICTED, LOST, Node, absent, expired
 from phalanx.master.policy import FailureRecord
 from phalanx.master.stats import JobStats
 
@@ -71,6 +72,9 @@ class JobCore:
         self.durable_version = 0
         self.status_version = 0
         self.round_version = 0
+        self.action_version = 0
+        """Moves whenever some node may have a new action (a round opened, one-shot actions, EXIT): held
+        heartbeats wake up on it."""
         if saved is not None:
             self._restore(saved, now=now)
             # Events after the last save died with the old master; skipping ahead keeps every seq a poller
@@ -143,6 +147,11 @@ class JobCore:
         if durable:
             self.durable_version += 1
 
+    def _push(self, node: Node, actions: list[pb.Action]) -> None:
+        """Queues one-shot actions for ``node``'s next (or held) heartbeat response."""
+        node.pending.extend(actions)
+        self.action_version += 1
+
     def _event(
         self, kind: str, *, now: float, node: str = "", rank: int = -1, round: int = -1, message: str = ""
     ) -> None:
@@ -196,6 +205,7 @@ class JobCore:
             "job %s: %s", phase.lower(), reason, extra={"round": self.round_number}
         )
         self.round_version += 1
+        self.action_version += 1
         self._changed(durable=True)
 
     def _open_round(self, why: str, *, now: float) -> None:
@@ -208,12 +218,14 @@ class JobCore:
             self.phase = "Restarting"
         self._event("round_open", now=now, round=self.next_round, message=why)
         rdzv_log.info("round %d open: %s", self.next_round, why, extra={"round": self.next_round})
+        self.action_version += 1
         self._changed(durable=True)
 
     def _request_eviction(self, node: Node, *, kind: str, reason: str, now: float) -> bool:
         """Records an eviction request; False (and the job fails) when the budget is spent."""
         node.status = EVICTED if kind != "heartbeat_timeout" else LOST
         node.exit_reason = f"evicted: {reason}"
+        self.action_version += 1  # its agent, if still there, is told to exit
         self.joiners.pop(node.node_id, None)
         if len(self.evictions) >= self.settings.restart.max_evictions:
             self._finish(
@@ -291,6 +303,8 @@ class JobCore:
             self._lose(self.nodes[node_id], now=now)
             if self.finished:
                 return
+        for node_id in self.absent(now=now):
+            self._leave_out(self.nodes[node_id], now=now)
         if self.hang is not None and now - float(self.hang["requested_at"]) > hb.timeout_s:
             self._analyze_hang(now=now)
         self._maybe_complete(now=now)
@@ -320,12 +334,38 @@ class JobCore:
         if self._request_eviction(node, kind="heartbeat_timeout", reason=reason, now=now) and was_member:
             self._open_round(f"{node.node_id} lost", now=now)
 
+    def absent(self, *, now: float) -> list[str]:
+        """Live nodes whose agent is most likely gone (see :func:`phalanx.master.membership.absent`); the
+        grace is one heartbeat interval, within which a live agent whose connection broke heartbeats again."""
+        return absent(self.nodes.values(), now=now, grace_s=self.settings.heartbeat.interval_s)
+
+    def _leave_out(self, node: Node, *, now: float) -> None:
+        """Stops waiting for an absent node, once per disconnection: a member's absence opens a new round at
+        once instead of after the heartbeat timeout, and an open round completes without it. It stays alive:
+        back within the heartbeat timeout, it joins again; silent until then, it is lost as usual."""
+        if node.absence_handled == node.disconnected_at:
+            return
+        node.absence_handled = node.disconnected_at
+        self._event(
+            "node_disconnected",
+            now=now,
+            node=node.node_id,
+            message="its connection closed and it was not heard from since",
+        )
+        failure_log.warning(
+            "node disconnected: leaving it out of the rendezvous",
+            extra={"node": node.node_id, "round": self.round_number},
+        )
+        self.joiners.pop(node.node_id, None)
+        if node.node_id in self.members and not self.finished:
+            self._open_round(f"{node.node_id} disconnected", now=now)
+
     def _maybe_complete(self, *, now: float) -> None:
         if not self.round_open or self.finished or not self.joiners:
             return
         if not rdzv.should_complete(
             joiners=self.joiners,
-            expected=[n.node_id for n in self.alive()],
+            expected=[n.node_id for n in self.alive() if n.node_id not in self.absent(now=now)],
             opened_at=self.opened_at,
             now=now,
             settings=self.settings.rendezvous,

@@ -26,6 +26,7 @@ KINDS = (
     "node_joined",
     "round_open",
     "round_complete",
+    "node_disconnected",
     "node_lost",
     "failure",
     "restart",

@@ -38,17 +38,19 @@ rename or remove one.
 
 ``GET /v1/nodes`` -> ``{"nodes": [{node_id, incarnation, host, machine, nproc, agent_version, status
 (alive|lost|evicted), state (idle|rendezvous|running|restarting|succeeded|failed), round,
-last_heartbeat_unix, heartbeat_age_s, ranks: [{rank, local_rank, step, step_unix, beacon_age_s, pid}],
-agent_restarts, memory_checkpoint_step, probes: {matmul|allgather: [{peer_node_id, ok, elapsed_s, rate,
-error, unix, probe_round}]}, exit_reason, member: bool, group_rank: int (-1 if not a member), hang_count}]}``
+last_heartbeat_unix, heartbeat_age_s, disconnected_unix (when a held heartbeat's connection closed
+and the node was not heard from since, else null), ranks: [{rank, local_rank, step, step_unix,
+beacon_age_s, pid}], agent_restarts, memory_checkpoint_step, probes: {matmul|allgather: [{peer_node_id,
+ok, elapsed_s, rate, error, unix, probe_round}]}, exit_reason, member: bool, group_rank: int (-1 if not a
+member), hang_count}]}``
 
 ``GET /v1/events?since=SEQ&limit=N`` -> ``{"events": [{seq, unix, kind, node, rank, round, message}],
 "next_seq": int}``: events with ``seq > since``, oldest first. ``seq`` increases by one per event and
 jumps forward (never back) when the master restarts; kinds
 are listed in :data:`phalanx.master.events.KINDS` (job_started, master_resumed, node_registered,
-node_replaced, node_joined, round_open, round_complete, node_lost, failure, restart, eviction_requested,
-hang, hang_analysis, checkpoint_committed, checkpoint_failed, node_completed, job_succeeded, job_failed,
-probe_started, probe_finished, probe_failed, straggler).
+node_replaced, node_joined, round_open, round_complete, node_disconnected, node_lost, failure, restart,
+eviction_requested, hang, hang_analysis, checkpoint_committed, checkpoint_failed, node_completed,
+job_succeeded, job_failed, probe_started, probe_finished, probe_failed, straggler).
 
 ``POST /v1/probe`` -> 202 ``{"probe": <the probe field of /v1/job>}`` once a probe round started; 409
 ``{"error": str}`` when none can start (probes disabled, no running round, a probe round running, no

@@ -105,6 +105,23 @@ class Job(ProbeCore):
     def heartbeat(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:
         node = self._node(req.node_id, req.incarnation)
         self.stats.heartbeats += 1
+        if self._exitaction(node, req.incarnation) is None:
+            node.last_seen = now
+            node.state = req.state
+            node.hb_round = req.round
+            node.agent_restarts = req.restart_count
+            if req.ranks:
+                node.ranks = list(req.ranks)
+                top = max(r.step for r in req.ranks)
+                if top > self.max_step:
+                    self.max_step = top
+                    self._changed()
+        return self.heartbeat_answer(req, now=now)
+
+    def heartbeat_answer(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:
+        """The response to a heartbeat: what the job has for the node now (a held heartbeat asks again
+        whenever :attr:`action_version` moves). Taking the one-shot actions is its only effect."""
+        node = self._node(req.node_id, req.incarnation)
         resp = pb.HeartbeatResponse(
             round=self.round_number, committed_checkpoint_step=self.checkpoints.committed
         )
@@ -112,16 +129,7 @@ class Job(ProbeCore):
         if leave is not None:
             resp.actions.append(leave)
             return resp
-        node.last_seen = now
-        node.state = req.state
-        node.hb_round = req.round
-        node.agent_restarts = req.restart_count
-        if req.ranks:
-            node.ranks = list(req.ranks)
-            top = max(r.step for r in req.ranks)
-            if top > self.max_step:
-                self.max_step = top
-                self._changed()
+        node.last_seen = max(node.last_seen, now)  # connected all along while held
         if node.pending:
             resp.actions.extend(node.pending)
             node.pending.clear()
@@ -136,6 +144,13 @@ class Job(ProbeCore):
                 action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason="a new round is open")
             )
         return resp
+
+    def disconnected(self, req: pb.HeartbeatRequest, *, now: float) -> None:
+        """The connection of a held heartbeat closed before its answer: the agent most likely died. The
+        node becomes absent if it is not heard from within the grace (see :meth:`tick`)."""
+        node = self.nodes.get(req.node_id)
+        if node is not None and node.incarnation == req.incarnation and node.status == ALIVE:
+            node.disconnected_at = now
 
     def join(self, req: pb.JoinRendezvousRequest, *, now: float) -> pb.JoinRendezvousResponse:
         node = self._node(req.node_id, req.incarnation)
@@ -298,8 +313,13 @@ class Job(ProbeCore):
         }
         for member in self.members:
             if member != node_id and member in self.nodes:
-                self.nodes[member].pending.append(
-                    action(pb.ACTION_KIND_DUMP_STACKS, round=self.round_number, reason=f"hang on {node_id}")
+                self._push(
+                    self.nodes[member],
+                    [
+                        action(
+                            pb.ACTION_KIND_DUMP_STACKS, round=self.round_number, reason=f"hang on {node_id}"
+                        )
+                    ],
                 )
         self._event("hang", now=now, node=node_id, message="asked every member for its stacks")
 

@@ -4,6 +4,11 @@ A node is ``alive`` from RegisterNode until it is silent for the heartbeat timeo
 (``evicted``) or leaves after the job ended (``exited``). A new incarnation of a node id replaces the old
 record; the old incarnation's id is remembered so a late heartbeat from it is told to exit instead of
 being mistaken for garbage.
+
+An alive node is ``absent`` when the connection of its held heartbeat closed before the answer and it was
+not heard from for a grace period since: its agent process is most likely gone (a SIGKILLed agent's
+sockets close at once), so the rendezvous stops waiting for it long before the heartbeat timeout decides
+whether it is lost.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 from phalanx.api.v1 import master_pb2 as pb
 
-__all__ = ["ALIVE", "EVICTED", "LOST", "Node", "expired"]
+__all__ = ["ALIVE", "EVICTED", "LOST", "Node", "absent", "expired"]
 
 ALIVE = "alive"
 LOST = "lost"
@@ -45,6 +50,10 @@ class Node:
     """One-shot actions for the next heartbeat response (DUMP_STACKS)."""
     exit_reason: str = ""
     old_incarnations: list[str] = field(default_factory=list)
+    disconnected_at: float = 0.0
+    """When a held heartbeat's connection closed before its answer (0: never). Any request since clears it."""
+    absence_handled: float = 0.0
+    """The ``disconnected_at`` the master already acted on, so that one disconnection opens one round."""
 
     def durable(self) -> dict[str, Any]:
         return {
@@ -87,6 +96,7 @@ class Node:
             "round": self.hb_round,
             "last_heartbeat_unix": self.last_seen,
             "heartbeat_age_s": max(0.0, now - self.last_seen),
+            "disconnected_unix": self.disconnected_at if self.disconnected_at > self.last_seen else None,
             "ranks": [
                 {
                     "rank": r.rank,
@@ -103,6 +113,16 @@ class Node:
             "probes": self.probes,
             "exit_reason": self.exit_reason,
         }
+
+
+def absent(nodes: Iterable[Node], *, now: float, grace_s: float) -> list[str]:
+    """Ids of live nodes whose connection closed more than ``grace_s`` ago and that were not heard from
+    since (a live agent whose connection broke sends its next heartbeat within the grace)."""
+    return [
+        n.node_id
+        for n in nodes
+        if n.status == ALIVE and n.disconnected_at > n.last_seen and now - n.disconnected_at > grace_s
+    ]
 
 
 def expired(nodes: Iterable[Node], *, now: float, timeout_s: float) -> list[str]:

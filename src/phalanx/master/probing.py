@@ -206,7 +206,7 @@ class ProbeCore(JobCore):
         self.last_probe_at = now
         reason = f"probe round {probe.id} ({trigger})"
         for node_id in members:
-            self.nodes[node_id].pending.extend(run_probe_actions(probe, store=r, reason=reason))
+            self._push(self.nodes[node_id], run_probe_actions(probe, store=r, reason=reason))
         self._event("probe_started", now=now, message=f"{reason}: {', '.join(members)}")
         log.info("%s started on %d nodes", reason, len(members), extra={"round": r.number})
         return probe

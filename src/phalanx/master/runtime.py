@@ -4,7 +4,8 @@ One asyncio event loop runs everything; job methods are synchronous and never aw
 needed around the job. After every request and every tick, :meth:`Runtime.after` looks at the job's
 version counters and
 
-* wakes GetRendezvous long-polls when a round completed (``round_version``),
+* wakes GetRendezvous long-polls when a round completed (``round_version``) and held heartbeats when
+  some node may have a new action (``action_version``),
 * hands the durable state to the saver task when it changed (``durable_version``): the saver writes the
   newest snapshot in a worker thread, so a burst of changes costs one write, never one per heartbeat,
 * and the publisher task sends the status to the :class:`~phalanx.master.state.StatusSink` at most
@@ -46,6 +47,8 @@ class Runtime:
         self.metrics = MasterMetrics(job, logs, loop_lag=self.loop_lag_s)
         self._round_event = asyncio.Event()
         self._seen_round = job.round_version
+        self._action_event = asyncio.Event()
+        self._seen_actions = job.action_version
         self._dirty = asyncio.Event()
         self._saved_version = job.durable_version if resumed else -1
         self._saved = asyncio.Condition()
@@ -64,12 +67,22 @@ class Runtime:
             self._seen_round = job.round_version
             event, self._round_event = self._round_event, asyncio.Event()
             event.set()
+        if job.action_version != self._seen_actions:
+            self._seen_actions = job.action_version
+            event, self._action_event = self._action_event, asyncio.Event()
+            event.set()
         if job.durable_version != self._saved_version:
             self._dirty.set()
 
     async def round_changed(self, limit_s: float) -> None:
         """Returns when a round completes or the job ends, or after ``limit_s`` seconds."""
         event = self._round_event
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), limit_s)
+
+    async def actions_changed(self, limit_s: float) -> None:
+        """Returns when some node may have a new action, or after ``limit_s`` seconds."""
+        event = self._action_event
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), limit_s)
 

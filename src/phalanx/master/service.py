@@ -7,6 +7,10 @@ a node that may no longer take part (evicted) gets ``FAILED_PRECONDITION``. Requ
 ``max_request_bytes`` are refused by gRPC itself (``RESOURCE_EXHAUSTED``). None of these disturbs the
 server.
 
+Heartbeat may be held (``wait_s``, at most one heartbeat interval) until the job has an action for the
+node: a new round reaches a held agent the moment it opens. A held heartbeat whose connection closes before
+the answer marks the node disconnected (see :mod:`phalanx.master.membership`).
+
 GetRendezvous is a long-poll: while the round is still gathering, the call is held until it completes or
 ``min(wait_s, long_poll_max_s)`` passes, then answered WAITING. A COMPLETE answer goes out only after
 the round is durable, so a master killed right after it resumes with the same round.
@@ -14,6 +18,7 @@ the round is durable, so a master killed right after it resumes with the same ro
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +37,9 @@ from phalanx.master.validate import validate
 __all__ = ["AuthInterceptor", "MasterService", "add_to_server"]
 
 Resp = TypeVar("Resp")
+
+# A held heartbeat cancelled with less time than this left before the client's deadline ran out by it.
+_DEADLINE_SLACK_S = 0.1
 
 _CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
@@ -115,10 +123,33 @@ class MasterService(pb_grpc.MasterServicer):
         )
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: aio.ServicerContext) -> Any:
-        job = self._rt.job
-        return await self._run(
-            "Heartbeat", request, context, lambda: job.heartbeat(request, now=self._rt.now())
+        rt = self._rt
+        answer = await self._run(
+            "Heartbeat", request, context, lambda: rt.job.heartbeat(request, now=rt.now())
         )
+        deadline = time.monotonic() + min(request.wait_s, rt.job.settings.heartbeat.interval_s)
+        try:
+            while not answer.actions:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                await rt.actions_changed(remaining)
+                answer = await self._run(
+                    "Heartbeat",
+                    request,
+                    context,
+                    lambda: rt.job.heartbeat_answer(request, now=rt.now()),
+                    timed=False,
+                )
+        except asyncio.CancelledError:
+            # Cancelled before the client's deadline and not by our own shutdown: the connection closed,
+            # which a SIGKILLed agent's kernel does at once.
+            left = context.time_remaining()
+            if not rt.stopping.is_set() and (left is None or left > _DEADLINE_SLACK_S):
+                rt.job.disconnected(request, now=rt.now())
+                rt.after()
+            raise
+        return answer
 
     async def JoinRendezvous(self, request: pb.JoinRendezvousRequest, context: aio.ServicerContext) -> Any:
         job = self._rt.job

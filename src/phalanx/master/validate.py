@@ -42,6 +42,11 @@ def _nproc(value: int) -> None:
         raise RequestError(f"nproc_per_node must be between 1 and {MAX_NPROC}, got {value}")
 
 
+def _wait(value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise RequestError(f"wait_s must be a non-negative number, got {value}")
+
+
 def _count(name: str, items: Any, limit: int) -> None:
     if len(items) > limit:
         raise RequestError(f"too many {name}: {len(items)} (at most {limit})")
@@ -62,6 +67,7 @@ def validate(request: Any) -> None:
     if isinstance(request, pb.HeartbeatRequest):
         _round(request.round)
         _count("ranks", request.ranks, MAX_RANKS)
+        _wait(request.wait_s)
     elif isinstance(request, pb.JoinRendezvousRequest):
         _nproc(request.nproc_per_node)
         if not request.store_host or len(request.store_host) > 253:
@@ -71,8 +77,7 @@ def validate(request: Any) -> None:
         _round(request.last_round)
     elif isinstance(request, pb.GetRendezvousRequest):
         _round(request.round)
-        if not math.isfinite(request.wait_s) or request.wait_s < 0:
-            raise RequestError(f"wait_s must be a non-negative number, got {request.wait_s}")
+        _wait(request.wait_s)
     elif isinstance(request, pb.ReportFailureRequest):
         _round(request.round)
         _count("failures", request.failures, MAX_RANKS)

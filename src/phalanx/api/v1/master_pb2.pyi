@@ -477,6 +477,7 @@ class HeartbeatRequest(_message.Message):
     RANKS_FIELD_NUMBER: _builtins.int
     RESTART_COUNT_FIELD_NUMBER: _builtins.int
     SENT_UNIX_NS_FIELD_NUMBER: _builtins.int
+    WAIT_S_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     incarnation: _builtins.str
     state: Global___NodeState.ValueType
@@ -486,6 +487,11 @@ class HeartbeatRequest(_message.Message):
     """Worker restarts carried out by this agent so far."""
     sent_unix_ns: _builtins.int
     """Agent clock when sent."""
+    wait_s: _builtins.float
+    """How long the master may hold the response until it has an action for the node (0: answer at once;
+    the master holds at most one heartbeat interval). A held heartbeat delivers a new round the moment it
+    opens, and its connection closing before the answer tells the master the agent is gone.
+    """
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankProgress]:
         """Progress of each local worker."""
@@ -500,10 +506,11 @@ class HeartbeatRequest(_message.Message):
         ranks: _abc.Iterable[Global___RankProgress] | None = ...,
         restart_count: _builtins.int = ...,
         sent_unix_ns: _builtins.int = ...,
+        wait_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "node_id", b"node_id", "ranks", b"ranks", "restart_count", b"restart_count", "round", b"round", "sent_unix_ns", b"sent_unix_ns", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "node_id", b"node_id", "ranks", b"ranks", "restart_count", b"restart_count", "round", b"round", "sent_unix_ns", b"sent_unix_ns", "state", b"state", "wait_s", b"wait_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
