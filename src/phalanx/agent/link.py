@@ -2,7 +2,8 @@
 
 It runs on its own thread so that a slow stop of workers or a long rendezvous poll never delays a
 heartbeat, and a master that is away (restarting) only makes it back off: the workers keep running.
-Actions from heartbeat responses are queued for the supervisor's loop.
+Actions from heartbeat responses are queued for the supervisor's loop; worker log lines are shipped by a
+second thread.
 
 Each heartbeat asks the master to hold its answer for up to one interval: an action (a new round) then
 arrives the moment the master decides it, and since a heartbeat is nearly always in flight, the master
@@ -12,6 +13,7 @@ learns that this process died from its connection closing instead of from a hear
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import random
@@ -160,13 +162,19 @@ class Link(threading.Thread):
             self._shipper.put_back(batch, dropped)
             raise
 
+    def _ship_loop(self) -> None:
+        # Apart from the heartbeats, so that shipping never leaves a gap without a held heartbeat.
+        while not self._stop.wait(self.interval_s):
+            with contextlib.suppress(PhalanxError):  # put back; the heartbeats report an unreachable master
+                self._ship()
+
     def run(self) -> None:
+        threading.Thread(target=self._ship_loop, daemon=True, name="phalanx-logs").start()
         failures = 0
         while not self._stop.is_set():
             started = time.monotonic()
             try:
                 self._beat(wait_s=self.interval_s)
-                self._ship()
                 failures = 0
                 wait = self.interval_s - (time.monotonic() - started)  # a held heartbeat waited already
             except UnknownNodeError:

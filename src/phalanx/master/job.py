@@ -311,16 +311,10 @@ class Job(ProbeCore):
             "members": self.members,
             "stacks": {},
         }
+        dump = action(pb.ACTION_KIND_DUMP_STACKS, round=self.round_number, reason=f"hang on {node_id}")
         for member in self.members:
             if member != node_id and member in self.nodes:
-                self._push(
-                    self.nodes[member],
-                    [
-                        action(
-                            pb.ACTION_KIND_DUMP_STACKS, round=self.round_number, reason=f"hang on {node_id}"
-                        )
-                    ],
-                )
+                self._push(self.nodes[member], [dump])
         self._event("hang", now=now, node=node_id, message="asked every member for its stacks")
 
     def report_completion(self, req: pb.ReportCompletionRequest, *, now: float) -> pb.Action:
