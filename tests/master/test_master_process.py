@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -165,13 +166,23 @@ def test_two_agents_rendezvous_fail_rejoin_complete(master: Master) -> None:
     assert TOKEN not in master.stderr()
 
 
-@pytest.mark.timeout(60)
-def test_a_held_heartbeat_is_answered_the_moment_a_new_round_opens(tmp_path: Path) -> None:
-    m = Master(tmp_path, "--nodes", "2:2", "--heartbeat-interval", "3", "--heartbeat-timeout", "9")
+@contextlib.contextmanager
+def pair_in_a_round(tmp: Path, *flags: str) -> Iterator[tuple[Master, Agent, Agent]]:
+    """A master started with ``flags`` and two fake agents that formed round 1."""
+    m = Master(tmp, *flags)
     try:
         a, b = Agent(m, "node-a"), Agent(m, "node-b")
         a.register(), b.register()
         form_round(a, b)
+        yield m, a, b
+    finally:
+        m.stop(signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_a_held_heartbeat_is_answered_the_moment_a_new_round_opens(tmp_path: Path) -> None:
+    flags = ("--nodes", "2:2", "--heartbeat-interval", "3", "--heartbeat-timeout", "9")
+    with pair_in_a_round(tmp_path, *flags) as (_, a, b):
         held: list[tuple[float, list[pb.Action]]] = []
 
         def hold() -> None:
@@ -193,8 +204,6 @@ def test_a_held_heartbeat_is_answered_the_moment_a_new_round_opens(tmp_path: Pat
         started = time.monotonic()
         assert a.heartbeat(wait_s=1.0) == []
         assert time.monotonic() - started >= 0.9
-    finally:
-        m.stop(signal.SIGKILL)
 
 
 HOLDER = """
@@ -211,11 +220,8 @@ while True:
 
 @pytest.mark.timeout(60)
 def test_an_agent_killed_mid_heartbeat_is_left_out_before_the_heartbeat_timeout(tmp_path: Path) -> None:
-    m = Master(tmp_path, "--nodes", "1:2", "--heartbeat-interval", "1", "--heartbeat-timeout", "10")
-    try:
-        a, b = Agent(m, "node-a"), Agent(m, "node-b")
-        a.register(), b.register()
-        form_round(a, b)
+    flags = ("--nodes", "1:2", "--heartbeat-interval", "1", "--heartbeat-timeout", "10")
+    with pair_in_a_round(tmp_path, *flags) as (m, a, b):
         holder = subprocess.Popen(
             [sys.executable, "-c", HOLDER, m.grpc, TOKEN, b.node_id, b.incarnation],
             stdout=subprocess.PIPE,
@@ -238,8 +244,6 @@ def test_an_agent_killed_mid_heartbeat_is_left_out_before_the_heartbeat_timeout(
         assert [x.kind for x in a.heartbeat()] == [pb.ACTION_KIND_REJOIN]
         assert a.get(a.join(5001)).status == pb.RENDEZVOUS_STATUS_COMPLETE
         assert m.job()["members"] == ["node-a"]
-    finally:
-        m.stop(signal.SIGKILL)
 
 
 @pytest.mark.timeout(60)
