@@ -86,3 +86,33 @@ def test_can_grow() -> None:
     assert not can_grow(members=2, waiting=1, settings=s)
     assert can_grow(members=2, waiting=2, settings=s)
     assert not can_grow(members=4, waiting=3, settings=s)
+
+
+def test_a_reformed_round_of_survivors_completes_without_the_last_call() -> None:
+    js = joiners(("a", 0.0), ("b", 0.2))
+
+    def reformed(now: float, *, expected: list[str], previous: list[str]) -> bool:
+        return should_complete(
+            joiners=js,
+            expected=expected,
+            opened_at=0.0,
+            now=now,
+            settings=S,
+            straggler_wait_s=10.0,
+            previous=previous,
+        )
+
+    assert reformed(0.2, expected=["a", "b"], previous=["a", "b", "c"])  # c is gone: nobody else to wait for
+    assert not reformed(0.2, expected=["a", "b", "d"], previous=["a", "b", "c"])  # d registered, not joined
+    assert check(js, 1.2)  # the first round of a job still gives late starters the last call ...
+    assert not check(js, 0.2)
+    newcomer = joiners(("a", 0.0), ("n", 0.2))  # ... and so does a round with a newcomer in it
+    assert not should_complete(
+        joiners=newcomer,
+        expected=["a", "n"],
+        opened_at=0.0,
+        now=0.2,
+        settings=S,
+        straggler_wait_s=10.0,
+        previous=["a", "b"],
+    )

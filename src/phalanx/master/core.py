@@ -370,6 +370,7 @@ class JobCore:
             now=now,
             settings=self.settings.rendezvous,
             straggler_wait_s=self.settings.heartbeat.timeout_s,
+            previous=self.members,
         ):
             return
         new = rdzv.form_round(

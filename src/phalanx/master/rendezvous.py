@@ -3,6 +3,9 @@
 A round gathers *joiners*. It completes
 
 * at once when ``max_nodes`` joined;
+* at once when it re-forms a running job and every node the master expects has joined, all of them
+  members of the previous round: the last call waits for newcomers, and a re-formed round expects none
+  (a replacement that arrives later joins by scale up). Every recovery would otherwise pay it;
 * otherwise when at least ``min_nodes`` joined, no node joined for ``last_call_s``, and every node the
   master expects (every live registered node) has joined;
 * or, when some live node still has not joined, once the round has been open for ``straggler_wait_s``
@@ -84,11 +87,15 @@ def should_complete(
     now: float,
     settings: RendezvousSettings,
     straggler_wait_s: float,
+    previous: Collection[str] = (),
 ) -> bool:
-    """Whether the open round completes now (see the module docstring for the rule)."""
+    """Whether the open round completes now (see the module docstring for the rule); ``previous``: the
+    members of the round before it (none for the job's first round)."""
     if usable(len(joiners), settings) < settings.min_nodes:
         return False
     if len(joiners) >= settings.max_nodes:
+        return True
+    if previous and set(joiners) == set(expected) and set(joiners) <= set(previous):
         return True
     last_join = max(j.joined_at for j in joiners.values())
     if now - last_join < settings.last_call_s:
