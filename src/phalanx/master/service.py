@@ -116,6 +116,27 @@ class MasterService(pb_grpc.MasterServicer):
         self._rt.after()
         return result
 
+    async def _long_poll(
+        self,
+        method: str,
+        request: Any,
+        context: aio.ServicerContext,
+        ask: Callable[[], Resp],
+        *,
+        done: Callable[[Resp], bool],
+        changed: Callable[[float], Awaitable[None]],
+        wait_s: float,
+    ) -> Resp:
+        """Asks the job until ``done(answer)`` or ``wait_s`` passed, asking again whenever ``changed``
+        returns (it returns when the job moved, or when the time it is given ran out)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            answer = await self._run(method, request, context, ask, timed=False)
+            remaining = deadline - time.monotonic()
+            if done(answer) or remaining <= 0:
+                return answer
+            await changed(remaining)
+
     async def RegisterNode(self, request: pb.RegisterNodeRequest, context: aio.ServicerContext) -> Any:
         job = self._rt.job
         return await self._run(
@@ -127,20 +148,18 @@ class MasterService(pb_grpc.MasterServicer):
         answer = await self._run(
             "Heartbeat", request, context, lambda: rt.job.heartbeat(request, now=rt.now())
         )
-        deadline = time.monotonic() + min(request.wait_s, rt.job.settings.heartbeat.interval_s)
+        if answer.actions or request.wait_s <= 0:
+            return answer
         try:
-            while not answer.actions:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                await rt.actions_changed(remaining)
-                answer = await self._run(
-                    "Heartbeat",
-                    request,
-                    context,
-                    lambda: rt.job.heartbeat_answer(request, now=rt.now()),
-                    timed=False,
-                )
+            return await self._long_poll(
+                "Heartbeat",
+                request,
+                context,
+                lambda: rt.job.heartbeat_answer(request, now=rt.now()),
+                done=lambda a: bool(a.actions),
+                changed=rt.actions_changed,
+                wait_s=min(request.wait_s, rt.job.settings.heartbeat.interval_s),
+            )
         except asyncio.CancelledError:
             # Cancelled before the client's deadline and not by our own shutdown: the connection closed,
             # which a SIGKILLed agent's kernel does at once.
@@ -149,7 +168,6 @@ class MasterService(pb_grpc.MasterServicer):
                 rt.job.disconnected(request, now=rt.now())
                 rt.after()
             raise
-        return answer
 
     async def JoinRendezvous(self, request: pb.JoinRendezvousRequest, context: aio.ServicerContext) -> Any:
         job = self._rt.job
@@ -160,20 +178,15 @@ class MasterService(pb_grpc.MasterServicer):
     async def GetRendezvous(self, request: pb.GetRendezvousRequest, context: aio.ServicerContext) -> Any:
         rt = self._rt
         start = time.perf_counter()
-        wait_s = min(request.wait_s, rt.job.settings.long_poll_max_s)
-        deadline = time.monotonic() + wait_s
-        while True:
-            answer = await self._run(
-                "GetRendezvous",
-                request,
-                context,
-                lambda: rt.job.get_rendezvous(request, now=rt.now()),
-                timed=False,
-            )
-            remaining = deadline - time.monotonic()
-            if answer.response.status != pb.RENDEZVOUS_STATUS_WAITING or remaining <= 0:
-                break
-            await rt.round_changed(remaining)
+        answer = await self._long_poll(
+            "GetRendezvous",
+            request,
+            context,
+            lambda: rt.job.get_rendezvous(request, now=rt.now()),
+            done=lambda a: a.response.status != pb.RENDEZVOUS_STATUS_WAITING,
+            changed=rt.round_changed,
+            wait_s=min(request.wait_s, rt.job.settings.long_poll_max_s),
+        )
         if answer.response.status == pb.RENDEZVOUS_STATUS_COMPLETE:
             await rt.wait_saved(answer.durable_version)
         self._timers["GetRendezvous"].observe(time.perf_counter() - start)
