@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from phalanx.checkpoint import storage as storage_lib
-from tests.agent.helpers import DDP
+from tests.agent.helpers import DDP, phalanx_local
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 SHM = Path("/dev/shm")
+STRADDLE = Path(__file__).with_name("straddle_worker.py")
 
 
 def _job_leftovers(job_id: str) -> list[Path]:
@@ -169,6 +170,59 @@ def test_save_at_breakpoint_persists_and_master_learns_it(tmp_path: Path) -> Non
         master.wait(10)
         if master.stdout is not None:
             master.stdout.close()
+
+
+@pytest.mark.timeout(150)
+def test_nodes_that_straddle_a_step_commit_the_step_they_all_hold(tmp_path: Path) -> None:
+    """Ranks 0 and 1 hold steps 10 and 11, ranks 2 and 3 steps 9 and 10, when rank 0 crashes. Each node
+    alone would persist its newest and no step would have all four shards. The master settles on step 10
+    once both nodes reported, and asks rank 0's node, which persisted 11 already, to persist 10 too."""
+    storage, run = tmp_path / "ckpt", tmp_path / "run"
+    proc = phalanx_local(
+        [
+            "--nodes", "2", "--nproc-per-node", "2", "--workdir", str(run), "--timeout", "100",
+            f"--agent-arg=--checkpoint-dir={storage}", "--",
+            str(STRADDLE), "--dir", str(tmp_path / "marks"),
+        ],
+        cwd=tmp_path,
+        timeout=130,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "checkpoint_breakpoint" in out, out
+    assert _committed_steps(storage) == [10], sorted(p.name for p in storage.rglob("*"))
+    state = json.loads((run / "master-state.json").read_text())
+    assert state["committed_checkpoint_step"] == 10, state
+    logs = (run / "node-0.log").read_text() + (run / "node-1.log").read_text()
+    assert "persisted step 10 of ranks [2, 3]" in logs, logs
+    # Rank 0's node reports first (the other node hears of the failure from the master after that) and
+    # persists 11; the master then asks it for 10. Should the other node report first on a loaded machine,
+    # rank 0's node is answered 10 instead and never persists 11.
+    asked = "(persist step 10, the newest every node of round 1 holds): persisted step 10 of ranks [0, 1]"
+    answered = "(worker failure): step 10, which every node holds, not 11"
+    assert (asked in logs and "persisted step 11 of ranks [0, 1]" in logs) or answered in logs, logs
+
+
+@pytest.mark.timeout(150)
+def test_a_failed_job_persists_every_nodes_newest_step(tmp_path: Path) -> None:
+    """No restarts left: the job fails when rank 0 crashes. The crashed node persists its newest step, and
+    so does the other node before it leaves, so that step is committed for the job's next run."""
+    storage, run = tmp_path / "ckpt", tmp_path / "run"
+    proc = phalanx_local(
+        [
+            "--nodes", "2", "--nproc-per-node", "2", "--workdir", str(run), "--timeout", "100",
+            "--max-restarts", "0", f"--agent-arg=--checkpoint-dir={storage}", "--",
+            str(STRADDLE), "--dir", str(tmp_path / "marks"), "--lead", "0",
+        ],
+        cwd=tmp_path,
+        timeout=130,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "FAILED" in out, out
+    assert _committed_steps(storage) == [10], sorted(p.name for p in storage.rglob("*"))
+    logs = (run / "node-0.log").read_text() + (run / "node-1.log").read_text()
+    assert "save at breakpoint (leaving the job): persisted step 10" in logs, logs
 
 
 def test_sigterm_to_the_agent_releases_the_nodes_memory(tmp_path: Path) -> None:

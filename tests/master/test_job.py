@@ -183,7 +183,7 @@ def test_checkpoint_commits_when_every_rank_persisted() -> None:
             ranks=ranks,
             world_size=4,
         )
-        return sim.job.report_checkpoint(req, now=sim.now)
+        return sim.job.report_checkpoint(req, now=sim.now).committed_checkpoint_step
 
     assert persist("a", [0, 1], 10) == -1
     assert persist("b", [2, 3], 10) == 10
@@ -191,7 +191,7 @@ def test_checkpoint_commits_when_every_rank_persisted() -> None:
     failed = pb.ReportCheckpointRequest(
         node_id="b", incarnation="b-i1", step=20, state=pb.CHECKPOINT_STATE_FAILED, error="disk full"
     )
-    assert sim.job.report_checkpoint(failed, now=sim.now) == 10
+    assert sim.job.report_checkpoint(failed, now=sim.now).committed_checkpoint_step == 10
     assert sim.job.phase == "Running"
     assert sim.job.durable()["committed_checkpoint_step"] == 10
     assert "disk full" in sim.job.events.of_kind("checkpoint_failed")[0].message

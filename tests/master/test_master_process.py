@@ -286,6 +286,8 @@ def test_auth_and_malformed_requests_are_refused_and_master_keeps_serving(master
     )
     refused(s.GetRendezvous, pb.GetRendezvousRequest(node_id="n1", incarnation="i1", wait_s=float("nan")))
     refused(s.ReportCheckpoint, pb.ReportCheckpointRequest(node_id="n1", incarnation="i1", step=-4))
+    many = pb.ReportCheckpointRequest(node_id="n1", incarnation="i1", step=1, held_steps=range(100))
+    assert "held_steps" in refused(s.ReportCheckpoint, many)
     huge = pb.ReportLogsRequest(node_id="n1", incarnation="i1", lines=[pb.LogLine(text="y" * (5 << 20))])
     refused(s.ReportLogs, huge, grpc.StatusCode.RESOURCE_EXHAUSTED)
     garbage = master.channel.unary_unary("/phalanx.v1.Master/Heartbeat")

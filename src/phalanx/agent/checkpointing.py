@@ -35,6 +35,10 @@ START_LIMIT_S = 30.0
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
+Agree = Callable[[list[int], list[int], int], "int | None"]
+"""(ranks, steps they all hold, the step this node would persist) -> the step the master says every node
+of the broken round holds, or None while it does not know."""
+
 
 def _safe(name: str) -> str:
     return _UNSAFE.sub("_", name) or "x"
@@ -173,6 +177,7 @@ class NodeCheckpointHost:
         *,
         ranks: list[int],
         step: int | None = None,
+        agree: Agree | None = None,
         timeout_s: float = PERSIST_NOW_LIMIT_S,
     ) -> dict[str, Any]:
         """Persists the newest step that every one of ``ranks`` (this node's current ranks; see
@@ -182,7 +187,9 @@ class NodeCheckpointHost:
 
         The host's own ``persist_now`` takes each rank's newest snapshot, which differ by one step when a
         rank died mid-save; a step is committed on storage only when every rank wrote it, so the ranks
-        must agree on the step first."""
+        must agree on the step first. Across nodes the master settles it: ``agree`` reports what the
+        ranks hold and returns the step every node of the broken round holds, or None while the master
+        does not know it yet (see :mod:`phalanx.master.breakpoints`)."""
         if not self.running or not self.handle.storage or self.shm_dir is None:
             return {}
         slot_ranks = sorted(shm.list_job_slots(self.shm_dir, self.handle.job_id))
@@ -191,6 +198,12 @@ class NodeCheckpointHost:
         chosen = (
             agreed_step(held) if step is None else (step if all(step in s for s in held.values()) else None)
         )
+        if step is None and chosen is not None and agree is not None:
+            common = sorted(set.intersection(*held.values()))
+            told = agree(ranks, common, chosen)
+            if told is not None and told != chosen:
+                self._say(f"save at breakpoint ({reason}): step {told}, which every node holds, not {chosen}")
+                chosen = told
         if chosen is None:
             self._say(f"save at breakpoint ({reason}): no step that ranks {ranks} all hold in memory")
             return {}

@@ -97,3 +97,8 @@ class MasterClient:
 
     def report_probe(self, req: pb.ReportProbeRequest, timeout: float = 5.0) -> pb.ReportProbeResponse:
         return self._call(self._stub.ReportProbe, req, timeout)  # type: ignore[no-any-return]
+
+    def report_checkpoint(
+        self, req: pb.ReportCheckpointRequest, timeout: float = 5.0
+    ) -> pb.ReportCheckpointResponse:
+        return self._call(self._stub.ReportCheckpoint, req, timeout)  # type: ignore[no-any-return]

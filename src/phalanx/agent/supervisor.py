@@ -87,6 +87,8 @@ class Supervisor:
         self._echo_lock = threading.Lock()
         self._spawned = 0
         self.ckpt = checkpointing.NodeCheckpointHost(self.say)
+        self.breakpoint: tuple[int, list[int]] | None = None
+        """The round and ranks of the last save at breakpoint, for the master's persist requests about it."""
         self.probes = probes.ProbeExecutor(
             client=client,
             node_id=config.node_id,
@@ -302,6 +304,7 @@ class Supervisor:
                     "rendezvous",
                 )
                 if resp.status == pb.RENDEZVOUS_STATUS_COMPLETE:
+                    self._drain_exit_actions()  # a persist request for the broken round: before the workers
                     return self._round_info(resp)
                 if resp.status == pb.RENDEZVOUS_STATUS_CLOSED:
                     raise RendezvousClosedError("the job is over (rendezvous closed)")
@@ -331,7 +334,7 @@ class Supervisor:
             self.link.publish(state=state, round=round, ranks=ranks, restart_count=self.total_restarts)
 
     def _drain_exit_actions(self) -> None:
-        """While not running workers only EXIT and probes matter; the rest is stale."""
+        """While not running workers only EXIT, probes and persist requests matter; the rest is stale."""
         assert self.link is not None
         while not self.link.actions.empty():
             action = self.link.actions.get_nowait()
@@ -339,6 +342,46 @@ class Supervisor:
                 raise AgentExit(action.exit_code, action.reason or "told to exit")
             if action.kind == pb.ACTION_KIND_RUN_PROBE:  # a node between rounds is the one to probe
                 self.probes.start(action)
+            if action.kind == pb.ACTION_KIND_PERSIST_CHECKPOINT:
+                self._persist_asked(action)
+
+    def _persist_asked(self, action: pb.Action) -> None:
+        """PERSIST_CHECKPOINT, in the background (monitoring and the rendezvous go on). The host pins the
+        snapshot as soon as it is queued, so the workers' next save cannot overwrite it."""
+        ranks = self._local_ranks()
+        if action.round and self.breakpoint is not None and self.breakpoint[0] == action.round:
+            ranks = self.breakpoint[1]  # the broken round's ranks, whatever this node runs now
+        threading.Thread(
+            target=self.ckpt.save_at_breakpoint,
+            args=(action.reason or "asked by the master",),
+            kwargs={"ranks": ranks, "step": action.step or None},
+            daemon=True,
+        ).start()
+
+    def _save_at_breakpoint(self, reason: str) -> None:
+        """Persists the broken round's newest in-memory step, the one the master says every node holds
+        when it knows (see :mod:`phalanx.master.breakpoints`)."""
+        round_no, ranks = (self.round.round if self.round else 0), self._local_ranks()
+        self.breakpoint = (round_no, ranks)
+
+        def agree(slot_ranks: list[int], held: list[int], step: int) -> int | None:
+            req = pb.ReportCheckpointRequest(
+                node_id=self.config.node_id,
+                incarnation=self.incarnation,
+                step=step,
+                state=pb.CHECKPOINT_STATE_IN_MEMORY,
+                ranks=slot_ranks,
+                round=round_no,
+                held_steps=held,
+            )
+            try:
+                answer = self.client.report_checkpoint(req)
+            except TransportError as exc:
+                self.say(f"could not tell the master which steps this node holds ({exc}); persisting {step}")
+                return None
+            return answer.persist_step if answer.persist_step >= 0 else None
+
+        self.ckpt.save_at_breakpoint(reason, ranks=ranks, agree=agree if round_no else None)
 
     # -------------------------------------------------------------------------------------------------
     # monitoring
@@ -368,13 +411,8 @@ class Supervisor:
                     self._send_stacks()
                 if action.kind == pb.ACTION_KIND_RUN_PROBE:
                     self.probes.start(action)  # on its own thread: monitoring and heartbeats go on
-                if action.kind == pb.ACTION_KIND_PERSIST_CHECKPOINT:  # in the background: keep watching
-                    threading.Thread(
-                        target=self.ckpt.save_at_breakpoint,
-                        args=("asked by the master",),
-                        kwargs={"ranks": self._local_ranks(), "step": action.step or None},
-                        daemon=True,
-                    ).start()
+                if action.kind == pb.ACTION_KIND_PERSIST_CHECKPOINT:
+                    self._persist_asked(action)
             if self.config.warm_spares:
                 self._maybe_refill(now)
             time.sleep(self.config.monitor_interval_s)
@@ -443,13 +481,15 @@ class Supervisor:
         resp = self._retry(lambda: self.client.report_failure(request), "report failure")
         # Save at the breakpoint while the master decides: the restarted workers (or the next run) resume
         # from the newest step, and storage holds it even if this node goes away.
-        self.ckpt.save_at_breakpoint("worker failure", ranks=self._local_ranks())
+        self._save_at_breakpoint("worker failure")
         nxt = decisions.after_failure(
             resp.action, restarts_used=self.restarts, max_restarts=self.config.max_restarts
         )
         while nxt.kind == "wait":
             action = self._next_action(timeout=1.0)
-            if action is not None:
+            if action is not None and action.kind == pb.ACTION_KIND_PERSIST_CHECKPOINT:
+                self._persist_asked(action)
+            elif action is not None:
                 nxt = decisions.after_failure(
                     action, restarts_used=self.restarts, max_restarts=self.config.max_restarts
                 )
@@ -549,6 +589,12 @@ class Supervisor:
                 self.say("a new round opened after this node finished; rejoining")
             elif event.kind == "exit":
                 assert event.action is not None
+                if event.action.exit_code != 0:
+                    # The job failed (or this node leaves it) while these workers ran: storage keeps their
+                    # newest step for the job's next run.
+                    self.link_publish(pb.NODE_STATE_FAILED, info.round)
+                    self._stop_workers()
+                    self._save_at_breakpoint("leaving the job")
                 raise AgentExit(event.action.exit_code, event.reason or "told to exit")
             elif event.kind == "rejoin":
                 mode = decisions.rejoin_mode(
@@ -562,7 +608,7 @@ class Supervisor:
                 else:
                     self.link_publish(pb.NODE_STATE_RESTARTING, info.round)
                     self._stop_workers()
-                    self.ckpt.save_at_breakpoint("membership change", ranks=self._local_ranks())
+                    self._save_at_breakpoint("membership change")
 
     def _complete(self) -> tuple[int, str] | None:
         """Reports success; returns the exit code and reason, or None when the node must rejoin (another

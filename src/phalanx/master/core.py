@@ -16,6 +16,7 @@ from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics.stacks import compare_stacks
 from phalanx.master import rendezvous as rdzv
 from phalanx.master import snapshot
+from phalanx.master.breakpoints import Breakpoint
 from phalanx.master.checkpoints import CheckpointTracker
 from phalanx.master.errors import RequestError
 from phalanx.master.events import EventLog
@@ -57,6 +58,9 @@ class JobCore:
         self.restart_count = 0
         self.evictions: list[dict[str, Any]] = []
         self.checkpoints = CheckpointTracker()
+        self.breakpoint: Breakpoint | None = None
+        """The save at breakpoint of the newest broken round (not durable: a restarted master only misses
+        the correction of a straddled step)."""
         self.nodes: dict[str, Node] = {}
         self.completed: set[str] = set()
         self.round_failures: list[FailureRecord] = []
@@ -307,6 +311,7 @@ class JobCore:
             self._leave_out(self.nodes[node_id], now=now)
         if self.hang is not None and now - float(self.hang["requested_at"]) > hb.timeout_s:
             self._analyze_hang(now=now)
+        self._settle_breakpoint(now=now)  # a member that went away is no longer waited for
         self._maybe_complete(now=now)
         rs = self.settings.rendezvous
         alive = len(self.alive())
@@ -359,6 +364,32 @@ class JobCore:
         self.joiners.pop(node.node_id, None)
         if node.node_id in self.members and not self.finished:
             self._open_round(f"{node.node_id} disconnected", now=now)
+
+    def _settle_breakpoint(self, *, now: float, answered: str = "") -> None:
+        """Agrees on the breakpoint's step once every reachable member reported, and asks the nodes that
+        persist another step to persist it (``answered`` learns it from its own response)."""
+        bp = self.breakpoint
+        if bp is None or bp.step is not None:
+            return
+        gone = set(self.absent(now=now))
+        reachable = [n.node_id for n in self.alive() if n.node_id not in gone]
+        ask = bp.settle(reachable=reachable, committed=self.checkpoints.committed)
+        if bp.step is None:
+            return
+        self._event(
+            "checkpoint_breakpoint",
+            now=now,
+            round=bp.round,
+            message=f"step {bp.step}: the newest every node of round {bp.round} holds in memory",
+        )
+        log.info("save at breakpoint of round %d: step %d", bp.round, bp.step, extra={"round": bp.round})
+        for node_id in ask:
+            node = self.nodes.get(node_id)
+            if node_id == answered or node is None or node.status != ALIVE:
+                continue
+            reason = f"persist step {bp.step}, the newest every node of round {bp.round} holds"
+            persist = action(pb.ACTION_KIND_PERSIST_CHECKPOINT, step=bp.step, round=bp.round, reason=reason)
+            self._push(node, [persist])
 
     def _maybe_complete(self, *, now: float) -> None:
         if not self.round_open or self.finished or not self.joiners:

@@ -33,6 +33,7 @@ KINDS = (
     "eviction_requested",
     "hang",
     "hang_analysis",
+    "checkpoint_breakpoint",
     "checkpoint_committed",
     "checkpoint_failed",
     "node_completed",

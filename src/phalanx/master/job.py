@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master import rendezvous as rdzv
+from phalanx.master.breakpoints import Breakpoint
 from phalanx.master.core import FINISHED, action, failure_log, log
 from phalanx.master.errors import RequestError
 from phalanx.master.membership import ALIVE, Node
@@ -340,8 +341,11 @@ class Job(ProbeCore):
             )
         return action(pb.ACTION_KIND_NONE)
 
-    def report_checkpoint(self, req: pb.ReportCheckpointRequest, *, now: float) -> int:
+    def report_checkpoint(
+        self, req: pb.ReportCheckpointRequest, *, now: float
+    ) -> pb.ReportCheckpointResponse:
         node = self._node(req.node_id, req.incarnation)
+        persist_step = -1
         if req.state == pb.CHECKPOINT_STATE_PERSISTED:
             if self.checkpoints.persisted(step=req.step, ranks=req.ranks, world_size=req.world_size):
                 self._event(
@@ -370,7 +374,27 @@ class Job(ProbeCore):
         elif req.state == pb.CHECKPOINT_STATE_IN_MEMORY:
             node.memory_checkpoint_step = max(node.memory_checkpoint_step, req.step)
             self._changed()
-        return self.checkpoints.committed
+            if req.round > 0:
+                persist_step = self._breakpoint_report(req, now=now)
+        return pb.ReportCheckpointResponse(
+            committed_checkpoint_step=self.checkpoints.committed, persist_step=persist_step
+        )
+
+    def _breakpoint_report(self, req: pb.ReportCheckpointRequest, *, now: float) -> int:
+        """Records what a node of a broken round holds (see :mod:`phalanx.master.breakpoints`); the step it
+        must persist, or -1 while some member has not reported."""
+        bp = self.breakpoint
+        if bp is None or bp.round < req.round:
+            if req.round != self.round_number:
+                return -1  # a round that is not the running one: its members are not known any more
+            bp = self.breakpoint = Breakpoint(round=req.round, members=frozenset(self.members))
+        elif bp.round > req.round:
+            return -1  # a late report of an older breakpoint
+        if bp.step is not None:  # agreed already (a node reporting twice, or a straggler)
+            return bp.step if bp.step in req.held_steps else -1
+        bp.report(req.node_id, held=req.held_steps, persisting=req.step)
+        self._settle_breakpoint(now=now, answered=req.node_id)
+        return -1 if bp.step is None else bp.step
 
     def report_probe(self, req: pb.ReportProbeRequest, *, now: float) -> None:
         node = self._node(req.node_id, req.incarnation)

@@ -235,8 +235,7 @@ class MasterService(pb_grpc.MasterServicer):
         job = self._rt.job
 
         def call() -> pb.ReportCheckpointResponse:
-            step = job.report_checkpoint(request, now=self._rt.now())
-            return pb.ReportCheckpointResponse(committed_checkpoint_step=step)
+            return job.report_checkpoint(request, now=self._rt.now())
 
         return await self._run("ReportCheckpoint", request, context, call)
 

@@ -21,6 +21,7 @@ MAX_NPROC = 1024
 MAX_RANKS = 4096
 MAX_LINES = 20_000
 MAX_STACKS_BYTES = 1 << 20
+MAX_HELD_STEPS = 64  # a node keeps two snapshots per rank; a few more leave room for other layouts
 
 
 def _node(node_id: str, incarnation: str) -> None:
@@ -95,6 +96,9 @@ def validate(request: Any) -> None:
             raise RequestError(f"world_size must be positive for a persisted step, got {request.world_size}")
         if any(r < 0 for r in request.ranks):
             raise RequestError("ranks cannot be negative")
+        _round(request.round)
+        if len(request.held_steps) > MAX_HELD_STEPS or any(s < 0 for s in request.held_steps):
+            raise RequestError(f"held_steps must be at most {MAX_HELD_STEPS} steps >= 0")
     elif isinstance(request, pb.ReportProbeRequest):
         _count("measurements", request.measurements, MAX_RANKS)
         if any(len(m.error) > 4096 or len(m.peer_node_id) > 253 for m in request.measurements):

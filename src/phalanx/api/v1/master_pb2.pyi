@@ -86,7 +86,7 @@ class _ActionKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ActionKind
     ACTION_KIND_RUN_PROBE: _ActionKind.ValueType  # 4
     """Run the health probe named in `probe`, as a member of probe group `probe_group`."""
     ACTION_KIND_PERSIST_CHECKPOINT: _ActionKind.ValueType  # 5
-    """Persist the newest complete in-memory checkpoint (step `step`) to storage now."""
+    """Persist the in-memory checkpoint of step `step` (0: the newest the node's ranks all hold) to storage now."""
     ACTION_KIND_EXIT: _ActionKind.ValueType  # 6
     """Leave the job: stop the workers and exit. `reason` says why (evicted, job succeeded, job failed)."""
 
@@ -105,7 +105,7 @@ ACTION_KIND_DUMP_STACKS: ActionKind.ValueType  # 3
 ACTION_KIND_RUN_PROBE: ActionKind.ValueType  # 4
 """Run the health probe named in `probe`, as a member of probe group `probe_group`."""
 ACTION_KIND_PERSIST_CHECKPOINT: ActionKind.ValueType  # 5
-"""Persist the newest complete in-memory checkpoint (step `step`) to storage now."""
+"""Persist the in-memory checkpoint of step `step` (0: the newest the node's ranks all hold) to storage now."""
 ACTION_KIND_EXIT: ActionKind.ValueType  # 6
 """Leave the job: stop the workers and exit. `reason` says why (evicted, job succeeded, job failed)."""
 Global___ActionKind: _TypeAlias = ActionKind  # noqa: Y015
@@ -1053,6 +1053,8 @@ class ReportCheckpointRequest(_message.Message):
     DURATION_S_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    HELD_STEPS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     incarnation: _builtins.str
     step: _builtins.int
@@ -1064,10 +1066,16 @@ class ReportCheckpointRequest(_message.Message):
     error: _builtins.str
     world_size: _builtins.int
     """World size of the round that saved the step; a step is committed when this many shards persisted."""
+    round: _builtins.int
+    """IN_MEMORY at a breakpoint: the round whose workers were stopped, and the steps every one of `ranks`
+    holds complete in the node's shared memory; `step` is the one the node persists unless told another.
+    """
     @_builtins.property
     def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Global ranks whose shards the report covers."""
 
+    @_builtins.property
+    def held_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -1081,10 +1089,12 @@ class ReportCheckpointRequest(_message.Message):
         duration_s: _builtins.float = ...,
         error: _builtins.str = ...,
         world_size: _builtins.int = ...,
+        round: _builtins.int = ...,
+        held_steps: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_s", b"duration_s", "error", b"error", "incarnation", b"incarnation", "node_id", b"node_id", "path", b"path", "ranks", b"ranks", "size_bytes", b"size_bytes", "state", b"state", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_s", b"duration_s", "error", b"error", "held_steps", b"held_steps", "incarnation", b"incarnation", "node_id", b"node_id", "path", b"path", "ranks", b"ranks", "round", b"round", "size_bytes", b"size_bytes", "state", b"state", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1095,16 +1105,22 @@ class ReportCheckpointResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     COMMITTED_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
+    PERSIST_STEP_FIELD_NUMBER: _builtins.int
     committed_checkpoint_step: _builtins.int
     """Newest step committed by every shard, -1 if none."""
+    persist_step: _builtins.int
+    """IN_MEMORY at a breakpoint: the step to persist, the newest that every node of the broken round holds in
+    memory; -1 while some node has not reported yet (persist `step`; the master asks again if needed).
+    """
     def __init__(
         self,
         *,
         committed_checkpoint_step: _builtins.int = ...,
+        persist_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_checkpoint_step", b"committed_checkpoint_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_checkpoint_step", b"committed_checkpoint_step", "persist_step", b"persist_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
