@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.phalanx-setup
 PROTO_GEN := scripts/gen-proto
 # Python without a .py suffix (scripts) is named explicitly so ruff checks it too.
-PY_SOURCES := src tests benchmarks examples $(shell grep -l '^\#!/usr/bin/env python' scripts/* 2>/dev/null)
+PY_SOURCES := src tests e2e benchmarks examples $(shell grep -l '^\#!/usr/bin/env python' scripts/* 2>/dev/null)
 
 .PHONY: setup lint test proto proto-check bench clean fmt
 

@@ -6,9 +6,11 @@
 #   make k8s-down   stops it and removes its state.
 #   make test-k8s   the tests under tests/k8s (they start their own cluster; CI=true makes a missing
 #                   control plane a failure instead of a skip).
+#   make e2e        the e2e/ scenarios: against PHALANX_E2E_KUBECONFIG (kind, any cluster; see e2e/README.md),
+#                   else against a control plane of their own. `make test` runs them too.
 #   make crds       regenerate crds/ from src/phalanx/operator/crd.py; `make crds-check` fails on drift.
 
-.PHONY: k8s-up k8s-down test-k8s crds crds-check
+.PHONY: k8s-up k8s-down test-k8s e2e crds crds-check
 
 k8s-up: setup k8s-binaries
 	@$(BIN)/python scripts/k8s-cluster up
@@ -18,6 +20,10 @@ k8s-down:
 
 test-k8s: setup k8s-binaries
 	$(BIN)/python -m pytest tests/k8s tests/operator $(PYTEST_ARGS)
+
+e2e: setup
+	@if [ -z "$${PHALANX_E2E_KUBECONFIG:-}" ]; then scripts/k8s-binaries >/dev/null; fi
+	$(BIN)/python -m pytest e2e $(PYTEST_ARGS)
 
 crds: setup
 	$(BIN)/python scripts/gen-crd

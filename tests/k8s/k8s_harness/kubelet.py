@@ -14,7 +14,8 @@ Run as its own process: ``python -m k8s_harness.kubelet --kubeconfig K --state-d
   recreated). ``KUBERNETES_SERVICE_HOST/PORT`` point at the API server.
 * Volumes: secret, configMap, emptyDir, hostPath and projected service-account tokens (via TokenRequest)
   are materialised in the Pod's sandbox and bind-mounted at their mountPath inside a private mount
-  namespace (``podexec.py``), so in-cluster config and token files work unchanged.
+  namespace (``podexec.py``), so in-cluster config and token files work unchanged. A mount that would
+  hide the checkout, its virtualenv or the sandbox is left out (see :func:`_hides_the_image`).
 * Lifecycle: Running with container state on start; exit code -> Succeeded/Failed with the terminated
   state; deletion -> SIGTERM to the process group, SIGKILL after the grace period, then the Pod object is
   removed. Nodes renew their Lease every few seconds.
@@ -63,6 +64,15 @@ def pod_ip(namespace: str, name: str) -> str:
 
 def now_rfc3339() -> str:
     return datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _hides_the_image(target: Path, sandbox: Path) -> bool:
+    """Whether a mount at ``target`` would hide this checkout (the "image"), its virtualenv or the Pod's
+    sandbox, e.g. an emptyDir at /tmp when the checkout lives under /tmp. A container's volumes never hide
+    its image, so such a mount is left out; the Pod writes to the real directory instead."""
+    target = target.resolve()
+    protected = (ROOT, Path(sys.prefix).resolve(), sandbox.resolve())
+    return any(p == target or target in p.parents for p in protected)
 
 
 @dataclass
@@ -458,7 +468,7 @@ class Kubelet:
         container = pod.spec.containers[0]
         for m in container.volume_mounts or []:
             source = vol_dirs.get(m.name)
-            if source is None:
+            if source is None or _hides_the_image(Path(m.mount_path), sandbox):
                 continue
             if m.sub_path:
                 source = source / m.sub_path
