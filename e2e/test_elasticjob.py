@@ -5,6 +5,7 @@ admission with a message that says what to fix."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,13 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "elasticjob.yaml"
 EXAMPLE_IMAGE = "ghcr.io/phalanx-dev/phalanx:0.1.0"
 
 
-def _namespace(t: Target, prefix: str) -> str:
-    ns = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    t.kube("create", "namespace", ns)
-    return ns
+@pytest.fixture
+def ns(phalanx: Target, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A namespace of the scenario's own, deleted afterwards (with everything the job made in it)."""
+    name = f"e2e-{request.node.name.removeprefix('test_')[:40].replace('_', '-')}-{uuid.uuid4().hex[:5]}"
+    phalanx.kube("create", "namespace", name)
+    yield name
+    phalanx.kube("delete", "namespace", name, "--wait=false")
 
 
 def _apply_example(t: Target, ns: str, *, steps: int, step_s: float) -> None:
@@ -40,6 +44,13 @@ def _status(t: Target, ns: str) -> dict[str, Any]:
     return dict(t.kube.get("ej", "tiny", "-n", ns).get("status", {}))
 
 
+def _succeeded(t: Target, ns: str, *, timeout: float) -> dict[str, Any]:
+    t.kube.wait_for(
+        "job Succeeded", lambda: _status(t, ns).get("phase") == "Succeeded", timeout=timeout, namespace=ns
+    )
+    return _status(t, ns)
+
+
 def _workers(t: Target, ns: str) -> list[dict[str, Any]]:
     pods = t.kube.get("pods", "-n", ns, "-l", "phalanx.dev/role=worker")["items"]
     return [
@@ -49,73 +60,49 @@ def _workers(t: Target, ns: str) -> list[dict[str, Any]]:
     ]
 
 
-def test_the_example_trains_to_success(phalanx: Target) -> None:
-    ns = _namespace(phalanx, "e2e-example")
-    try:
-        _apply_example(phalanx, ns, steps=20, step_s=0.1)
-        phalanx.kube.wait_for(
-            "job Succeeded",
-            lambda: _status(phalanx, ns).get("phase") == "Succeeded",
-            timeout=240,
-            namespace=ns,
-        )
-        status = _status(phalanx, ns)
-        assert status["step"] >= 19, status
-        assert status["worldSize"] == 4, status
-        conditions = {c["type"]: c["status"] for c in status["conditions"]}
-        assert conditions["Succeeded"] == "True", conditions
-        events = phalanx.kube.get("events", "-n", ns, "--field-selector", "involvedObject.kind=ElasticJob")
-        reasons = {e["reason"] for e in events["items"]}
-        assert {"Created", "MasterCreated", "WorkerCreated", "Succeeded"} <= reasons, reasons
-    finally:
-        phalanx.kube("delete", "namespace", ns, "--wait=false")
+def test_the_example_trains_to_success(phalanx: Target, ns: str) -> None:
+    _apply_example(phalanx, ns, steps=20, step_s=0.1)
+    status = _succeeded(phalanx, ns, timeout=240)
+    assert status["step"] >= 19, status
+    assert status["worldSize"] == 4, status
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions["Succeeded"] == "True", conditions
+    events = phalanx.kube.get("events", "-n", ns, "--field-selector", "involvedObject.kind=ElasticJob")
+    reasons = {e["reason"] for e in events["items"]}
+    assert {"Created", "MasterCreated", "WorkerCreated", "Succeeded"} <= reasons, reasons
 
 
-def test_a_deleted_worker_pod_is_replaced_and_the_job_succeeds(phalanx: Target) -> None:
-    ns = _namespace(phalanx, "e2e-fault")
-    try:
-        _apply_example(phalanx, ns, steps=80, step_s=0.2)
-        phalanx.kube.wait_for(
-            "training progress",
-            lambda: _status(phalanx, ns).get("step", -1) >= 3 and len(_workers(phalanx, ns)) == 2,
-            timeout=240,
-            namespace=ns,
-        )
-        victim = sorted(_workers(phalanx, ns), key=lambda p: p["metadata"]["name"])[0]
-        # The node is gone at once, as when its machine dies: no grace period for the agent.
-        phalanx.kube("delete", "pod", victim["metadata"]["name"], "-n", ns, "--grace-period=0", "--force")
-        phalanx.kube.wait_for(
-            "a replacement worker Running",
-            lambda: (
-                len(_workers(phalanx, ns)) == 2
-                and victim["metadata"]["uid"] not in {p["metadata"]["uid"] for p in _workers(phalanx, ns)}
-            ),
-            timeout=120,
-            namespace=ns,
-        )
-        phalanx.kube.wait_for(
-            "job Succeeded",
-            lambda: _status(phalanx, ns).get("phase") == "Succeeded",
-            timeout=300,
-            namespace=ns,
-        )
-        status = _status(phalanx, ns)
-        assert status["step"] >= 79, status
-        assert int(status["round"]) >= 2, f"the survivors re-formed with the replacement: {status}"
-    finally:
-        phalanx.kube("delete", "namespace", ns, "--wait=false")
+def test_a_deleted_worker_pod_is_replaced_and_the_job_succeeds(phalanx: Target, ns: str) -> None:
+    _apply_example(phalanx, ns, steps=80, step_s=0.2)
+    phalanx.kube.wait_for(
+        "training progress",
+        lambda: _status(phalanx, ns).get("step", -1) >= 3 and len(_workers(phalanx, ns)) == 2,
+        timeout=240,
+        namespace=ns,
+    )
+    victim = sorted(_workers(phalanx, ns), key=lambda p: p["metadata"]["name"])[0]
+    # The node is gone at once, as when its machine dies: no grace period for the agent.
+    phalanx.kube("delete", "pod", victim["metadata"]["name"], "-n", ns, "--grace-period=0", "--force")
+    phalanx.kube.wait_for(
+        "a replacement worker Running",
+        lambda: (
+            len(_workers(phalanx, ns)) == 2
+            and victim["metadata"]["uid"] not in {p["metadata"]["uid"] for p in _workers(phalanx, ns)}
+        ),
+        timeout=120,
+        namespace=ns,
+    )
+    status = _succeeded(phalanx, ns, timeout=300)
+    assert status["step"] >= 79, status
+    assert int(status["round"]) >= 2, f"the survivors re-formed with the replacement: {status}"
 
 
-def test_an_invalid_spec_is_refused_with_what_to_fix(phalanx: Target) -> None:
-    ns = _namespace(phalanx, "e2e-invalid")
-    try:
-        bad = (
-            "apiVersion: phalanx.dev/v1alpha1\nkind: ElasticJob\nmetadata: {name: bad}\n"
-            "spec:\n  nodes: {min: 3, max: 2}\n  nprocPerNode: 1\n"
-            "  template: {spec: {containers: [{name: t, image: x, command: [python, t.py]}]}}\n"
-        )
-        out = phalanx.kube("apply", "-n", ns, "-f", "-", input_text=bad, check=False)
-        assert "nodes.min must not be greater than nodes.max" in out, out
-        assert "bad" not in phalanx.kube("get", "ej", "-n", ns, "-o", "name"), "nothing was created"
-    finally:
-        phalanx.kube("delete", "namespace", ns, "--wait=false")
+def test_an_invalid_spec_is_refused_with_what_to_fix(phalanx: Target, ns: str) -> None:
+    bad = (
+        "apiVersion: phalanx.dev/v1alpha1\nkind: ElasticJob\nmetadata: {name: bad}\n"
+        "spec:\n  nodes: {min: 3, max: 2}\n  nprocPerNode: 1\n"
+        "  template: {spec: {containers: [{name: t, image: x, command: [python, t.py]}]}}\n"
+    )
+    out = phalanx.kube("apply", "-n", ns, "-f", "-", input_text=bad, check=False)
+    assert "nodes.min must not be greater than nodes.max" in out, out
+    assert "bad" not in phalanx.kube("get", "ej", "-n", ns, "-o", "name"), "nothing was created"

@@ -80,6 +80,20 @@ class Sim:
         )
         return self.job.report_failure(req, now=self.now)
 
+    def persisted(
+        self, node: str, *, step: int, ranks: list[int], world_size: int = 4
+    ) -> pb.ReportCheckpointResponse:
+        """``node`` persisted its shards (``ranks``) of ``step``."""
+        req = pb.ReportCheckpointRequest(
+            node_id=node,
+            incarnation=self.inc[node],
+            step=step,
+            state=pb.CHECKPOINT_STATE_PERSISTED,
+            ranks=ranks,
+            world_size=world_size,
+        )
+        return self.job.report_checkpoint(req, now=self.now)
+
     def complete(self, node: str) -> pb.Action:
         req = pb.ReportCompletionRequest(
             node_id=node, incarnation=self.inc[node], round=self.job.round_number

@@ -49,18 +49,6 @@ def reporting(sim: Sim, node: str, *, round: int, held: list[int]) -> pb.ReportC
     return sim.job.report_checkpoint(req, now=sim.now)
 
 
-def persisted(sim: Sim, node: str, *, step: int, ranks: list[int], world_size: int = 4) -> None:
-    req = pb.ReportCheckpointRequest(
-        node_id=node,
-        incarnation=sim.inc[node],
-        step=step,
-        state=pb.CHECKPOINT_STATE_PERSISTED,
-        ranks=ranks,
-        world_size=world_size,
-    )
-    sim.job.report_checkpoint(req, now=sim.now)
-
-
 def test_a_straddled_step_is_agreed_and_committed() -> None:
     sim = Sim(**TWO)
     r = sim.form("a", "b")
@@ -75,9 +63,9 @@ def test_a_straddled_step_is_agreed_and_committed() -> None:
     assert [e.message for e in sim.job.events.of_kind("checkpoint_breakpoint")] == [
         "step 10: the newest every node of round 1 holds in memory"
     ]
-    persisted(sim, "a", step=11, ranks=[0, 1])
-    persisted(sim, "b", step=10, ranks=[2, 3])
-    persisted(sim, "a", step=10, ranks=[0, 1])
+    sim.persisted("a", step=11, ranks=[0, 1])
+    sim.persisted("b", step=10, ranks=[2, 3])
+    sim.persisted("a", step=10, ranks=[0, 1])
     assert sim.job.checkpoints.committed == 10
 
 
@@ -118,8 +106,8 @@ def test_reports_of_other_rounds_get_no_step() -> None:
 def test_no_step_newer_than_the_committed_one_asks_nothing() -> None:
     sim = Sim(**TWO)
     r = sim.form("a", "b")
-    persisted(sim, "a", step=10, ranks=[0, 1])
-    persisted(sim, "b", step=10, ranks=[2, 3])
+    sim.persisted("a", step=10, ranks=[0, 1])
+    sim.persisted("b", step=10, ranks=[2, 3])
     sim.fail("a")
     assert reporting(sim, "a", round=r, held=[10, 11]).persist_step == -1
     assert reporting(sim, "b", round=r, held=[9, 10]).persist_step == -1

@@ -175,15 +175,7 @@ def test_checkpoint_commits_when_every_rank_persisted() -> None:
     sim.form("a", "b")
 
     def persist(node: str, ranks: list[int], step: int) -> int:
-        req = pb.ReportCheckpointRequest(
-            node_id=node,
-            incarnation=sim.inc[node],
-            step=step,
-            state=pb.CHECKPOINT_STATE_PERSISTED,
-            ranks=ranks,
-            world_size=4,
-        )
-        return sim.job.report_checkpoint(req, now=sim.now).committed_checkpoint_step
+        return sim.persisted(node, step=step, ranks=ranks).committed_checkpoint_step
 
     assert persist("a", [0, 1], 10) == -1
     assert persist("b", [2, 3], 10) == 10
