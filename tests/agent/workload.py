@@ -22,6 +22,8 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.1)
     p.add_argument("--fail-at", type=int, default=-1)
     p.add_argument("--regroup", action="store_true", help="announce in-process regroup capability")
+    p.add_argument("--slow-node", default="", help="this node's ranks take --slow-factor times longer a step")
+    p.add_argument("--slow-factor", type=float, default=3.0)
     args = p.parse_args()
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -30,12 +32,13 @@ def main() -> None:
     start = json.loads(ckpt.read_text())["step"] + 1 if ckpt.exists() else 0
     if args.regroup:
         round_file.announce_regroup()
+    step_time = args.step_time * (args.slow_factor if os.environ["PHALANX_NODE_ID"] == args.slow_node else 1)
     log = (d / f"steps-{os.getpid()}.jsonl").open("a")
     print(f"rank {rank}/{world} starting at step {start}", flush=True)
     for step in range(start, args.steps):
         if step == args.fail_at:
             raise ValueError(f"bad batch at step {step}")
-        time.sleep(args.step_time)
+        time.sleep(step_time)
         info = round_file.read(Path(os.environ["PHALANX_ROUND_FILE"]))
         if info is not None:
             rank, world = info.rank(int(os.environ["LOCAL_RANK"])), info.world_size

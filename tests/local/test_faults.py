@@ -196,3 +196,25 @@ def test_regroup_capable_workers_survive_membership_changes(tmp_path: Path) -> N
         "node-3",
     }
     assert "regrouped in place" in (tmp_path / "wd" / "node-0.log").read_text()
+
+
+def test_a_node_whose_steps_lag_is_flagged_and_probed(tmp_path: Path) -> None:
+    """node-1's ranks take three times longer a step (independent ranks: no collective evens them out).
+    The master's step-time check flags them, not node-0's, and starts a probe round, whose healthy
+    results evict nobody."""
+    code, s, out = run(
+        tmp_path,
+        "--nodes", "2", "--nproc-per-node", "2",
+        "--master-arg=--probes-enabled=true", "--master-arg=--probes-kinds=matmul",
+        "--master-arg=--probes-stragglers-step-check-interval-s=2",
+        workload=["--steps", "50", "--step-time", "0.1", "--slow-node", "node-1"],
+    )  # fmt: skip
+    assert code == 0, out
+    assert s["exit"] == "succeeded"
+    flagged = [line for line in out.splitlines() if "event slow_steps" in line]
+    assert len(flagged) == 2, out  # node-1's two ranks, once each
+    assert all(" node-1 " in line for line in flagged), flagged
+    assert any(
+        "event probe_started" in line and "slow steps on node-1" in line for line in out.splitlines()
+    ), out
+    assert s["evictions"] == []

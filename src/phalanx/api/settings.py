@@ -373,12 +373,21 @@ class StragglerSettings:
     step_min_samples: int = setting(
         5, doc="Step intervals a rank needs in the window before it can be judged."
     )
+    step_check_interval_s: float = setting(
+        10.0,
+        doc="How often the master looks at the ranks' step intervals (0: never); a lag starts a probe round.",
+        unit="s",
+    )
 
     def __post_init__(self) -> None:
         for name in ("compute_threshold", "link_threshold"):
             value = getattr(self, name)
             if not 0 < value < 1:
                 raise ConfigError(f"must be between 0 and 1 (exclusive), got {value}", field=name)
+        if self.step_check_interval_s < 0:
+            raise ConfigError(
+                f"cannot be negative, got {self.step_check_interval_s}", field="step_check_interval_s"
+            )
         if self.step_factor <= 1:
             raise ConfigError(f"must be greater than 1, got {self.step_factor}", field="step_factor")
         for name in ("step_window", "step_min_samples"):

@@ -43,6 +43,7 @@ KINDS = (
     "probe_finished",
     "probe_failed",
     "straggler",
+    "slow_steps",
 )
 
 

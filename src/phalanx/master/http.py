@@ -35,6 +35,8 @@ rename or remove one.
                    verdicts: [{node_id, kind, confidence, value, reference, reason}], evicted: [node_id]}
                                      the running or latest probe round (see phalanx.master.probing);
                                      result: running | ok | suspects | evicted | inconclusive | aborted
+    slow_ranks: [{rank, node, median_interval_s, reference_s, reason}]
+                                     ranks of `round` whose step intervals lag the others' (step-time check)
 
 ``GET /v1/nodes`` -> ``{"nodes": [{node_id, incarnation, host, machine, nproc, agent_version, status
 (alive|lost|evicted), state (idle|rendezvous|running|restarting|succeeded|failed), round,
@@ -50,7 +52,8 @@ jumps forward (never back) when the master restarts; kinds
 are listed in :data:`phalanx.master.events.KINDS` (job_started, master_resumed, node_registered,
 node_replaced, node_joined, round_open, round_complete, node_disconnected, node_lost, failure, restart,
 eviction_requested, hang, hang_analysis, checkpoint_breakpoint, checkpoint_committed, checkpoint_failed,
-node_completed, job_succeeded, job_failed, probe_started, probe_finished, probe_failed, straggler).
+node_completed, job_succeeded, job_failed, probe_started, probe_finished, probe_failed, straggler,
+slow_steps).
 
 ``POST /v1/probe`` -> 202 ``{"probe": <the probe field of /v1/job>}`` once a probe round started; 409
 ``{"error": str}`` when none can start (probes disabled, no running round, a probe round running, no

@@ -117,6 +117,7 @@ class Job(ProbeCore):
                 if top > self.max_step:
                     self.max_step = top
                     self._changed()
+                self.observe_steps(req.node_id, req.ranks, round=req.round)
         return self.heartbeat_answer(req, now=now)
 
     def heartbeat_answer(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:

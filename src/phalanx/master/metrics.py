@@ -18,6 +18,7 @@ phalanx_evictions_total                       counter    reason (heartbeat_timeo
 phalanx_probe_rounds_total                    counter    result (ok, suspects, evicted, inconclusive,
                                                          aborted)
 phalanx_probe_reports_stale_total             counter
+phalanx_slow_step_verdicts_total              counter    (ranks the step-time check found lagging)
 phalanx_heartbeats_total                      counter
 phalanx_training_step                         gauge      (highest step any rank reported)
 phalanx_checkpoint_committed_step             gauge
@@ -94,6 +95,11 @@ class _JobCollector:
             "phalanx_probe_reports_stale",
             "Probe reports ignored as stale (older probe round, duplicate, not a member).",
             value=job.stats.probe_reports_stale,
+        )
+        yield CounterMetricFamily(
+            "phalanx_slow_step_verdicts",
+            "Ranks whose step intervals lagged the other ranks' (once per rank and rendezvous round).",
+            value=job.stats.slow_step_verdicts,
         )
         yield CounterMetricFamily("phalanx_heartbeats", "Heartbeats received.", value=job.stats.heartbeats)
         yield GaugeMetricFamily(

@@ -2,7 +2,9 @@
 straggler -> evict and replace the node").
 
 A probe round is started on demand (``POST /v1/probe``), right after a rendezvous round completes
-(``probes.on_round_complete``) or every ``probes.interval_s``; nothing starts unless ``probes.enabled``.
+(``probes.on_round_complete``), every ``probes.interval_s``, or when the step-time check finds ranks whose
+step intervals lag the others' (:meth:`ProbeCore._check_step_times`, event ``slow_steps``, ``slow_ranks`` of
+/v1/job); nothing starts unless ``probes.enabled``.
 It needs a completed rendezvous round that is not reopening. Every member then gets one ``RUN_PROBE``
 action per kind in ``probes.kinds`` in its next heartbeat response, each tagged with the probe round's id
 (``Action.probe_round``):
@@ -40,11 +42,12 @@ from typing import Any
 
 from phalanx.api.settings import MasterSettings
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.diagnostics.stragglers import NodeVerdict, compute_verdicts, link_verdicts
+from phalanx.diagnostics.stragglers import NodeVerdict, compute_verdicts, link_verdicts, step_verdicts
 from phalanx.master import rendezvous as rdzv
 from phalanx.master.core import JobCore, action, failure_log, log
 from phalanx.master.errors import RequestError
 from phalanx.master.membership import ALIVE
+from phalanx.master.steptimes import StepTimes
 
 __all__ = ["PROBE_KINDS", "Measured", "ProbeCore", "ProbeRound", "judge", "round_kinds", "run_probe_actions"]
 
@@ -171,13 +174,21 @@ class ProbeCore(JobCore):
         self, *, settings: MasterSettings, now: float, saved: Mapping[str, Any] | None = None
     ) -> None:
         super().__init__(settings=settings, now=now, saved=saved)
+        self.step_times = StepTimes(window=settings.probes.stragglers.step_window)
+        self.slow_ranks: dict[int, dict[str, Any]] = {}
+        """Ranks of the running round whose step intervals lag the others' (``slow_ranks`` of /v1/job)."""
+        self._step_checked_at = now
         if saved is not None:
             # Probe ids stay unique across master restarts, so a report to the old master stays stale.
             self.next_probe = int(saved.get("next_probe", 1))
 
     def status(self) -> dict[str, Any]:
         """:meth:`JobCore.status` plus ``probe``, the running or latest probe round (or null)."""
-        return {**super().status(), "probe": self.probe.view() if self.probe else None}
+        return {
+            **super().status(),
+            "probe": self.probe.view() if self.probe else None,
+            "slow_ranks": [self.slow_ranks[r] for r in sorted(self.slow_ranks)],
+        }
 
     def durable(self) -> dict[str, Any]:
         """:meth:`JobCore.durable` plus the next probe id."""
@@ -242,13 +253,61 @@ class ProbeCore(JobCore):
         self._changed()
         return True
 
+    def observe_steps(self, node_id: str, ranks: Sequence[pb.RankProgress], *, round: int) -> None:
+        """A heartbeat's progress of a member running the current round, for the step-time check."""
+        if round != self.round_number or self.round_open or node_id not in self.members:
+            return
+        for r in ranks:
+            self.step_times.observe(
+                round=round, node_id=node_id, rank=r.rank, step=r.step, step_unix=r.step_unix_ns / 1e9
+            )
+
+    def _check_step_times(self, *, now: float) -> None:
+        """Flags the ranks whose step intervals lag the others' (event ``slow_steps``). A step-time lag alone
+        evicts nobody (a slow data loader, a pipeline stage, a late report look the same): it starts a probe
+        round when probes are enabled, and the probes judge the node (MegaScale's order)."""
+        every = self.settings.probes.stragglers.step_check_interval_s
+        if every <= 0 or now - self._step_checked_at < every:
+            return
+        self._step_checked_at = now
+        if self.step_times.round != self.round_number or self.round_open:
+            if self.slow_ranks:  # another round: its ranks are judged afresh
+                self.slow_ranks = {}
+                self._changed()
+            return
+        verdicts = step_verdicts(self.step_times.intervals, settings=self.settings.probes.stragglers)
+        new = [v for v in verdicts if v.rank not in self.slow_ranks]
+        self.slow_ranks = {
+            v.rank: {
+                "rank": v.rank,
+                "node": self.step_times.node_of.get(v.rank, ""),
+                "median_interval_s": v.median_interval_s,
+                "reference_s": v.reference_s,
+                "reason": v.reason,
+            }
+            for v in verdicts
+        }
+        for v in new:
+            node = self.step_times.node_of.get(v.rank, "")
+            self.stats.slow_step_verdicts += 1
+            self._event("slow_steps", now=now, node=node, rank=v.rank, message=v.reason)
+            failure_log.warning("slow steps: %s", v.reason, extra={"node": node, "round": self.round_number})
+        if verdicts or new:
+            self._changed()
+        if new and not self._cannot_probe():
+            nodes = sorted({self.slow_ranks[v.rank]["node"] for v in new})
+            self.start_probe(now=now, trigger=f"slow steps on {', '.join(nodes)}")
+
     def tick(self, *, now: float) -> None:
-        """:meth:`JobCore.tick`, then probe-round timeouts, aborts and scheduling."""
+        """:meth:`JobCore.tick`, then the step-time check, probe-round timeouts, aborts and scheduling."""
         super().tick(now=now)
+        if not self.finished:
+            self._check_step_times(now=now)
         probe = self.probe
         if probe is not None and probe.result == "running":
             if self.finished or self.round_open or self.round_number != probe.rendezvous_round:
-                self._end_probe(probe, "aborted", now=now, why="the rendezvous round changed")
+                why = f"the job {self.phase.lower()}" if self.finished else "the rendezvous round changed"
+                self._end_probe(probe, "aborted", now=now, why=why)
             elif now - probe.started_at >= self.settings.probes.timeout_s:
                 self._finish_probe(now=now)
             return

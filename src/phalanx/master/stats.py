@@ -17,4 +17,6 @@ class JobStats:
     probe_rounds: dict[str, int] = field(default_factory=dict)
     """Finished probe rounds by result (ok, suspects, evicted, inconclusive, aborted)."""
     probe_reports_stale: int = 0
+    slow_step_verdicts: int = 0
+    """Ranks found lagging by the step-time check (each at most once per rendezvous round)."""
     checkpoint_failures: int = 0

@@ -1,0 +1,44 @@
+"""Step intervals per rank, from heartbeats, for the step-time straggler check
+(:func:`phalanx.diagnostics.stragglers.step_verdicts`).
+
+Every heartbeat carries each local rank's newest step and when that step ended. A rank that went from step
+``s0`` (ended at ``t0``) to ``s1`` (ended at ``t1``) between two heartbeats took ``(t1 - t0) / (s1 - s0)``
+seconds a step: one sample per heartbeat, the mean of the steps in between. Samples belong to one
+rendezvous round: ranks change meaning across rounds, and the first steps after a restart are slow for
+everyone. Pure bookkeeping, no clock of its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+__all__ = ["StepTimes"]
+
+
+class StepTimes:
+    """The recent step intervals of each rank of one rendezvous round."""
+
+    def __init__(self, *, window: int) -> None:
+        self.window = window
+        self.round = 0
+        self.intervals: dict[int, deque[float]] = {}
+        """Rank -> its most recent step intervals (seconds), oldest first."""
+        self.node_of: dict[int, str] = {}
+        self._last: dict[int, tuple[int, float]] = {}
+
+    def observe(self, *, round: int, node_id: str, rank: int, step: int, step_unix: float) -> None:
+        """Records a heartbeat's view of one rank; a new round starts the record afresh."""
+        if round != self.round:
+            self.round = round
+            self.intervals.clear()
+            self.node_of.clear()
+            self._last.clear()
+        if step < 0 or step_unix <= 0:
+            return  # not stepped yet in this round
+        self.node_of[rank] = node_id
+        last = self._last.get(rank)
+        if last is not None and step > last[0] and step_unix > last[1]:
+            samples = self.intervals.setdefault(rank, deque(maxlen=self.window))
+            samples.append((step_unix - last[1]) / (step - last[0]))
+        if last is None or step != last[0]:  # a step back: the rank reloaded a checkpoint
+            self._last[rank] = (step, step_unix)
