@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from k8s_harness.cluster import Cluster
+from k8s_harness.cluster import METRICS_TOKEN, Cluster
 from k8s_harness.controlplane import ControlPlane, find_binaries
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +56,10 @@ def control_plane() -> Iterator[ControlPlane]:
 def cluster(control_plane: ControlPlane) -> Iterator[Cluster]:
     """The control plane plus the test kubelet (2 process nodes, 4 simulated) and the operator."""
     c = Cluster(cp=control_plane)
+    # The chart's setting for one PodMonitor across jobs: every master also accepts this token on /metrics.
+    token_file = control_plane.state_dir / "metrics-token"
+    token_file.write_text(METRICS_TOKEN + "\n")
+    c.extra_env["PHALANX_OPERATOR_METRICS_TOKEN_FILE"] = str(token_file)
     try:
         c.start_kubelet()
         c.install_operator_rbac()

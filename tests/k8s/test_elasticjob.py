@@ -8,11 +8,13 @@ import json
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s_harness.cluster import Cluster
+from k8s_harness.cluster import METRICS_TOKEN, Cluster
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 
@@ -62,10 +64,26 @@ def _events(cluster: Cluster, namespace: str) -> list[str]:
     return [e["reason"] for e in items]
 
 
+def _get(url: str, token: str) -> int:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def test_example_runs_to_success(cluster: Cluster) -> None:
     ns = "example"
-    _apply_example(cluster, ns, steps=20, step_s=0.1)
+    _apply_example(cluster, ns, steps=40, step_s=0.1)
     cluster.wait_for("job Running", lambda: _phase(cluster, ns) in ("Running", "Succeeded"), timeout=90)
+    # One Prometheus credential for every job: the operator's metrics token opens the master's /metrics
+    # and nothing else.
+    (master,) = _pods(cluster, ns, "master")
+    http = f"http://{master['status']['podIP']}:8080"
+    assert _get(f"{http}/metrics", METRICS_TOKEN) == 200
+    assert _get(f"{http}/v1/job", METRICS_TOKEN) == 401
+    assert _get(f"{http}/metrics", "not-the-token") == 401
     cluster.wait_for("job Succeeded", lambda: _phase(cluster, ns) == "Succeeded", timeout=120)
     job = _job(cluster, ns)
     status = job["status"]

@@ -247,6 +247,38 @@ def test_an_agent_killed_mid_heartbeat_is_left_out_before_the_heartbeat_timeout(
 
 
 @pytest.mark.timeout(60)
+def test_the_metrics_token_opens_metrics_and_nothing_else(tmp_path: Path) -> None:
+    scrape = "m3trics-" + "z" * 24
+    (tmp_path / "metrics-token").write_text(scrape + "\n")
+    m = Master(tmp_path, *FAST, "--metrics-token-file", str(tmp_path / "metrics-token"))
+    try:
+        as_prometheus = {"Authorization": f"Bearer {scrape}"}
+        r = httpx.get(f"http://{m.http}/metrics", headers=as_prometheus, timeout=5)
+        assert r.status_code == 200
+        assert "phalanx_heartbeats_total" in r.text
+        for path in ("/healthz", "/v1/job", "/v1/events", "/v1/nodes", "/v1/logs"):
+            assert httpx.get(f"http://{m.http}{path}", headers=as_prometheus, timeout=5).status_code == 401
+        assert httpx.post(f"http://{m.http}/v1/probe", headers=as_prometheus, timeout=5).status_code == 401
+        reg = pb.RegisterNodeRequest(job_id="test-job", node_id="n1", incarnation="i1", nproc_per_node=1)
+        with pytest.raises(grpc.RpcError) as err:
+            m.stub.RegisterNode(reg, metadata=(("authorization", f"Bearer {scrape}"),), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert m.client.get("/metrics").status_code == 200  # the job token still opens everything
+        assert scrape not in m.stderr()
+    finally:
+        m.stop(signal.SIGKILL)
+
+
+def test_a_missing_metrics_token_file_leaves_metrics_to_the_job_token(tmp_path: Path) -> None:
+    m = Master(tmp_path, *FAST, "--metrics-token-file", str(tmp_path / "absent"))
+    try:
+        assert m.client.get("/metrics").status_code == 200
+        assert "no metrics token at" in m.stderr()
+    finally:
+        m.stop(signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
 def test_auth_and_malformed_requests_are_refused_and_master_keeps_serving(master: Master) -> None:
     reg = pb.RegisterNodeRequest(
         job_id="test-job", node_id="n1", incarnation="i1", host="h", nproc_per_node=1

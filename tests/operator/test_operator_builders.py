@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from phalanx.api.settings import MasterSettings, OperatorSettings, ProbeSettings
 from phalanx.cli.main import build_parser
 from phalanx.cli.master import build_settings
 from phalanx.operator import builders, names
+from phalanx.operator.executor import read_metrics_token
 from phalanx.operator.spec import parse_spec
 
 SETTINGS = OperatorSettings(command_prefix="/opt/bin/")
@@ -81,6 +83,50 @@ def test_master_pod_runs_phalanx_master_with_k8s_state() -> None:
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["PHALANX_HEARTBEAT_TIMEOUT_S"]["value"] == "10.0"
+
+
+def test_the_token_is_readable_by_the_images_user_and_no_one_else_on_the_master() -> None:
+    """Secret files belong to root and the images run as uid 10001: the master Pod gets fsGroup and a
+    group-readable token; a worker, whose user the training image decides, a world-readable one."""
+    j = job()
+    spec = parse_spec(j["spec"])
+    master = builders.master_pod(j, spec, settings=SETTINGS)["spec"]
+    assert master["securityContext"]["fsGroup"] == builders.IMAGE_GID
+    (vol,) = [v for v in master["volumes"] if v["name"] == "phalanx-token"]
+    assert vol["secret"]["defaultMode"] == 0o440
+    worker = builders.worker_pod(j, spec, slot=0, incarnation=0, settings=SETTINGS)["spec"]
+    (vol,) = [v for v in worker["volumes"] if v["name"] == "phalanx-token"]
+    assert vol["secret"]["defaultMode"] == 0o444
+    assert "fsGroup" not in worker.get("securityContext", {})
+
+
+def test_a_metrics_token_goes_into_the_secret_and_the_master_reads_it() -> None:
+    j = job()
+    assert (
+        "--metrics-token-file"
+        not in builders.master_pod(j, parse_spec(j["spec"]), settings=SETTINGS)["spec"]["containers"][0][
+            "command"
+        ]
+    )
+    assert builders.token_secret(j, token="t")["stringData"] == {"token": "t"}
+    with_metrics = OperatorSettings(command_prefix="/opt/bin/", metrics_token_file="/var/run/m/token")
+    command = builders.master_pod(j, parse_spec(j["spec"]), settings=with_metrics)["spec"]["containers"][0][
+        "command"
+    ]
+    assert command[command.index("--metrics-token-file") + 1] == "/var/run/phalanx/token/metrics-token"
+    secret = builders.token_secret(j, token="t", metrics_token="m" * 20)
+    assert secret["stringData"] == {"token": "t", "metrics-token": "m" * 20}
+
+
+def test_the_operator_refuses_an_unreadable_or_empty_metrics_token(tmp_path: Path) -> None:
+    assert read_metrics_token("") == ""
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_metrics_token(str(tmp_path / "absent"))
+    (tmp_path / "short").write_text("abc\n")
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        read_metrics_token(str(tmp_path / "short"))
+    (tmp_path / "ok").write_text("x" * 32 + "\n")
+    assert read_metrics_token(str(tmp_path / "ok")) == "x" * 32
 
 
 def _master_env(pod: dict[str, Any]) -> dict[str, str]:

@@ -6,6 +6,7 @@ fail. The first run builds helm from source (a few minutes on 2 cores); later ru
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -187,11 +188,9 @@ def test_dashboards_configmaps_carry_the_files(helm: Helm) -> None:
 
 
 def test_pod_monitor_is_optional_and_selects_the_masters(helm: Helm) -> None:
-    assert not [o for o in helm.render() if o["kind"] == "PodMonitor"]
-    refused = helm("template", "rel", str(CHART), "--set", "podMonitor.enabled=true", check=False)
-    assert refused.returncode != 0
-    assert "podMonitor.authorization.secretName" in refused.stderr
+    assert not [o for o in helm.render() if o["kind"] in ("PodMonitor", "Secret")]
     objs = helm.render("podMonitor.enabled=true", "podMonitor.authorization.secretName=metrics-token")
+    assert not [o for o in objs if o["kind"] == "Secret"], "a named Secret is the user's, not the chart's"
     monitor = _one(objs, "PodMonitor")
     spec = monitor["spec"]
     # The dashboards' `job` variable is the ElasticJob name: the master Pod's phalanx.dev/job label.
@@ -208,6 +207,30 @@ def test_pod_monitor_is_optional_and_selects_the_masters(helm: Helm) -> None:
     assert endpoint["path"] == "/metrics"
     assert endpoint["authorization"]["credentials"] == {"name": "metrics-token", "key": "token"}
     assert spec["namespaceSelector"] == {"any": True}
+
+
+def test_the_pod_monitor_and_the_operator_share_one_metrics_token(helm: Helm) -> None:
+    """Without a named Secret the chart makes one; the PodMonitor presents it, and the operator reads it
+    (group-readable through fsGroup) to hand it to every job's master."""
+    objs = helm.render("podMonitor.enabled=true")
+    secret = _one(objs, "Secret")
+    assert secret["metadata"]["name"] == "rel-phalanx-metrics-token"
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    monitor = _one(objs, "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["authorization"]["credentials"] == {"name": "rel-phalanx-metrics-token", "key": "token"}
+    pod = _one(objs, "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    path = env["PHALANX_OPERATOR_METRICS_TOKEN_FILE"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "metrics-token"]
+    assert path == f"{mount['mountPath']}/token"
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "metrics-token"]
+    assert volume["secret"] == {"secretName": "rel-phalanx-metrics-token", "defaultMode": 0o440}
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    without = _one(helm.render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "PHALANX_OPERATOR_METRICS_TOKEN_FILE" not in {e["name"] for e in without["env"]}
 
 
 def test_without_rbac_and_with_an_existing_service_account(helm: Helm) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.operator import builders
 from tests.shipping.dockerfile import DockerIgnore, Stage, copy_sources, exec_form, files_under, stages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,6 +130,10 @@ def test_runs_as_non_root_with_the_phalanx_entrypoint(target: str) -> None:
     chart = (ROOT / "charts" / "phalanx" / "templates" / "deployment.yaml").read_text()
     uid = user.split(":")[0]
     assert f"runAsUser: {uid}" in chart
+    # The group that may read the secrets mounted into the operator and the masters (fsGroup).
+    gid = user.split(":")[1]
+    assert f"fsGroup: {gid}" in chart
+    assert str(builders.IMAGE_GID) == gid
 
 
 def test_labels_name_the_image() -> None:

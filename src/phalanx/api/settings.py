@@ -444,6 +444,11 @@ class MasterSettings:
     grpc_port: int = setting(0, doc="Port of the gRPC service for agents (0: pick a free one).")
     http_port: int = setting(0, doc="Port of the HTTP API and /metrics (0: pick a free one).")
     token_file: str = setting("", doc="File holding the job's bearer token.")
+    metrics_token_file: str = setting(
+        "",
+        doc="File holding a second token, good for GET /metrics only: one Prometheus credential for every "
+        "job's master. Empty, or a missing file: /metrics needs the job's token.",
+    )
     state_path: str = setting("", doc="Where the master keeps its durable state (a file path locally).")
     log_dir: str = setting("", doc="Directory of the append-only job log; empty: beside the state file.")
     long_poll_max_s: float = setting(
@@ -523,6 +528,11 @@ class OperatorSettings:
     )
     master_grpc_port: int = setting(29400, doc="Port of the master's gRPC service for agents.")
     master_http_port: int = setting(8080, doc="Port of the master's HTTP API and /metrics.")
+    metrics_token_file: str = setting(
+        "",
+        doc="File holding the token Prometheus presents to every job's master, good for /metrics only; "
+        "the operator copies it into each job's token Secret. Empty: /metrics needs each job's own token.",
+    )
     reconcile_interval_s: float = setting(
         2.0, doc="How often each job is reconciled against its Pods, whatever the events.", unit="s"
     )

@@ -133,16 +133,29 @@ def _setup_logging(job_id: str) -> None:
     root.setLevel(os.environ.get("PHALANX_LOG_LEVEL", "INFO").upper())
 
 
-def _read_token(path: str) -> str:
+def _read_token(path: str, *, field: str = "token_file") -> str:
     if not path:
-        raise ConfigError("the master needs the job's bearer token; pass --token-file", field="token_file")
+        raise ConfigError("the master needs the job's bearer token; pass --token-file", field=field)
     try:
         token = Path(path).read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}", field="token_file") from exc
+        raise ConfigError(f"cannot read {path}: {exc.strerror}", field=field) from exc
     if not token or any(c.isspace() for c in token):
-        raise ConfigError(f"{path} must hold one token without spaces", field="token_file")
+        raise ConfigError(f"{path} must hold one token without spaces", field=field)
     return token
+
+
+def _read_metrics_token(path: str) -> str:
+    """The /metrics-only token, or "" without one. A missing file is not fatal: a job created before the
+    operator had a metrics token has none in its Secret, and its /metrics keeps needing the job token."""
+    if not path:
+        return ""
+    if not Path(path).exists():
+        logging.getLogger("phalanx.master").warning(
+            "no metrics token at %s: /metrics needs the job's token", path
+        )
+        return ""
+    return _read_token(path, field="metrics_token_file")
 
 
 def _stores(state: str) -> tuple[Any, Any]:
@@ -171,6 +184,13 @@ def _handle(args: argparse.Namespace) -> int:
     settings = build_settings(args, os.environ)
     token = _read_token(settings.token_file)
     _setup_logging(settings.job_id)
+    metrics_token = _read_metrics_token(settings.metrics_token_file)
+    if metrics_token == token:
+        raise ConfigError("the metrics token must differ from the job's token", field="metrics_token_file")
     store, sink = _stores(settings.state_path)
     parent = os.getppid() if args.exit_with_parent else 0
-    return asyncio.run(run_master(settings, token=token, store=store, sink=sink, parent_pid=parent))
+    return asyncio.run(
+        run_master(
+            settings, token=token, metrics_token=metrics_token, store=store, sink=sink, parent_pid=parent
+        )
+    )

@@ -1,7 +1,9 @@
 """The master's HTTP API (FastAPI) for people, ``phalanx local`` and Prometheus.
 
 Every endpoint, ``/healthz`` and ``/metrics`` included, needs ``Authorization: Bearer <job token>``;
-otherwise the answer is 401. Bad query parameters get 422. All bodies are JSON except ``/metrics``.
+otherwise the answer is 401. ``GET /metrics`` also accepts the metrics token (``--metrics-token-file``), one
+read-only credential a Prometheus PodMonitor can present to every job's master. Bad query parameters get
+422. All bodies are JSON except ``/metrics``.
 The shapes below are a contract (``phalanx local`` and the operator read them); add fields, never
 rename or remove one.
 
@@ -89,11 +91,19 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class BearerAuth:
-    """ASGI middleware: 401 unless the request carries the job's bearer token."""
+    """ASGI middleware: 401 unless the request carries the job's bearer token, or the metrics token for a
+    GET of /metrics (a read-only credential Prometheus may share across jobs)."""
 
-    def __init__(self, app: ASGIApp, *, token: str) -> None:
+    def __init__(self, app: ASGIApp, *, token: str, metrics_token: str = "") -> None:
         self._app = app
         self._expected = auth.bearer(token).encode()
+        self._metrics = auth.bearer(metrics_token).encode() if metrics_token else b""
+
+    def _allowed(self, scope: Scope, given: bytes) -> bool:
+        if hmac.compare_digest(given, self._expected):
+            return True
+        scrape = scope.get("method") == "GET" and scope.get("path") == "/metrics"
+        return bool(self._metrics) and scrape and hmac.compare_digest(given, self._metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -102,7 +112,7 @@ class BearerAuth:
                 if key == auth.HEADER.encode():
                     given = value
                     break
-            if not hmac.compare_digest(given, self._expected):
+            if not self._allowed(scope, given):
                 body = json.dumps({"error": "missing or wrong job token"}).encode()
                 headers = [
                     (b"content-type", b"application/json"),
@@ -115,8 +125,8 @@ class BearerAuth:
         await self._app(scope, receive, send)
 
 
-def create_app(runtime: Runtime, *, token: str) -> ASGIApp:
-    """The HTTP API over ``runtime``'s job, wrapped in the bearer-token check.
+def create_app(runtime: Runtime, *, token: str, metrics_token: str = "") -> ASGIApp:
+    """The HTTP API over ``runtime``'s job, wrapped in the bearer-token check (see :class:`BearerAuth`).
 
     The handlers are ``async def`` on purpose: they then run on the event loop, like the gRPC handlers
     that change the job, and never read it from a worker thread while it changes.
@@ -177,4 +187,4 @@ def create_app(runtime: Runtime, *, token: str) -> ASGIApp:
     async def metrics() -> Response:
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return BearerAuth(app, token=token)
+    return BearerAuth(app, token=token, metrics_token=metrics_token)

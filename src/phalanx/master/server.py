@@ -104,11 +104,12 @@ async def run_master(
     token: str,
     store: StateStore,
     sink: StatusSink,
+    metrics_token: str = "",
     out: TextIO = sys.stdout,
     parent_pid: int = 0,
 ) -> int:
     """Serves the job until SIGTERM/SIGINT (or, with ``parent_pid``, until that parent exits); returns
-    the process exit code."""
+    the process exit code. ``metrics_token``, when given, is accepted for GET /metrics only."""
     loop = asyncio.get_running_loop()
     saved = await asyncio.to_thread(store.load)
     job = Job(settings=settings, now=Runtime.now(), saved=saved)
@@ -139,7 +140,7 @@ async def run_master(
     await grpc_server.start()
     http = _HttpServer(
         uvicorn.Config(
-            create_app(rt, token=token),
+            create_app(rt, token=token, metrics_token=metrics_token),
             log_level="warning",
             access_log=False,
             lifespan="off",

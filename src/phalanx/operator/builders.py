@@ -26,6 +26,7 @@ from phalanx.operator.spec import JobSpec
 
 TOKEN_DIR = "/var/run/phalanx/token"  # noqa: S105 -- a mount path, not a secret
 TOKEN_FILE = f"{TOKEN_DIR}/token"
+METRICS_TOKEN_KEY = "metrics-token"  # noqa: S105 -- a key name, not a secret
 STATE_KEY = "state.json"
 
 Obj = dict[str, Any]
@@ -56,15 +57,19 @@ def _meta(
     }
 
 
-def token_secret(job: Mapping[str, Any], *, token: str) -> Obj:
-    """The job's bearer token, mounted into the master and every worker."""
+def token_secret(job: Mapping[str, Any], *, token: str, metrics_token: str = "") -> Obj:
+    """The job's bearer token, mounted into the master and every worker; with the operator's metrics token
+    (good for /metrics only) beside it, so one Prometheus credential scrapes every job's master."""
     job_name = job["metadata"]["name"]
+    data = {"token": token}
+    if metrics_token:
+        data[METRICS_TOKEN_KEY] = metrics_token
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _meta(job, names.secret(job_name), component="token"),
         "type": "Opaque",
-        "stringData": {"token": token},
+        "stringData": data,
     }
 
 
@@ -161,8 +166,11 @@ def _field_env(name: str, path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def _token_volume(job_name: str) -> Obj:
-    return {"name": "phalanx-token", "secret": {"secretName": names.secret(job_name), "defaultMode": 0o400}}
+IMAGE_GID = 10001  # the Dockerfile's group; the master Pod's fsGroup
+
+
+def _token_volume(job_name: str, *, mode: int) -> Obj:
+    return {"name": "phalanx-token", "secret": {"secretName": names.secret(job_name), "defaultMode": mode}}
 
 
 _TOKEN_MOUNT = {"name": "phalanx-token", "mountPath": TOKEN_DIR, "readOnly": True}
@@ -182,6 +190,8 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
         "--token-file", TOKEN_FILE,
         "--state", f"k8s://{ns}/{job_name}",
     ]  # fmt: skip
+    if settings.metrics_token_file:
+        command += ["--metrics-token-file", f"{TOKEN_DIR}/{METRICS_TOKEN_KEY}"]
     container: Obj = {
         "name": "master",
         "image": settings.image,
@@ -205,7 +215,10 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
             "serviceAccountName": names.master(job_name),
             "restartPolicy": "Never",
             "containers": [container],
-            "volumes": [_token_volume(job_name)],
+            # Secret files belong to root; the image runs as uid 10001. fsGroup makes the token group-owned
+            # by a group the master's processes get, so 0440 keeps it from everyone else.
+            "securityContext": {"fsGroup": IMAGE_GID},
+            "volumes": [_token_volume(job_name, mode=0o440)],
         },
     }
 
@@ -326,7 +339,8 @@ def worker_pod(
         *_settings_env(spec, master=False),
     ]
     container["volumeMounts"] = [*(container.get("volumeMounts") or []), dict(_TOKEN_MOUNT)]
-    pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), _token_volume(job_name)]
+    # Readable whatever user the training image runs as: an fsGroup of ours would re-own the user's volumes.
+    pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), _token_volume(job_name, mode=0o444)]
     pod_spec["restartPolicy"] = "Never"  # a failed node is replaced by a new Pod, never restarted in place
     pod_spec.setdefault("automountServiceAccountToken", False)  # workers never call the Kubernetes API
     pod_spec.setdefault("terminationGracePeriodSeconds", int(r.grace_period_s) + 5)

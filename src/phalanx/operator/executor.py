@@ -8,9 +8,10 @@ import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from phalanx.api.errors import KubernetesError
+from phalanx.api.errors import ConfigError, KubernetesError
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import names
 from phalanx.operator.crd import GROUP, KIND, PLURAL, VERSION
@@ -29,6 +30,22 @@ from phalanx.operator.reconcile import (
 log = logging.getLogger("phalanx.operator")
 
 _SUPPORTING_KINDS = ("Secret", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service")
+
+
+def read_metrics_token(path: str) -> str:
+    """The metrics token from ``path`` ("" without a path); a clear error, naming the setting, when it
+    cannot be read or is not one token. Never logged."""
+    if not path:
+        return ""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}", field="metrics_token_file") from exc
+    if len(token) < 16 or any(c.isspace() for c in token):
+        raise ConfigError(
+            f"{path} must hold one token of at least 16 characters without spaces", field="metrics_token_file"
+        )
+    return token
 
 
 def pod_view(pod: Any) -> PodView:
@@ -61,6 +78,7 @@ class Executor:
         from kubernetes import client
 
         self.settings = settings
+        self._metrics_token = read_metrics_token(settings.metrics_token_file)
         # Typed as Any: the operator passes plain dicts (the builders' output), which the client accepts.
         self.core: Any = client.CoreV1Api(api)
         self.rbac: Any = client.RbacAuthorizationV1Api(api)
@@ -95,7 +113,11 @@ class Executor:
         if observed is None:
             return []
         actions = reconcile(
-            observed, now=time.time(), settings=self.settings, new_token=secrets.token_urlsafe(32)
+            observed,
+            now=time.time(),
+            settings=self.settings,
+            new_token=secrets.token_urlsafe(32),
+            metrics_token=self._metrics_token,
         )
         self.apply(observed.job, actions)
         return actions

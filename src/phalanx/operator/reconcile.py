@@ -117,11 +117,11 @@ class _Pass:
 
 
 def supporting_objects(
-    job: Mapping[str, Any], *, settings: OperatorSettings, token: str
+    job: Mapping[str, Any], *, settings: OperatorSettings, token: str, metrics_token: str = ""
 ) -> list[dict[str, Any]]:
     """The objects the job needs besides its Pods, in creation order (the Role before its binding)."""
     return [
-        builders.token_secret(job, token=token),
+        builders.token_secret(job, token=token, metrics_token=metrics_token),
         builders.state_config_map(job),
         builders.master_service_account(job),
         builders.master_role(job),
@@ -130,9 +130,11 @@ def supporting_objects(
     ]
 
 
-def reconcile(observed: Observed, *, now: float, settings: OperatorSettings, new_token: str) -> list[Action]:
-    """The actions that bring the cluster closer to the job's spec. ``new_token`` is used only if the
-    token Secret does not exist yet."""
+def reconcile(
+    observed: Observed, *, now: float, settings: OperatorSettings, new_token: str, metrics_token: str = ""
+) -> list[Action]:
+    """The actions that bring the cluster closer to the job's spec. ``new_token`` and ``metrics_token`` are
+    used only if the token Secret does not exist yet."""
     job = observed.job
     status: Mapping[str, Any] = job.get("status") or {}
     generation = int(job["metadata"].get("generation", 1))
@@ -158,7 +160,7 @@ def reconcile(observed: Observed, *, now: float, settings: OperatorSettings, new
                      pods=observed.pods, settings=settings)  # fmt: skip
 
     # --- supporting objects ------------------------------------------------------------------------
-    for obj in supporting_objects(job, settings=settings, token=new_token):
+    for obj in supporting_objects(job, settings=settings, token=new_token, metrics_token=metrics_token):
         if (obj["kind"], obj["metadata"]["name"]) not in observed.existing:
             p.actions.append(Create(obj))
     if not get_condition(p.status["conditions"], "Created"):

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 HARNESS = Path(__file__).resolve().parent
 PROCESS_NODES = ("node-a", "node-b")
 SIMULATED_NODES = ("sim-0", "sim-1", "sim-2", "sim-3")
+METRICS_TOKEN = "prometheus-" + "m" * 24  # what the tests' operator hands every master for /metrics
 
 
 def _spawn(argv: list[str], *, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
