@@ -225,6 +225,30 @@ def test_a_failed_job_persists_every_nodes_newest_step(tmp_path: Path) -> None:
     assert "save at breakpoint (leaving the job): persisted step 10" in logs, logs
 
 
+@pytest.mark.timeout(150)
+def test_a_failed_job_whose_nodes_straddle_a_step_commits_the_common_one(tmp_path: Path) -> None:
+    """No restarts left and rank 0's node one step ahead: it persists step 11 and learns that the job
+    failed before the other node reported. It asks the master again before leaving, is told step 10, and
+    persists it too, so step 10 is committed."""
+    storage, run = tmp_path / "ckpt", tmp_path / "run"
+    proc = phalanx_local(
+        [
+            "--nodes", "2", "--nproc-per-node", "2", "--workdir", str(run), "--timeout", "100",
+            "--max-restarts", "0", f"--agent-arg=--checkpoint-dir={storage}", "--",
+            str(STRADDLE), "--dir", str(tmp_path / "marks"),
+        ],
+        cwd=tmp_path,
+        timeout=130,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert _committed_steps(storage) == [10], sorted(p.name for p in storage.rglob("*"))
+    logs = (run / "node-0.log").read_text() + (run / "node-1.log").read_text()
+    asked_again = "(step 10, which every node holds): persisted step 10 of ranks [0, 1]"
+    answered = "(worker failure): step 10, which every node holds, not 11"  # the other node reported first
+    assert (asked_again in logs and "persisted step 11 of ranks [0, 1]" in logs) or answered in logs, logs
+
+
 def test_sigterm_to_the_agent_releases_the_nodes_memory(tmp_path: Path) -> None:
     job = f"flash-term-{os.getpid()}"
     log = tmp_path / "steps.jsonl"

@@ -34,6 +34,7 @@ T = TypeVar("T")
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 MASTER_AWAY_LIMIT_S = 600.0  # how long blocking calls keep retrying a master that does not answer
 USER_ERROR_SETTLE_S = 1.0  # how long other local workers get to fail too after a user error
+AGREEMENT_WAIT_S = 10.0  # beyond the grace period, how long a leaving node waits for the others' reports
 SPARE_WARMUP_LIMIT_S = 300.0  # a node joins after this long even if its spares are still importing
 
 
@@ -88,6 +89,8 @@ class Supervisor:
         self._spawned = 0
         self.ckpt = checkpointing.NodeCheckpointHost(self.say)
         self.breakpoint: tuple[int, list[int]] | None = None
+        self.unsettled: pb.ReportCheckpointRequest | None = None
+        """The last breakpoint report the master could not answer yet (other nodes had not reported)."""
         """The round and ranks of the last save at breakpoint, for the master's persist requests about it."""
         self.probes = probes.ProbeExecutor(
             client=client,
@@ -379,9 +382,35 @@ class Supervisor:
             except TransportError as exc:
                 self.say(f"could not tell the master which steps this node holds ({exc}); persisting {step}")
                 return None
-            return answer.persist_step if answer.persist_step >= 0 else None
+            if answer.persist_step < 0:
+                self.unsettled = req  # the master may settle on another step once the others reported
+                return None
+            return answer.persist_step
 
+        self.unsettled = None
         self.ckpt.save_at_breakpoint(reason, ranks=ranks, agree=agree if round_no else None)
+
+    def _await_agreement(self) -> None:
+        """Before leaving a job that ended: the other nodes may still be reporting what they hold, and a
+        PERSIST_CHECKPOINT could no longer reach this node. Asks again until the master settles the
+        breakpoint's step (bounded), and persists it when it is not the one this node chose."""
+        req, self.unsettled = self.unsettled, None
+        if req is None or self.breakpoint is None:
+            return
+        deadline = time.monotonic() + self.config.grace_period_s + AGREEMENT_WAIT_S
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TransportError):
+                answer = self.client.report_checkpoint(req)
+                if answer.persist_step >= 0:
+                    if answer.persist_step != req.step:
+                        self.ckpt.save_at_breakpoint(
+                            f"step {answer.persist_step}, which every node holds",
+                            ranks=self.breakpoint[1],
+                            step=answer.persist_step,
+                        )
+                    return
+            time.sleep(0.5)
+        self.say(f"the nodes did not settle on a step to persist in time; leaving with step {req.step}")
 
     # -------------------------------------------------------------------------------------------------
     # monitoring
@@ -560,6 +589,7 @@ class Supervisor:
         regroup = False
         while True:
             info = self._rendezvous()
+            self.unsettled = None  # a job that goes on delivers the master's persist request instead
             previous, self.round = self.round, info
             self.last_round = info.round
             if regroup and self.workers and all(w.proc.poll() is None for w in self.workers.values()):
@@ -579,6 +609,7 @@ class Supervisor:
             if event.kind in ("failed", "hang"):
                 nxt = self._handle_failure(event)
                 if nxt.kind == "exit":
+                    self._await_agreement()
                     raise AgentExit(nxt.exit_code, nxt.reason)
                 self.restarts += 1
                 self.say(f"restarting in place ({self.restarts}/{self.config.max_restarts}): {nxt.reason}")
@@ -595,6 +626,7 @@ class Supervisor:
                     self.link_publish(pb.NODE_STATE_FAILED, info.round)
                     self._stop_workers()
                     self._save_at_breakpoint("leaving the job")
+                    self._await_agreement()
                 raise AgentExit(event.action.exit_code, event.reason or "told to exit")
             elif event.kind == "rejoin":
                 mode = decisions.rejoin_mode(
