@@ -88,10 +88,13 @@ class Supervisor:
         self._echo_lock = threading.Lock()
         self._spawned = 0
         self.ckpt = checkpointing.NodeCheckpointHost(self.say)
-        self.breakpoint: tuple[int, list[int]] | None = None
-        self.unsettled: pb.ReportCheckpointRequest | None = None
-        """The last breakpoint report the master could not answer yet (other nodes had not reported)."""
-        """The round and ranks of the last save at breakpoint, for the master's persist requests about it."""
+        self.breakpoints = checkpointing.Breakpoints(
+            self.ckpt,
+            report=client.report_checkpoint,
+            node_id=config.node_id,
+            incarnation=self.incarnation,
+            say=self.say,
+        )
         self.probes = probes.ProbeExecutor(
             client=client,
             node_id=config.node_id,
@@ -349,68 +352,14 @@ class Supervisor:
                 self._persist_asked(action)
 
     def _persist_asked(self, action: pb.Action) -> None:
-        """PERSIST_CHECKPOINT, in the background (monitoring and the rendezvous go on). The host pins the
-        snapshot as soon as it is queued, so the workers' next save cannot overwrite it."""
-        ranks = self._local_ranks()
-        if action.round and self.breakpoint is not None and self.breakpoint[0] == action.round:
-            ranks = self.breakpoint[1]  # the broken round's ranks, whatever this node runs now
-        threading.Thread(
-            target=self.ckpt.save_at_breakpoint,
-            args=(action.reason or "asked by the master",),
-            kwargs={"ranks": ranks, "step": action.step or None},
-            daemon=True,
-        ).start()
+        self.breakpoints.persist_asked(action, current_ranks=self._local_ranks())
 
     def _save_at_breakpoint(self, reason: str) -> None:
-        """Persists the broken round's newest in-memory step, the one the master says every node holds
-        when it knows (see :mod:`phalanx.master.breakpoints`)."""
-        round_no, ranks = (self.round.round if self.round else 0), self._local_ranks()
-        self.breakpoint = (round_no, ranks)
-
-        def agree(slot_ranks: list[int], held: list[int], step: int) -> int | None:
-            req = pb.ReportCheckpointRequest(
-                node_id=self.config.node_id,
-                incarnation=self.incarnation,
-                step=step,
-                state=pb.CHECKPOINT_STATE_IN_MEMORY,
-                ranks=slot_ranks,
-                round=round_no,
-                held_steps=held,
-            )
-            try:
-                answer = self.client.report_checkpoint(req)
-            except TransportError as exc:
-                self.say(f"could not tell the master which steps this node holds ({exc}); persisting {step}")
-                return None
-            if answer.persist_step < 0:
-                self.unsettled = req  # the master may settle on another step once the others reported
-                return None
-            return answer.persist_step
-
-        self.unsettled = None
-        self.ckpt.save_at_breakpoint(reason, ranks=ranks, agree=agree if round_no else None)
+        round_no = self.round.round if self.round else 0
+        self.breakpoints.save(reason, round_no=round_no, ranks=self._local_ranks())
 
     def _await_agreement(self) -> None:
-        """Before leaving a job that ended: the other nodes may still be reporting what they hold, and a
-        PERSIST_CHECKPOINT could no longer reach this node. Asks again until the master settles the
-        breakpoint's step (bounded), and persists it when it is not the one this node chose."""
-        req, self.unsettled = self.unsettled, None
-        if req is None or self.breakpoint is None:
-            return
-        deadline = time.monotonic() + self.config.grace_period_s + AGREEMENT_WAIT_S
-        while time.monotonic() < deadline:
-            with contextlib.suppress(TransportError):
-                answer = self.client.report_checkpoint(req)
-                if answer.persist_step >= 0:
-                    if answer.persist_step != req.step:
-                        self.ckpt.save_at_breakpoint(
-                            f"step {answer.persist_step}, which every node holds",
-                            ranks=self.breakpoint[1],
-                            step=answer.persist_step,
-                        )
-                    return
-            time.sleep(0.5)
-        self.say(f"the nodes did not settle on a step to persist in time; leaving with step {req.step}")
+        self.breakpoints.await_agreement(limit_s=self.config.grace_period_s + AGREEMENT_WAIT_S)
 
     # -------------------------------------------------------------------------------------------------
     # monitoring
@@ -589,7 +538,7 @@ class Supervisor:
         regroup = False
         while True:
             info = self._rendezvous()
-            self.unsettled = None  # a job that goes on delivers the master's persist request instead
+            self.breakpoints.unsettled = None  # a job that goes on gets the master's persist request instead
             previous, self.round = self.round, info
             self.last_round = info.round
             if regroup and self.workers and all(w.proc.poll() is None for w in self.workers.values()):
