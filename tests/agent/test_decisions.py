@@ -49,10 +49,22 @@ def test_after_failure() -> None:
         pb.Action(kind=pb.ACTION_KIND_EXIT, exit_code=3, reason="evicted"), restarts_used=0, max_restarts=3
     )
     assert out == decisions.Next("exit", exit_code=3, reason="evicted")
+    failed = decisions.after_failure(
+        pb.Action(kind=pb.ACTION_KIND_EXIT, round=2, exit_code=1, reason="job failed"),
+        restarts_used=0,
+        max_restarts=3,
+    )
+    assert failed == decisions.Next("exit", exit_code=1, reason="job failed", job_ended=True)
     assert (
         decisions.after_failure(pb.Action(kind=pb.ACTION_KIND_NONE), restarts_used=0, max_restarts=1).kind
         == "wait"
     )
+
+
+def test_job_ended_is_an_exit_that_names_the_round_the_job_ended_in() -> None:
+    assert decisions.job_ended(pb.Action(kind=pb.ACTION_KIND_EXIT, round=3, exit_code=1))
+    assert not decisions.job_ended(pb.Action(kind=pb.ACTION_KIND_EXIT, exit_code=1, reason="evicted: hung"))
+    assert not decisions.job_ended(pb.Action(kind=pb.ACTION_KIND_REJOIN, round=3))
 
 
 def test_is_new_rejoin() -> None:

@@ -61,8 +61,9 @@ def test_lost_node_is_evicted_and_survivors_rejoin_new_round() -> None:
     sim.at(sim.now + 1.5)
     assert sim.job.members == ["a"]
     assert sim.job.round_number == 2
-    # a late heartbeat from the lost node tells it to leave
-    assert kinds(sim.hb("b")) == ["EXIT"]
+    # a late heartbeat from the lost node tells it to leave a job that goes on (no round: the job did not end)
+    (leave,) = sim.hb("b")
+    assert (kinds([leave]), leave.round) == (["EXIT"], 0)
 
 
 def test_worker_failure_restarts_in_place_with_same_membership() -> None:
@@ -91,11 +92,13 @@ def test_restart_budget_spent_fails_job_and_agents_exit() -> None:
     action = sim.fail("a", msg="oops")
     assert kinds([action]) == ["EXIT"]
     assert action.exit_code == 1
+    assert action.round == sim.job.round_number > 0  # the job ended (agents save at breakpoint on the way)
     assert sim.job.phase == "Failed"
     assert "restart budget (1)" in sim.job.reason
     exit_b = sim.hb("b")
     assert kinds(exit_b) == ["EXIT"]
     assert exit_b[0].exit_code == 1
+    assert exit_b[0].round == sim.job.round_number
     assert sim.get("b", 3).status == pb.RENDEZVOUS_STATUS_CLOSED
 
 
@@ -211,7 +214,7 @@ def test_hang_asks_for_stacks_and_evicts_the_odd_node_on_second_hang() -> None:
     sim.join("a")
     sim.join("b")
     evict = sim.fail("b", kind=pb.FAILURE_KIND_HANG, cls=pb.FAILURE_CLASS_HANG)
-    assert kinds([evict]) == ["EXIT"]
+    assert (kinds([evict]), evict.round) == (["EXIT"], 0)
     assert sim.job.evictions[-1]["node_id"] == "b"
     assert sim.job.evictions[-1]["kind"] == "hang"
 

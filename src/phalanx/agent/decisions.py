@@ -54,6 +54,8 @@ class Next:
     round: int = 0
     exit_code: int = 0
     reason: str = ""
+    job_ended: bool = False
+    """For "exit": the whole job ended, not just this node's part in it (see :func:`job_ended`)."""
 
 
 def after_failure(action: pb.Action, *, restarts_used: int, max_restarts: int) -> Next:
@@ -62,7 +64,9 @@ def after_failure(action: pb.Action, *, restarts_used: int, max_restarts: int) -
     ``restarts_used`` counts failure restarts already done (membership changes do not count).
     """
     if action.kind == pb.ACTION_KIND_EXIT:
-        return Next("exit", exit_code=action.exit_code or 1, reason=action.reason)
+        return Next(
+            "exit", exit_code=action.exit_code or 1, reason=action.reason, job_ended=job_ended(action)
+        )
     if action.kind == pb.ACTION_KIND_REJOIN:
         if restarts_used >= max_restarts:
             return Next(
@@ -72,6 +76,13 @@ def after_failure(action: pb.Action, *, restarts_used: int, max_restarts: int) -
             )
         return Next("rejoin", round=action.round, reason=action.reason)
     return Next("wait", reason=action.reason)
+
+
+def job_ended(action: pb.Action) -> bool:
+    """Whether an EXIT says that the job ended (it names the round it ended in), rather than that this node
+    leaves a job that goes on (evicted, replaced). Only a job that ended is worth waiting for on the way out
+    until every node's save at breakpoint settled: a job that goes on keeps the state in its survivors."""
+    return action.kind == pb.ACTION_KIND_EXIT and action.round > 0
 
 
 def is_new_rejoin(action: pb.Action, *, current_round: int) -> bool:

@@ -558,7 +558,8 @@ class Supervisor:
             if event.kind in ("failed", "hang"):
                 nxt = self._handle_failure(event)
                 if nxt.kind == "exit":
-                    self._await_agreement()
+                    if nxt.job_ended:
+                        self._await_agreement()
                     raise AgentExit(nxt.exit_code, nxt.reason)
                 self.restarts += 1
                 self.say(f"restarting in place ({self.restarts}/{self.config.max_restarts}): {nxt.reason}")
@@ -569,9 +570,9 @@ class Supervisor:
                 self.say("a new round opened after this node finished; rejoining")
             elif event.kind == "exit":
                 assert event.action is not None
-                if event.action.exit_code != 0:
-                    # The job failed (or this node leaves it) while these workers ran: storage keeps their
-                    # newest step for the job's next run.
+                if event.action.exit_code != 0 and decisions.job_ended(event.action):
+                    # The job failed while these workers ran: storage keeps their newest step for the job's
+                    # next run. (A node evicted from a job that goes on leaves the state to the survivors.)
                     self.link_publish(pb.NODE_STATE_FAILED, info.round)
                     self._stop_workers()
                     self._save_at_breakpoint("leaving the job")

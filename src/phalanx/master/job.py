@@ -287,7 +287,9 @@ class Job(ProbeCore):
         self._changed(durable=True)
         if decision.verdict is Verdict.FAIL:
             self._finish("Failed", decision.reason, now=now)
-            return action(pb.ACTION_KIND_EXIT, exit_code=1, reason=self._end_reason())
+            return action(
+                pb.ACTION_KIND_EXIT, round=self.round_number, exit_code=1, reason=self._end_reason()
+            )
         if decision.verdict is Verdict.EVICT:
             was_member = node.node_id in self.members
             if (

@@ -88,7 +88,9 @@ class _ActionKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ActionKind
     ACTION_KIND_PERSIST_CHECKPOINT: _ActionKind.ValueType  # 5
     """Persist the in-memory checkpoint of step `step` (0: the newest the node's ranks all hold) to storage now."""
     ACTION_KIND_EXIT: _ActionKind.ValueType  # 6
-    """Leave the job: stop the workers and exit. `reason` says why (evicted, job succeeded, job failed)."""
+    """Leave the job: stop the workers and exit. `reason` says why (evicted, job succeeded, job failed);
+    `round` is the round the job ended in when it ended, 0 when this node leaves a job that goes on.
+    """
 
 class ActionKind(_ActionKind, metaclass=_ActionKindEnumTypeWrapper):
     """Something the master wants a node agent to do."""
@@ -107,7 +109,9 @@ ACTION_KIND_RUN_PROBE: ActionKind.ValueType  # 4
 ACTION_KIND_PERSIST_CHECKPOINT: ActionKind.ValueType  # 5
 """Persist the in-memory checkpoint of step `step` (0: the newest the node's ranks all hold) to storage now."""
 ACTION_KIND_EXIT: ActionKind.ValueType  # 6
-"""Leave the job: stop the workers and exit. `reason` says why (evicted, job succeeded, job failed)."""
+"""Leave the job: stop the workers and exit. `reason` says why (evicted, job succeeded, job failed);
+`round` is the round the job ended in when it ended, 0 when this node leaves a job that goes on.
+"""
 Global___ActionKind: _TypeAlias = ActionKind  # noqa: Y015
 
 class _ProbeKind:
