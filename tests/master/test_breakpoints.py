@@ -112,3 +112,31 @@ def test_no_step_newer_than_the_committed_one_asks_nothing() -> None:
     assert reporting(sim, "a", round=r, held=[10, 11]).persist_step == -1
     assert reporting(sim, "b", round=r, held=[9, 10]).persist_step == -1
     assert "PERSIST_CHECKPOINT" not in kinds(sim.hb("a"))
+
+
+def test_an_unsettled_breakpoint_is_dropped_when_the_next_round_forms() -> None:
+    """b regrouped in place (it never reports): the next round forms without an agreement, and a later
+    absence does not settle the old round's breakpoint with snapshots long overwritten."""
+    sim = Sim(**THREE)
+    r = sim.form("a", "b", "c")
+    sim.fail("a")
+    assert reporting(sim, "a", round=r, held=[10, 11]).persist_step == -1
+    c = pb.ReportCheckpointRequest(
+        node_id="c",
+        incarnation=sim.inc["c"],
+        step=10,
+        state=pb.CHECKPOINT_STATE_IN_MEMORY,
+        ranks=[4, 5],
+        round=r,
+        held_steps=[9, 10],
+    )
+    assert sim.job.report_checkpoint(c, now=sim.now).persist_step == -1  # b has not reported
+    for node in ("a", "b", "c"):
+        sim.join(node)
+    sim.at(sim.now + 0.1)
+    assert sim.job.round_number == r + 1
+    assert sim.job.breakpoint is None
+    sim.disconnect("b")
+    sim.at(sim.now + 1.5)
+    assert "PERSIST_CHECKPOINT" not in kinds(sim.hb("a"))
+    assert not sim.job.events.of_kind("checkpoint_breakpoint")

@@ -415,6 +415,10 @@ class JobCore:
         self.next_round = new.number + 1
         self.round_open = False
         self.joiners.clear()  # those left out get NOT_MEMBER and join the next round
+        if self.breakpoint is not None and self.breakpoint.step is None:
+            # Every node that saves at a breakpoint reports before it joins: whoever has not reported by now
+            # regrouped in place or is gone, and the old snapshots will not stay in memory for long.
+            self.breakpoint = None
         self.completed = set()
         self.round_failures = []
         self.phase = "Running"
