@@ -1,7 +1,9 @@
 """Master capacity: how many agent heartbeats per second one master process sustains on one core.
 
 Starts the real ``phalanx master`` pinned to CPU 0 and drives it over real gRPC from client processes
-pinned to the other CPUs. Every heartbeat carries the progress of 8 ranks, as a node with 8 GPUs sends.
+pinned to the other CPUs. The nodes form one rendezvous round, and every heartbeat carries the progress of
+8 ranks that step every 100 ms, as a node with 8 GPUs sends in training: the master's step-time bookkeeping
+(per-rank intervals, the periodic straggler check) is part of the cost.
 Two phases:
 
 * ``paced``: ``--nodes`` nodes heartbeating at 1 Hz, answered at once (agents before held heartbeats);
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 TOKEN = "benchmark-token"
+STEP_S = 0.1  # the simulated ranks' step time
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 
 
@@ -52,7 +55,7 @@ def start_master(tmp: Path, nodes: int, cpu: int) -> tuple[subprocess.Popen[byte
         "--job-id",
         "capacity",
         "--nodes",
-        f"1:{nodes}",
+        f"{nodes}:{nodes}",  # the round forms once every node joined
         "--port",
         "0",
         "--http-port",
@@ -123,12 +126,26 @@ async def client(
         stub = pb_grpc.MasterStub(channel)
         reqs = []
         for i in range(first, first + count):
-            ranks = [pb.RankProgress(rank=i * 8 + r, local_rank=r, step=1000) for r in range(8)]
+            ranks = [pb.RankProgress(rank=i * 8 + r, local_rank=r, step=0) for r in range(8)]
             reqs.append(
                 pb.HeartbeatRequest(
-                    node_id=f"node-{i}", incarnation=f"inc-{i}", state=pb.NODE_STATE_RUNNING, ranks=ranks
+                    node_id=f"node-{i}",
+                    incarnation=f"inc-{i}",
+                    state=pb.NODE_STATE_RUNNING,
+                    round=1,
+                    ranks=ranks,
                 )
             )
+        began = time.monotonic()
+
+        def stamp(req: Any) -> Any:
+            """The ranks' progress now: a step every STEP_S since the client began, ended just now."""
+            step, now_ns = int((time.monotonic() - began) / STEP_S), time.time_ns()
+            for rank in req.ranks:
+                rank.step = step
+                rank.step_unix_ns = now_ns
+            return req
+
         await stub.Heartbeat(reqs[0], metadata=AUTH, timeout=30)  # connect before the clock starts
         latencies: list[float] = []
         errors = 0
@@ -143,7 +160,7 @@ async def client(
                 await asyncio.sleep(max(0.0, due - loop.time()))
                 t0 = time.perf_counter()
                 try:
-                    await stub.Heartbeat(reqs[k], metadata=AUTH, timeout=10)
+                    await stub.Heartbeat(stamp(reqs[k]), metadata=AUTH, timeout=10)
                     latencies.append(time.perf_counter() - t0)
                 except grpc.RpcError:
                     errors += 1
@@ -158,7 +175,7 @@ async def client(
             while loop.time() < end:
                 t0 = time.perf_counter()
                 try:
-                    await stub.Heartbeat(req, metadata=AUTH, timeout=10)
+                    await stub.Heartbeat(stamp(req), metadata=AUTH, timeout=10)
                     latencies.append(time.perf_counter() - t0)
                 except grpc.RpcError:
                     errors += 1
@@ -170,7 +187,7 @@ async def client(
             while loop.time() < end:
                 t0 = time.perf_counter()
                 try:
-                    await stub.Heartbeat(reqs[i % count], metadata=AUTH, timeout=10)
+                    await stub.Heartbeat(stamp(reqs[i % count]), metadata=AUTH, timeout=10)
                     latencies.append(time.perf_counter() - t0)
                 except grpc.RpcError:
                     errors += 1
@@ -229,6 +246,38 @@ def register_all(addr: str, nodes: int) -> None:
             await asyncio.gather(*(one(i) for i in range(nodes)))
 
     asyncio.run(run())
+
+
+def join_all(addr: str, http: str, nodes: int) -> None:
+    """Every node joins the rendezvous; the round forms with all of them (checked through /v1/job)."""
+    import grpc
+    import httpx
+
+    from phalanx.api.v1 import master_pb2 as pb
+    from phalanx.api.v1 import master_pb2_grpc as pb_grpc
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(addr) as channel:
+            stub = pb_grpc.MasterStub(channel)
+            gate = asyncio.Semaphore(64)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    req = pb.JoinRendezvousRequest(
+                        node_id=f"node-{i}",
+                        incarnation=f"inc-{i}",
+                        nproc_per_node=8,
+                        store_host="h",
+                        store_port=20000 + i % 40000,
+                    )
+                    await stub.JoinRendezvous(req, metadata=AUTH, timeout=30)
+
+            await asyncio.gather(*(one(i) for i in range(nodes)))
+
+    asyncio.run(run())
+    job = httpx.get(f"http://{http}/v1/job", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
+    if job["round"] != 1 or len(job["members"]) != nodes:
+        raise RuntimeError(f"the round did not form with all {nodes} nodes: round {job['round']}")
 
 
 def phase(
@@ -313,6 +362,7 @@ def main() -> int:
         proc, addr, http = start_master(Path(tmp), args.nodes, master_cpu)
         try:
             register_all(addr, args.nodes)
+            join_all(addr, http, args.nodes)
             common = {"addr": addr, "pid": proc.pid, "nodes": args.nodes, "seconds": args.seconds}
             paced = phase(
                 mode="paced", concurrency=0, cpus=client_cpus[:2] if args.pin_clients else [], **common
