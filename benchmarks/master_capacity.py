@@ -221,35 +221,9 @@ def client_main(args: argparse.Namespace) -> int:
 # Driver
 
 
-def register_all(addr: str, nodes: int) -> None:
-    import grpc
-
-    from phalanx.api.v1 import master_pb2 as pb
-    from phalanx.api.v1 import master_pb2_grpc as pb_grpc
-
-    async def run() -> None:
-        async with grpc.aio.insecure_channel(addr) as channel:
-            stub = pb_grpc.MasterStub(channel)
-            gate = asyncio.Semaphore(64)
-
-            async def one(i: int) -> None:
-                async with gate:
-                    req = pb.RegisterNodeRequest(
-                        job_id="capacity",
-                        node_id=f"node-{i}",
-                        incarnation=f"inc-{i}",
-                        host="h",
-                        nproc_per_node=8,
-                    )
-                    await stub.RegisterNode(req, metadata=AUTH, timeout=30)
-
-            await asyncio.gather(*(one(i) for i in range(nodes)))
-
-    asyncio.run(run())
-
-
-def join_all(addr: str, http: str, nodes: int) -> None:
-    """Every node joins the rendezvous; the round forms with all of them (checked through /v1/job)."""
+def enroll_all(addr: str, http: str, nodes: int) -> None:
+    """Every node registers and joins the rendezvous; the round forms with all of them (checked through
+    /v1/job)."""
     import grpc
     import httpx
 
@@ -262,15 +236,20 @@ def join_all(addr: str, http: str, nodes: int) -> None:
             gate = asyncio.Semaphore(64)
 
             async def one(i: int) -> None:
+                node, inc = f"node-{i}", f"inc-{i}"
                 async with gate:
-                    req = pb.JoinRendezvousRequest(
-                        node_id=f"node-{i}",
-                        incarnation=f"inc-{i}",
+                    reg = pb.RegisterNodeRequest(
+                        job_id="capacity", node_id=node, incarnation=inc, host="h", nproc_per_node=8
+                    )
+                    await stub.RegisterNode(reg, metadata=AUTH, timeout=30)
+                    join = pb.JoinRendezvousRequest(
+                        node_id=node,
+                        incarnation=inc,
                         nproc_per_node=8,
                         store_host="h",
                         store_port=20000 + i % 40000,
                     )
-                    await stub.JoinRendezvous(req, metadata=AUTH, timeout=30)
+                    await stub.JoinRendezvous(join, metadata=AUTH, timeout=30)
 
             await asyncio.gather(*(one(i) for i in range(nodes)))
 
@@ -361,8 +340,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         proc, addr, http = start_master(Path(tmp), args.nodes, master_cpu)
         try:
-            register_all(addr, args.nodes)
-            join_all(addr, http, args.nodes)
+            enroll_all(addr, http, args.nodes)
             common = {"addr": addr, "pid": proc.pid, "nodes": args.nodes, "seconds": args.seconds}
             paced = phase(
                 mode="paced", concurrency=0, cpus=client_cpus[:2] if args.pin_clients else [], **common
