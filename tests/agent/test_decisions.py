@@ -248,3 +248,56 @@ def test_log_shipper_rate_limits_and_counts_drops() -> None:
     now[0] = 1.0
     shipper.offer(rank=0, local_rank=0, stream=1, text="later")
     assert [line.text for line in shipper.take()[0]] == ["later"]
+
+
+class _ScriptedMaster:
+    """Answers heartbeats from a script and records the acks they carried (pure logic: no socket)."""
+
+    def __init__(self, answers: list[list[pb.Action]]) -> None:
+        self.answers = answers
+        self.acks: list[int] = []
+
+    def heartbeat(self, req: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatResponse:
+        self.acks.append(req.acked_seq)
+        return pb.HeartbeatResponse(actions=self.answers.pop(0), round=1)
+
+
+def test_link_carries_out_each_one_shot_action_once_and_acknowledges_it() -> None:
+    from phalanx.agent.link import Link
+
+    dump = pb.Action(kind=pb.ACTION_KIND_DUMP_STACKS, round=1, seq=7)
+    probe = pb.Action(kind=pb.ACTION_KIND_RUN_PROBE, round=1, seq=8)
+    rejoin = pb.Action(kind=pb.ACTION_KIND_REJOIN, round=2)
+    master = _ScriptedMaster([[dump], [dump, probe, rejoin], [rejoin], []])
+    link = Link(
+        client=master,  # type: ignore[arg-type]
+        node_id="n",
+        incarnation="i",
+        interval_s=1.0,
+        shipper=LogShipper(LogSettings()),
+        reregister=lambda: None,
+    )
+    for _ in range(3):
+        link.beat_now()
+    queued = [link.actions.get_nowait() for _ in range(link.actions.qsize())]
+    # The repeated DUMP_STACKS (our ack had not reached the master) is not carried out twice; REJOIN,
+    # which has no seq, is passed on each time (the supervisor treats a repeat of a round as a no-op).
+    assert [(a.kind, a.seq) for a in queued] == [
+        (pb.ACTION_KIND_DUMP_STACKS, 7),
+        (pb.ACTION_KIND_RUN_PROBE, 8),
+        (pb.ACTION_KIND_REJOIN, 0),
+        (pb.ACTION_KIND_REJOIN, 0),
+    ]
+    assert master.acks == [0, 7, 8]
+    link.forget_acks()  # registered again with a master that lost its state: seqs start afresh
+    link.beat_now()
+    assert master.acks[-1] == 0
+
+
+def test_heartbeat_slack_follows_the_slowest_recent_round_trip() -> None:
+    from phalanx.agent.link import HEARTBEAT_TIMEOUT_S, MAX_HEARTBEAT_SLACK_S, heartbeat_slack
+
+    assert heartbeat_slack([]) == HEARTBEAT_TIMEOUT_S
+    assert heartbeat_slack([0.001, 0.002]) == HEARTBEAT_TIMEOUT_S  # a good network keeps the default
+    assert heartbeat_slack([0.001, 2.4, 0.5]) == pytest.approx(7.2)  # 1.2 s each way
+    assert heartbeat_slack([60.0]) == MAX_HEARTBEAT_SLACK_S

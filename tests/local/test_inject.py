@@ -17,6 +17,10 @@ def test_parse_forms() -> None:
     assert parse("kill-master@after=500ms").after_s == 0.5
     hang = parse("hang-worker@step=3,after=1")
     assert (hang.step, hang.after_s, hang.node, hang.rank) == (3, 1.0, 0, 0)
+    slow = parse("delay-node@after=0s,node=1,latency=1200ms")
+    assert (slow.kind, slow.node, slow.latency_s, slow.for_s) == ("delay-node", 1, 1.2, None)
+    cut = parse("partition-node@step=15,node=1,for=6s")
+    assert (cut.kind, cut.step, cut.for_s) == ("partition-node", 15, 6.0)
 
 
 def test_due() -> None:
@@ -41,6 +45,11 @@ def test_due() -> None:
         ("kill-master@step=1,node=0", "kill-master does not take node="),
         ("kill-worker@step=1,step=2", "given twice"),
         ("kill-worker@after=soon", "duration"),
+        ("delay-node@after=1s", "needs latency= above 0"),
+        ("delay-node@after=1s,latency=0ms", "needs latency= above 0"),
+        ("partition-node@after=1s,for=0s", "for= must be above 0"),
+        ("partition-node@after=1s,rank=1", "partition-node does not take rank="),
+        ("kill-node@after=1s,for=2s", "kill-node does not take for="),
     ],
 )
 def test_errors_say_what_is_wrong(spec: str, message: str) -> None:

@@ -20,6 +20,8 @@ class Sim:
         self.now = 1000.0
         self.job = job or Job(settings=settings(**groups), now=self.now)
         self.inc: dict[str, str] = {}
+        self.acked: dict[str, int] = {}
+        """Per node, the highest one-shot action seq received, acknowledged as a real agent does."""
 
     def at(self, t: float) -> Sim:
         self.now = t
@@ -48,12 +50,27 @@ class Sim:
         req = pb.GetRendezvousRequest(node_id=node, incarnation=self.inc[node], round=round)
         return self.job.get_rendezvous(req, now=self.now).response
 
-    def hb(self, node: str, *, state: int = pb.NODE_STATE_RUNNING, step: int = -1) -> list[pb.Action]:
+    def hb(
+        self, node: str, *, state: int = pb.NODE_STATE_RUNNING, step: int = -1, lost: bool = False
+    ) -> list[pb.Action]:
+        """One heartbeat of ``node``; returns the actions its agent carries out (each seq once), or none
+        when the answer is ``lost`` on the way back."""
         ranks = [pb.RankProgress(rank=0, step=step)] if step >= 0 else []
+        acked = self.acked.get(node, 0)
         req = pb.HeartbeatRequest(
-            node_id=node, incarnation=self.inc[node], state=state, round=self.job.round_number, ranks=ranks
+            node_id=node,
+            incarnation=self.inc[node],
+            state=state,
+            round=self.job.round_number,
+            ranks=ranks,
+            acked_seq=acked,
         )
-        return list(self.job.heartbeat(req, now=self.now).actions)
+        answer = list(self.job.heartbeat(req, now=self.now).actions)
+        if lost:
+            return []
+        fresh = [a for a in answer if not a.seq or a.seq > acked]
+        self.acked[node] = max([acked, *(a.seq for a in fresh)])
+        return fresh
 
     def disconnect(self, node: str) -> None:
         """The connection of ``node``'s held heartbeat closed before its answer."""

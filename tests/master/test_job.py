@@ -173,6 +173,35 @@ def test_resume_from_saved_state_keeps_round_and_grace() -> None:
     assert resumed.job.events.of_kind("master_resumed")
 
 
+def test_one_shot_action_repeats_until_acknowledged() -> None:
+    sim = Sim(restart={"max_restarts": 5}, **TWO)
+    sim.form("a", "b")
+    sim.fail("a", kind=pb.FAILURE_KIND_HANG, cls=pb.FAILURE_CLASS_HANG)
+    # The answer carrying DUMP_STACKS is lost on the way (deadline passed, connection reset) ...
+    assert sim.hb("b", lost=True) == []
+    assert sim.hb("b", lost=True) == []
+    # ... so the next answers carry it again, with the same seq, until a heartbeat acknowledges it.
+    (dump,) = [a for a in sim.hb("b") if a.kind == pb.ACTION_KIND_DUMP_STACKS]
+    assert dump.seq > 0
+    assert sim.acked["b"] == dump.seq
+    assert not any(a.kind == pb.ACTION_KIND_DUMP_STACKS for a in sim.hb("b"))
+    assert sim.job.nodes["b"].pending == []  # the ack released it on the master too
+
+
+def test_action_seqs_keep_growing_across_a_master_restart() -> None:
+    sim = Sim(restart={"max_restarts": 5}, **TWO)
+    sim.form("a", "b")
+    sim.fail("a", kind=pb.FAILURE_KIND_HANG, cls=pb.FAILURE_CLASS_HANG)
+    (before,) = [a.seq for a in sim.hb("b") if a.kind == pb.ACTION_KIND_DUMP_STACKS]
+    saved = json.loads(json.dumps(sim.job.durable()))
+    assert saved["action_seq"] == before
+    resumed = Job(settings=settings(restart={"max_restarts": 5}, **TWO), now=sim.now, saved=saved)
+    node = resumed.nodes["b"]
+    resumed._push(node, [pb.Action(kind=pb.ACTION_KIND_DUMP_STACKS, round=1)])
+    # An agent that acknowledged `before` must not take the new action for a repeat of an old one.
+    assert node.pending[0].seq > before
+
+
 def test_checkpoint_commits_when_every_rank_persisted() -> None:
     sim = Sim(**TWO)
     sim.form("a", "b")

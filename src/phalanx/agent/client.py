@@ -24,6 +24,11 @@ _UNKNOWN_NODE = {grpc.StatusCode.NOT_FOUND}
 class MasterUnavailableError(TransportError):
     """The master did not answer (restarting, network); the call may be retried."""
 
+    def __init__(self, message: str, *, late: bool = False) -> None:
+        super().__init__(message)
+        self.late = late
+        """The call's deadline passed: the master or the network is slow, not known to be down."""
+
 
 class UnknownNodeError(TransportError):
     """The master does not know this incarnation; the agent must register again."""
@@ -41,11 +46,12 @@ class MasterClient:
     """Calls the master with the job's bearer token. Thread-safe (one channel, shared)."""
 
     def __init__(self, *, address: str, token: str) -> None:
+        # Reconnect quickly to a restarted master. Not grpc.min_reconnect_backoff_ms: gRPC also takes it
+        # as the time a connection attempt may take, and a link slower than that could never connect.
         self._channel = grpc.insecure_channel(
             address,
             options=[
                 ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ],
         )
@@ -64,7 +70,8 @@ class MasterClient:
             if code == grpc.StatusCode.UNAUTHENTICATED:
                 raise AuthenticationError(f"the master refused the job token: {detail}") from exc
             if code in _RETRYABLE:
-                raise MasterUnavailableError(f"master unavailable ({code}): {detail}") from exc
+                late = code == grpc.StatusCode.DEADLINE_EXCEEDED
+                raise MasterUnavailableError(f"master unavailable ({code}): {detail}", late=late) from exc
             if code in _UNKNOWN_NODE:
                 raise UnknownNodeError(f"master does not know this node ({code}): {detail}") from exc
             raise TransportError(f"master call failed ({code}): {detail}") from exc

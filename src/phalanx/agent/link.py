@@ -13,6 +13,7 @@ learns that this process died from its connection closing instead of from a hear
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import logging
 import queue
@@ -28,7 +29,15 @@ from phalanx.api.v1 import master_pb2 as pb
 
 log = logging.getLogger("phalanx.agent")
 
-HEARTBEAT_TIMEOUT_S = 2.0  # how long an answer may take beyond the hold
+HEARTBEAT_TIMEOUT_S = 2.0  # how long an answer may take beyond the hold, on a good network
+MAX_HEARTBEAT_SLACK_S = 16.0  # past this the master declared the node lost long ago (default timeout 10 s)
+
+
+def heartbeat_slack(round_trips: collections.abc.Iterable[float]) -> float:
+    """How long a heartbeat's answer may take beyond the master's hold: three times the slowest recent
+    round trip, at least :data:`HEARTBEAT_TIMEOUT_S`. A fixed deadline would give up on every answer of a
+    network slower than it, and with them on every action they carry."""
+    return min(MAX_HEARTBEAT_SLACK_S, max([HEARTBEAT_TIMEOUT_S, *(3.0 * rtt for rtt in round_trips)]))
 
 
 class LogShipper:
@@ -107,6 +116,10 @@ class Link(threading.Thread):
         self.master_round = 0
         self.last_ok = time.monotonic()
         self._rng = random.Random()
+        self._acked_seq = 0
+        """The highest one-shot action seq received; sent back so the master stops repeating them."""
+        self._round_trips: collections.deque[float] = collections.deque(maxlen=8)
+        self.slack_s = HEARTBEAT_TIMEOUT_S
 
     def publish(
         self,
@@ -126,6 +139,11 @@ class Link(threading.Thread):
     def stop(self) -> None:
         self._stop.set()
 
+    def forget_acks(self) -> None:
+        """After registering again: a master that forgot this node numbers its actions afresh."""
+        with self._lock:
+            self._acked_seq = 0
+
     def beat_now(self) -> None:
         self._beat(wait_s=0.0)
 
@@ -140,12 +158,28 @@ class Link(threading.Thread):
                 restart_count=self._restart_count,
                 sent_unix_ns=time.time_ns(),
                 wait_s=wait_s,
+                acked_seq=self._acked_seq,
             )
-        resp = self._client.heartbeat(req, timeout=wait_s + HEARTBEAT_TIMEOUT_S)
+        sent = time.monotonic()
+        try:
+            resp = self._client.heartbeat(req, timeout=wait_s + self.slack_s)
+        except MasterUnavailableError as exc:
+            if exc.late:  # the round trip took at least the slack: count it as that long
+                self._round_trips.append(self.slack_s)
+                self.slack_s = heartbeat_slack(self._round_trips)
+            raise
         self.last_ok = time.monotonic()
+        self._round_trips.append(max(0.0, self.last_ok - sent - resp.held_s))
+        self.slack_s = heartbeat_slack(self._round_trips)
         self.master_round = resp.round
-        for action in resp.actions:
-            if action.kind not in (pb.ACTION_KIND_NONE, pb.ACTION_KIND_UNSPECIFIED):
+        with self._lock:  # beat_now() may race the heartbeat thread: each seq is queued once
+            for action in resp.actions:
+                if action.kind in (pb.ACTION_KIND_NONE, pb.ACTION_KIND_UNSPECIFIED):
+                    continue
+                if action.seq:
+                    if action.seq <= self._acked_seq:
+                        continue  # repeated because our ack had not reached the master yet
+                    self._acked_seq = action.seq
                 self.actions.put(action)
 
     def _ship(self) -> None:

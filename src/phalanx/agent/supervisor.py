@@ -130,7 +130,7 @@ class Supervisor:
                 return call()
             except UnknownNodeError:
                 self.say(f"{what}: master does not know this incarnation; registering again")
-                self._register()
+                self._reregister()
             except MasterUnavailableError as exc:
                 if time.monotonic() > deadline:
                     raise TransportError(
@@ -155,6 +155,8 @@ class Supervisor:
 
     def _reregister(self) -> None:
         self._register()
+        if self.link is not None:
+            self.link.forget_acks()
 
     def _paths(self, info: RoundInfo, local_rank: int) -> worker_env.WorkerPaths:
         d = self.log_dir / f"round{info.round}" / str(local_rank)

@@ -27,8 +27,9 @@ def register(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="KIND@key=value,...",
-        help="Fault to inject: kill-worker, kill-node, hang-worker or kill-master, with step=, after=, "
-        "node=, rank= (e.g. kill-worker@step=20,node=1,rank=0). Repeatable.",
+        help="Fault to inject: kill-worker, kill-node, hang-worker, kill-master, delay-node (latency=) or "
+        "partition-node, with step=, after=, node=, rank=, for= (e.g. kill-worker@step=20,node=1,rank=0, "
+        "partition-node@after=10s,node=1,for=5s). Repeatable.",
     )
     p.add_argument("--summary-json", type=Path, default=None, help="Write the run summary here as JSON.")
     p.add_argument("--max-replacements", type=int, default=3, help="Evicted nodes that get a replacement.")

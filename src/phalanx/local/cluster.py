@@ -22,7 +22,8 @@ import httpx
 from phalanx.agent.env import beacon_path
 from phalanx.agent.supervisor import SHM_DIR
 from phalanx.local import procs
-from phalanx.local.inject import Injection
+from phalanx.local.inject import NETWORK_KINDS, Injection
+from phalanx.local.relay import Relay
 from phalanx.local.report import FailureRecord, Summary, table
 
 POLL_S = 0.05
@@ -77,6 +78,9 @@ class LocalCluster:
         self.handled_evictions: set[str] = set()
         self.due_replacements: list[tuple[float, str]] = []
         self.pending: list[Injection] = list(options.injections)
+        self.relays: dict[str, Relay] = {}
+        """The nodes with network faults to come reach the master through a relay (node id -> relay)."""
+        self.due_heals: list[tuple[float, Injection]] = []
         self.summary = Summary(job_id=self.job_id)
         self.t0 = 0.0
         self.t0_unix_ns = 0
@@ -99,10 +103,12 @@ class LocalCluster:
 
     def _agent_argv(self, node_id: str) -> list[str]:
         o = self.o
+        relay = self.relays.get(node_id)
+        endpoint = relay.address if relay is not None else self.master.grpc_addr
         return [
             sys.executable, "-m", "phalanx.cli.run",
             "--nnodes", f"{o.min_nodes}:{o.max_nodes}", "--nproc-per-node", str(o.nproc_per_node),
-            "--rdzv-endpoint", self.master.grpc_addr, "--rdzv-id", self.job_id, "--node-id", node_id,
+            "--rdzv-endpoint", endpoint, "--rdzv-id", self.job_id, "--node-id", node_id,
             "--token-file", str(self.token_file), "--log-dir", str(self.workdir / node_id),
             "--max-restarts", str(o.max_restarts), "--local-addr", "127.0.0.1", *o.agent_args,
             o.script, *o.script_args,
@@ -112,6 +118,9 @@ class LocalCluster:
         index = self.next_index
         self.next_index += 1
         node_id = f"node-{index}"
+        if any(inj.kind in NETWORK_KINDS and inj.node == index for inj in self.pending):
+            self.relays[node_id] = relay = Relay(self.master.grpc_addr)
+            relay.start()
         env = dict(os.environ)
         env.pop("PHALANX_TOKEN_FILE", None)
         node = procs.start_node(
@@ -192,6 +201,8 @@ class LocalCluster:
         for f in self.summary.failures:
             if f.recovered_at is not None:
                 continue
+            if f.kind in NETWORK_KINDS and f.detected_at is None:
+                continue  # the job did not notice the network fault: there is nothing to recover from
             # Recovery means a step completed by the recovered job: after a new round formed (workers
             # restarted), or, for a master kill, after the master answers again (workers never stopped).
             if f.kind == "kill-master":
@@ -253,6 +264,8 @@ class LocalCluster:
                 assert node is not None
                 self.kill_node(node)
                 what = "SIGKILL agent and workers"
+            elif inj.kind in NETWORK_KINDS:
+                what = self._net_fault(inj, target)
             else:
                 self.master.kill()
                 what = "SIGKILL master"
@@ -262,6 +275,31 @@ class LocalCluster:
                 self.master.start()
                 record.action = "master restarted on the same state"
                 self.say(f"master restarted at {self.master.grpc_addr}")
+
+    def _net_fault(self, inj: Injection, node_id: str) -> str:
+        relay = self.relays[node_id]
+        if inj.kind == "delay-node":
+            relay.latency_s = inj.latency_s
+            what = f"{inj.latency_s * 1000:g} ms added each way on its link to the master"
+        else:
+            relay.cut()
+            what = "link to the master cut"
+        if inj.for_s is None:
+            return what
+        self.due_heals.append((self.elapsed() + inj.for_s, inj))
+        return f"{what} for {inj.for_s:g}s"
+
+    def _heal(self) -> None:
+        for due, inj in list(self.due_heals):
+            if self.elapsed() < due:
+                continue
+            self.due_heals.remove((due, inj))
+            relay = self.relays[f"node-{inj.node}"]
+            if inj.kind == "delay-node":
+                relay.latency_s = 0.0
+            else:
+                relay.heal()
+            self.say(f"HEAL {inj.kind} on node-{inj.node}")
 
     def _carry_out_evictions(self) -> None:
         for ev in self.job.get("evictions", []) or []:
@@ -335,6 +373,8 @@ class LocalCluster:
                 if node.alive:
                     self.kill_node(node)
             self.master.kill()
+            for relay in self.relays.values():
+                relay.close()
             self.http.close()
             # Killed agents could not remove their beacons.
             for stale in SHM_DIR.glob(f"phalanx-{self.job_id}-*.beacon"):
@@ -351,6 +391,7 @@ class LocalCluster:
                 self.max_step = max(self.max_step, *(s for s, _, _ in steps.values()))
             self._track_recovery(steps)
             self._inject(steps)
+            self._heal()
             if up:
                 self._carry_out_evictions()
             self._start_replacements()

@@ -2,9 +2,11 @@
 
 Form: ``KIND@key=value,...``. Kinds: ``kill-worker`` (SIGKILL one rank), ``kill-node`` (SIGKILL an agent
 and its workers), ``hang-worker`` (SIGSTOP one rank), ``kill-master`` (SIGKILL the master and restart it
-on the same state). Keys: ``step=`` (fire when the rank's beacon reaches that step), ``after=`` (seconds
-since the job started), ``node=`` (node index, default 0), ``rank=`` (local rank, default 0). A spec
-needs ``step`` or ``after``; with both, both must hold.
+on the same state), ``delay-node`` (add ``latency=`` each way to the node's link to the master) and
+``partition-node`` (cut that link: silence, no error; see :mod:`phalanx.local.relay`). Keys: ``step=``
+(fire when the rank's beacon reaches that step), ``after=`` (seconds since the job started), ``node=``
+(node index, default 0), ``rank=`` (local rank, default 0), ``for=`` (the network faults: heal after
+this long; default never). A spec needs ``step`` or ``after``; with both, both must hold.
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ from dataclasses import dataclass
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import parse_duration
 
-KINDS = ("kill-worker", "kill-node", "hang-worker", "kill-master")
+KINDS = ("kill-worker", "kill-node", "hang-worker", "kill-master", "delay-node", "partition-node")
+NETWORK_KINDS = ("delay-node", "partition-node")
+"""Faults of a node's link to the master: the node reaches the master through a relay."""
 _KEYS = {
     "kill-worker": {"step", "after", "node", "rank"},
     "hang-worker": {"step", "after", "node", "rank"},
     "kill-node": {"step", "after", "node"},
     "kill-master": {"step", "after"},
+    "delay-node": {"step", "after", "node", "latency", "for"},
+    "partition-node": {"step", "after", "node", "for"},
 }
 
 
@@ -30,6 +36,9 @@ class Injection:
     after_s: float | None = None
     node: int = 0
     rank: int = 0
+    latency_s: float = 0.0
+    for_s: float | None = None
+    """How long a network fault lasts (None: until the end)."""
     spec: str = ""
 
     def due(self, *, step: int, elapsed_s: float) -> bool:
@@ -75,12 +84,22 @@ def parse(spec: str) -> Injection:
         values[key] = value
     if "step" not in values and "after" not in values:
         raise ConfigError(f"{spec!r} needs step= or after= to say when it fires", field="inject")
+    latency = parse_duration(values["latency"], name="inject latency") if "latency" in values else 0.0
+    if kind == "delay-node" and latency <= 0:
+        raise ConfigError(f"{spec!r} needs latency= above 0, e.g. latency=300ms", field="inject")
+    for_s = parse_duration(values["for"], name="inject for") if "for" in values else None
+    if for_s is not None and for_s <= 0:
+        raise ConfigError(
+            f"for= must be above 0 in {spec!r}; leave it out for a fault that lasts", field="inject"
+        )
     return Injection(
         kind=kind,
         step=_int(values["step"], key="step", spec=spec) if "step" in values else None,
         after_s=parse_duration(values["after"], name="inject after") if "after" in values else None,
         node=_int(values.get("node", "0"), key="node", spec=spec),
         rank=_int(values.get("rank", "0"), key="rank", spec=spec),
+        latency_s=latency,
+        for_s=for_s,
         spec=spec,
     )
 

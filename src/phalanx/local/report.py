@@ -69,14 +69,14 @@ def table(summary: Summary) -> str:
         lines.append("no faults injected")
         return "\n".join(lines)
     cols = ("fault", "node", "rank", "at", "detected", "recovered", "lost")
-    header = "{:<12} {:<8} {:>4} {:>8} {:>9} {:>10} {:>5}  action".format(*cols)
+    header = "{:<14} {:<8} {:>4} {:>8} {:>9} {:>10} {:>5}  action".format(*cols)
     lines += [header, "-" * len(header)]
     for f in summary.failures:
         detect = None if f.detected_at is None else f.detected_at - f.injected_at
         recover = None if f.recovered_at is None else f.recovered_at - f.injected_at
         lost = "-" if f.steps_lost is None else str(f.steps_lost)
         lines.append(
-            f"{f.kind:<12} {f.node:<8} {f.rank:>4} {f.injected_at:>7.2f}s {_s(detect):>9} {_s(recover):>10} "
+            f"{f.kind:<14} {f.node:<8} {f.rank:>4} {f.injected_at:>7.2f}s {_s(detect):>9} {_s(recover):>10} "
             f"{lost:>5}  {f.action}"
         )
     lines.append(

@@ -79,11 +79,15 @@ class JobCore:
         self.action_version = 0
         """Moves whenever some node may have a new action (a round opened, one-shot actions, EXIT): held
         heartbeats wake up on it."""
+        self.action_seq = 0
+        """The seq of the newest one-shot action (:meth:`_push`); durable, so seqs grow across restarts."""
         if saved is not None:
             self._restore(saved, now=now)
             # Events after the last save died with the old master; skipping ahead keeps every seq a poller
             # saw below the new ones, so `since=<last seen>` never hides a new event.
             self.events = EventLog(first_seq=int(saved.get("event_seq", 1)) + EVENT_SEQ_GAP)
+            # Likewise an action pushed after the last save must not reuse a seq an agent already acked.
+            self.action_seq = int(saved.get("action_seq", 0)) + EVENT_SEQ_GAP
             self._event(
                 "master_resumed", now=now, round=self.round_number, message=f"resumed in phase {self.phase}"
             )
@@ -152,9 +156,14 @@ class JobCore:
             self.durable_version += 1
 
     def _push(self, node: Node, actions: list[pb.Action]) -> None:
-        """Queues one-shot actions for ``node``'s next (or held) heartbeat response."""
-        node.pending.extend(actions)
+        """Queues one-shot actions for ``node``'s heartbeat responses, each with a fresh seq; they are
+        repeated until a heartbeat acknowledges them (see :meth:`Job.heartbeat`)."""
+        for a in actions:
+            self.action_seq += 1
+            a.seq = self.action_seq
+            node.pending.append(a)
         self.action_version += 1
+        self._changed(durable=True)  # the seq counter is durable
 
     def _event(
         self, kind: str, *, now: float, node: str = "", rank: int = -1, round: int = -1, message: str = ""

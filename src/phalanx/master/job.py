@@ -107,6 +107,8 @@ class Job(ProbeCore):
         node = self._node(req.node_id, req.incarnation)
         self.stats.heartbeats += 1
         if self._exitaction(node, req.incarnation) is None:
+            if node.pending and req.acked_seq:
+                node.pending[:] = [a for a in node.pending if a.seq > req.acked_seq]
             node.last_seen = now
             node.state = req.state
             node.hb_round = req.round
@@ -122,7 +124,8 @@ class Job(ProbeCore):
 
     def heartbeat_answer(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:
         """The response to a heartbeat: what the job has for the node now (a held heartbeat asks again
-        whenever :attr:`action_version` moves). Taking the one-shot actions is its only effect."""
+        whenever :attr:`action_version` moves). It has no effect: one-shot actions stay pending until a
+        heartbeat acknowledges them."""
         node = self._node(req.node_id, req.incarnation)
         resp = pb.HeartbeatResponse(
             round=self.round_number, committed_checkpoint_step=self.checkpoints.committed
@@ -132,9 +135,8 @@ class Job(ProbeCore):
             resp.actions.append(leave)
             return resp
         node.last_seen = max(node.last_seen, now)  # connected all along while held
-        if node.pending:
-            resp.actions.extend(node.pending)
-            node.pending.clear()
+        # Repeated until acknowledged: the answer that carried them may never have arrived.
+        resp.actions.extend(node.pending)
         if (
             self.round_open
             and req.node_id in self.members

@@ -145,13 +145,14 @@ class MasterService(pb_grpc.MasterServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: aio.ServicerContext) -> Any:
         rt = self._rt
+        start = time.monotonic()
         answer = await self._run(
             "Heartbeat", request, context, lambda: rt.job.heartbeat(request, now=rt.now())
         )
         if answer.actions or request.wait_s <= 0:
             return answer
         try:
-            return await self._long_poll(
+            answer = await self._long_poll(
                 "Heartbeat",
                 request,
                 context,
@@ -160,6 +161,8 @@ class MasterService(pb_grpc.MasterServicer):
                 changed=rt.actions_changed,
                 wait_s=min(request.wait_s, rt.job.settings.heartbeat.interval_s),
             )
+            answer.held_s = time.monotonic() - start
+            return answer
         except asyncio.CancelledError:
             # Cancelled before the client's deadline and not by our own shutdown: the connection closed,
             # which a SIGKILLed agent's kernel does at once.

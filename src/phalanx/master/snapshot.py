@@ -3,7 +3,7 @@
 Fields: ``version``, ``job_id``, ``phase``, ``reason``, ``started_unix``, ``round`` (number, members with
 group ranks, world size, store address) or null, ``next_round``, ``round_open``, ``restart_count``,
 ``evictions``, ``committed_checkpoint_step``, ``nodes`` (node id -> incarnation, host, machine, nproc,
-status, old incarnations), ``hang_counts``, ``completed``, ``root_cause`` and ``event_seq``;
+status, old incarnations), ``hang_counts``, ``completed``, ``root_cause``, ``event_seq`` and ``action_seq``;
 :class:`~phalanx.master.probing.ProbeCore` adds ``next_probe``.
 
 Not durable, by design: heartbeat times (a restarted master gives every node one heartbeat timeout to
@@ -66,6 +66,7 @@ def durable(job: JobCore) -> dict[str, Any]:
         "completed": sorted(job.completed),
         "root_cause": job.root_cause,
         "event_seq": job.events.next_seq,
+        "action_seq": job.action_seq,
     }
 
 

@@ -341,6 +341,7 @@ class Action(_message.Message):
     PROBE_STORE_PORT_FIELD_NUMBER: _builtins.int
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     PROBE_ROUND_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
     kind: Global___ActionKind.ValueType
     round: _builtins.int
     """Round to join for REJOIN; the round the action refers to otherwise."""
@@ -357,6 +358,13 @@ class Action(_message.Message):
     probe_round: _builtins.int
     """For RUN_PROBE: the master's probe round; the agent echoes it in ReportProbeRequest.probe_round so
     a late report of an older probe round is never counted in a newer one.
+    """
+    seq: _builtins.int
+    """For the one-shot actions (DUMP_STACKS, RUN_PROBE, PERSIST_CHECKPOINT): a number unique in the job and
+    growing, also across master restarts. The master repeats such an action in every heartbeat response
+    until a heartbeat acknowledges it (HeartbeatRequest.acked_seq), so an answer lost on the network
+    (deadline passed, connection reset) loses nothing; the agent carries out each seq once. 0 for the
+    actions the master derives from the job's state and repeats anyway (REJOIN, EXIT).
     """
     @_builtins.property
     def probe_group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -375,10 +383,11 @@ class Action(_message.Message):
         probe_store_port: _builtins.int = ...,
         exit_code: _builtins.int = ...,
         probe_round: _builtins.int = ...,
+        seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "kind", b"kind", "probe", b"probe", "probe_group", b"probe_group", "probe_round", b"probe_round", "probe_store_addr", b"probe_store_addr", "probe_store_port", b"probe_store_port", "reason", b"reason", "round", b"round", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "kind", b"kind", "probe", b"probe", "probe_group", b"probe_group", "probe_round", b"probe_round", "probe_store_addr", b"probe_store_addr", "probe_store_port", b"probe_store_port", "reason", b"reason", "round", b"round", "seq", b"seq", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -482,6 +491,7 @@ class HeartbeatRequest(_message.Message):
     RESTART_COUNT_FIELD_NUMBER: _builtins.int
     SENT_UNIX_NS_FIELD_NUMBER: _builtins.int
     WAIT_S_FIELD_NUMBER: _builtins.int
+    ACKED_SEQ_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     incarnation: _builtins.str
     state: Global___NodeState.ValueType
@@ -495,6 +505,10 @@ class HeartbeatRequest(_message.Message):
     """How long the master may hold the response until it has an action for the node (0: answer at once;
     the master holds at most one heartbeat interval). A held heartbeat delivers a new round the moment it
     opens, and its connection closing before the answer tells the master the agent is gone.
+    """
+    acked_seq: _builtins.int
+    """The highest Action.seq the agent has received (0: none since it registered); the master stops
+    repeating the one-shot actions up to it.
     """
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankProgress]:
@@ -511,10 +525,11 @@ class HeartbeatRequest(_message.Message):
         restart_count: _builtins.int = ...,
         sent_unix_ns: _builtins.int = ...,
         wait_s: _builtins.float = ...,
+        acked_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "node_id", b"node_id", "ranks", b"ranks", "restart_count", b"restart_count", "round", b"round", "sent_unix_ns", b"sent_unix_ns", "state", b"state", "wait_s", b"wait_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_seq", b"acked_seq", "incarnation", b"incarnation", "node_id", b"node_id", "ranks", b"ranks", "restart_count", b"restart_count", "round", b"round", "sent_unix_ns", b"sent_unix_ns", "state", b"state", "wait_s", b"wait_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -527,9 +542,14 @@ class HeartbeatResponse(_message.Message):
     ACTIONS_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
     COMMITTED_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
+    HELD_S_FIELD_NUMBER: _builtins.int
     round: _builtins.int
     """The job's current round."""
     committed_checkpoint_step: _builtins.int
+    held_s: _builtins.float
+    """How long the master held this answer (seconds); the agent takes it out of the call's duration to learn
+    the network's round trip, and allows its calls that much more time on a slow network.
+    """
     @_builtins.property
     def actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Action]:
         """Actions for the node, in order."""
@@ -540,10 +560,11 @@ class HeartbeatResponse(_message.Message):
         actions: _abc.Iterable[Global___Action] | None = ...,
         round: _builtins.int = ...,
         committed_checkpoint_step: _builtins.int = ...,
+        held_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "committed_checkpoint_step", b"committed_checkpoint_step", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "committed_checkpoint_step", b"committed_checkpoint_step", "held_s", b"held_s", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
