@@ -186,6 +186,7 @@ def test_one_shot_action_repeats_until_acknowledged() -> None:
     assert sim.acked["b"] == dump.seq
     assert not any(a.kind == pb.ACTION_KIND_DUMP_STACKS for a in sim.hb("b"))
     assert sim.job.nodes["b"].pending == []  # the ack released it on the master too
+    assert sim.job.stats.actions_repeated == 2  # phalanx_actions_repeated_total: two answers were lost
 
 
 def test_action_seqs_keep_growing_across_a_master_restart() -> None:

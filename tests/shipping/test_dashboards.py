@@ -49,6 +49,7 @@ REQUIRED = {
         "phalanx_rpc_duration_seconds_bucket",
         "phalanx_event_loop_lag_seconds",
         "phalanx_heartbeats_total",
+        "phalanx_actions_repeated_total",
     },
 }
 

@@ -107,8 +107,9 @@ class Job(ProbeCore):
         node = self._node(req.node_id, req.incarnation)
         self.stats.heartbeats += 1
         if self._exitaction(node, req.incarnation) is None:
-            if node.pending and req.acked_seq:
+            if node.pending:
                 node.pending[:] = [a for a in node.pending if a.seq > req.acked_seq]
+                self.stats.actions_repeated += sum(1 for a in node.pending if a.seq <= node.sent_seq)
             node.last_seen = now
             node.state = req.state
             node.hb_round = req.round
@@ -137,6 +138,8 @@ class Job(ProbeCore):
         node.last_seen = max(node.last_seen, now)  # connected all along while held
         # Repeated until acknowledged: the answer that carried them may never have arrived.
         resp.actions.extend(node.pending)
+        if node.pending:
+            node.sent_seq = max(node.sent_seq, node.pending[-1].seq)
         if (
             self.round_open
             and req.node_id in self.members

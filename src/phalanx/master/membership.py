@@ -47,7 +47,9 @@ class Node:
     probes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     memory_checkpoint_step: int = -1
     pending: list[pb.Action] = field(default_factory=list)
-    """One-shot actions for the next heartbeat response (DUMP_STACKS)."""
+    """One-shot actions (DUMP_STACKS, RUN_PROBE, PERSIST_CHECKPOINT) not yet acknowledged by a heartbeat."""
+    sent_seq: int = 0
+    """The newest action seq put in an answer: a pending action at or below it is being sent again."""
     exit_reason: str = ""
     old_incarnations: list[str] = field(default_factory=list)
     disconnected_at: float = 0.0

@@ -20,6 +20,7 @@ phalanx_probe_rounds_total                    counter    result (ok, suspects, e
 phalanx_probe_reports_stale_total             counter
 phalanx_slow_step_verdicts_total              counter    (ranks the step-time check found lagging)
 phalanx_heartbeats_total                      counter
+phalanx_actions_repeated_total                counter    (one-shot actions sent again: answers lost)
 phalanx_training_step                         gauge      (highest step any rank reported)
 phalanx_checkpoint_committed_step             gauge
 phalanx_checkpoint_failures_total             counter
@@ -102,6 +103,11 @@ class _JobCollector:
             value=job.stats.slow_step_verdicts,
         )
         yield CounterMetricFamily("phalanx_heartbeats", "Heartbeats received.", value=job.stats.heartbeats)
+        yield CounterMetricFamily(
+            "phalanx_actions_repeated",
+            "One-shot actions sent again because no heartbeat acknowledged them (answers lost on the way).",
+            value=job.stats.actions_repeated,
+        )
         yield GaugeMetricFamily(
             "phalanx_training_step", "Highest step any rank reported.", value=job.max_step
         )

@@ -14,6 +14,8 @@ class JobStats:
     evictions: dict[str, int] = field(default_factory=dict)
     """Eviction requests by kind (heartbeat_timeout, hardware, hang, probe_failed, straggler)."""
     heartbeats: int = 0
+    actions_repeated: int = 0
+    """One-shot actions sent again because no heartbeat acknowledged them: answers lost on the network."""
     probe_rounds: dict[str, int] = field(default_factory=dict)
     """Finished probe rounds by result (ok, suspects, evicted, inconclusive, aborted)."""
     probe_reports_stale: int = 0
