@@ -74,7 +74,8 @@ def test_slow_link_costs_no_restart_and_no_action(tmp_path: Path) -> None:
     assert set(results) <= {"ok", "aborted"}, out
     # The agent allows its heartbeats more time once it measured the slow link: at most the first is late.
     log = (tmp_path / "wd" / "node-1.log").read_text()
-    assert len(re.findall(r"heartbeat failed \((\d+) in a row\)", log)) <= 1, log
+    assert len(re.findall(r"heartbeat failed .*DEADLINE_EXCEEDED", log)) <= 1, log
+    assert "Channel closed" not in log  # the agent's own shutdown is no failed heartbeat
     assert max(e["step"] for e in steps(tmp_path / "d")) == 199
 
 

@@ -220,6 +220,8 @@ class Link(threading.Thread):
                 failures += 1
                 wait = backoff_s(failures, rng=self._rng)
             except PhalanxError as exc:
+                if self._stop.is_set():
+                    break  # the agent closed the channel under its last held heartbeat: not a failure
                 failures += 1
                 wait = min(self.interval_s, backoff_s(failures, rng=self._rng))
                 if failures in (1, 5) or failures % 20 == 0:
