@@ -269,3 +269,62 @@ def test_sigterm_to_the_agent_releases_the_nodes_memory(tmp_path: Path) -> None:
         _end(proc)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert not _job_leftovers(job), _job_leftovers(job)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_every_agent_commits_the_newest_step(tmp_path: Path) -> None:
+    """A suspended job, or a drained machine: SIGTERM to both agents of a 2-node job. The script persists
+    only step 0; each agent stops its workers, settles the step with the master and persists it, so the
+    newest step every rank held in memory is committed before the Pods' shared memory is gone."""
+    job = f"flash-leave-{os.getpid()}"
+    token = tmp_path / "token"
+    token.write_text("t0k3n-" + "x" * 20)
+    token.chmod(0o600)
+    master = subprocess.Popen(
+        [
+            sys.executable, "-m", "phalanx", "master", "--job-id", job, "--nodes", "2:2", "--port", "0",
+            "--http-port", "0", "--token-file", str(token), "--state", str(tmp_path / "state.json"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
+    storage, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
+    agents: list[subprocess.Popen[str]] = []
+    try:
+        assert master.stdout is not None
+        values = dict(master.stdout.readline().strip().split("=", 1) for _ in range(2))
+        for node in range(2):
+            agents.append(_agent(
+                [
+                    "--rdzv-endpoint", values["PHALANX_MASTER_GRPC"], "--rdzv-id", job,
+                    "--token-file", str(token), "--node-id", f"node-{node}", "--grace-period", "2",
+                    "--nproc-per-node", "1", "--checkpoint-dir", str(storage),
+                    str(DDP), "--flash", "--persist-every", "1000", "--steps", "2000", "--step-time", "0.05",
+                    "--step-log", str(log),
+                ],
+                cwd=tmp_path,
+            ))  # fmt: skip
+        _wait_for(log, step=10, timeout_s=60)
+        sent = time.monotonic()
+        for proc in agents:
+            proc.send_signal(signal.SIGTERM)
+        errs = [proc.communicate(timeout=40)[1] for proc in agents]
+        print(f"\nSIGTERM to both agents: exited {time.monotonic() - sent:.2f}s later")
+        reached = max(json.loads(line)["step"] for line in log.read_text().splitlines())
+    finally:
+        for proc in agents:
+            _end(proc)
+        master.terminate()
+        master.wait(10)
+        if master.stdout is not None:
+            master.stdout.close()
+    for proc, err in zip(agents, errs, strict=True):
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert "save at breakpoint (terminated): persisted step" in err, err
+    committed = _committed_steps(storage)
+    assert committed, sorted(storage.rglob("*"))
+    assert max(committed) >= 10, committed
+    # The workers saved every step to memory; what is committed is at most the one in flight behind.
+    assert max(committed) >= reached - 1, (committed, reached)
+    assert not _job_leftovers(job), _job_leftovers(job)

@@ -294,6 +294,47 @@ def test_link_carries_out_each_one_shot_action_once_and_acknowledges_it() -> Non
     assert master.acks[-1] == 0
 
 
+def test_a_leaving_link_says_so_and_does_not_register_again() -> None:
+    import threading
+
+    from phalanx.agent.client import UnknownNodeError
+    from phalanx.agent.link import Link
+
+    states: list[int] = []
+    registered: list[str] = []
+    held, release = threading.Event(), threading.Event()
+
+    class Forgetting:
+        """Holds the heartbeat thread's call; on the last heartbeat (LEAVING) it forgets the node, so the
+        held call then ends in "not found", as it does when a suspended master forgets a leaving node."""
+
+        def heartbeat(self, req: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatResponse:
+            states.append(req.state)
+            if req.state == pb.NODE_STATE_LEAVING:
+                return pb.HeartbeatResponse(round=1)
+            held.set()
+            release.wait(5)
+            raise UnknownNodeError("not_found")
+
+    link = Link(
+        client=Forgetting(),  # type: ignore[arg-type]
+        node_id="n",
+        incarnation="i",
+        interval_s=0.05,
+        shipper=LogShipper(LogSettings()),
+        reregister=lambda: registered.append("again"),
+    )
+    thread = threading.Thread(target=link.run, daemon=True)
+    thread.start()
+    assert held.wait(5)
+    link.leave()
+    release.set()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert pb.NODE_STATE_LEAVING in states
+    assert registered == [], "a leaving agent registered again with the master that forgot it"
+
+
 def test_heartbeat_slack_follows_the_slowest_recent_round_trip() -> None:
     from phalanx.agent.link import HEARTBEAT_TIMEOUT_S, MAX_HEARTBEAT_SLACK_S, heartbeat_slack
 

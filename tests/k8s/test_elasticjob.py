@@ -370,3 +370,110 @@ def test_spec_change_scales_the_job(cluster: Cluster) -> None:
         timeout=90,
     )
     cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _suspendable_job(storage: Path, step_log: Path) -> dict[str, Any]:
+    """2 nodes x 1 process of examples/ddp_mlp.py saving every step to shared memory, persisting only at
+    step 0 on its own: whatever newer step is on storage after a suspension, the agents persisted."""
+    return {
+        "apiVersion": "phalanx.dev/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": "pausable"},
+        "spec": {
+            "nodes": {"min": 2, "max": 2},
+            "heartbeat": {"interval": "1s", "timeout": "6s"},
+            "restart": {"gracePeriod": "3s", "maxEvictions": 0},
+            "checkpoint": {"storagePath": str(storage)},
+            "template": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "trainer",
+                            "image": "x",
+                            "command": [
+                                "python", str(ROOT / "examples" / "ddp_mlp.py"), "--flash",
+                                "--persist-every", "100000", "--steps", "90", "--step-time", "0.1",
+                                "--step-log", str(step_log),
+                            ],
+                        }
+                    ]
+                }
+            },
+        },
+    }  # fmt: skip
+
+
+def _unless_failed(cluster: Cluster, namespace: str, name: str) -> bool:
+    """False while the job is not Failed; fails the test with the job's reason once it is."""
+    status = _job(cluster, namespace, name).get("status", {})
+    failed = [c for c in status.get("conditions", []) if c["type"] == "Failed" and c["status"] == "True"]
+    assert not failed, f"job {name} failed: {failed[0]['message']}"
+    return False
+
+
+def _logged_steps(step_log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in step_log.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(360)
+def test_suspended_job_frees_its_workers_and_resumes_from_the_step_they_persisted(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    from phalanx.checkpoint import storage as storage_lib
+
+    ns, storage, step_log = "pausing", tmp_path / "ckpt", tmp_path / "steps.jsonl"
+    cluster.cp.kubectl("create", "namespace", ns)
+    cluster.cp.kubectl(
+        "create", "-n", ns, "-f", "-", input_text=json.dumps(_suspendable_job(storage, step_log))
+    )
+    cluster.wait_for(
+        "training progress",
+        lambda: _phase(cluster, ns, "pausable") == "Running" and step_log.exists() and
+        _logged_steps(step_log)[-1]["step"] >= 8,
+        timeout=120,
+    )  # fmt: skip
+    master_uid = _pods(cluster, ns, "master")[0]["metadata"]["uid"]
+
+    asked = time.monotonic()
+    cluster.cp.kubectl("patch", "ej", "pausable", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    cluster.wait_for("job Suspended", lambda: _phase(cluster, ns, "pausable") == "Suspended", timeout=90)
+    suspend_s = time.monotonic() - asked
+    assert _pods(cluster, ns) == [], "a suspended job keeps no worker Pod"
+    (master,) = _pods(cluster, ns, "master")
+    assert master["metadata"]["uid"] == master_uid, "the master Pod stays through a suspension"
+    job = _job(cluster, ns, "pausable")
+    assert job["status"]["master"]["phase"] == "Suspended"
+    assert job["status"].get("replacements", 0) == 0
+    assert job["status"].get("evictions", []) == [], "deleted Pods must not count as lost nodes"
+    reached = _logged_steps(step_log)[-1]["step"]
+    committed = storage_lib.committed_steps(storage_lib.open_storage(str(storage)))
+    # Every step was in shared memory; on SIGTERM the agents agreed on and persisted the newest.
+    assert max(committed) >= reached - 1, (committed, reached)
+    for reason in ("Suspending", "Suspended"):
+        assert reason in _events(cluster, ns), _events(cluster, ns)
+
+    resumed_at = time.time()
+    cluster.cp.kubectl(
+        "patch", "ej", "pausable", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}'
+    )
+    cluster.wait_for(
+        "training resumed",
+        lambda: (
+            any(s["time"] > resumed_at for s in _logged_steps(step_log))
+            or _unless_failed(cluster, ns, "pausable")
+        ),
+        timeout=120,
+    )
+    first = min(s["time"] for s in _logged_steps(step_log) if s["time"] > resumed_at)
+    print(f"\nsuspend: asked to Suspended {suspend_s:.1f}s; resumed: first step {first - resumed_at:.1f}s")
+    cluster.wait_for("job Succeeded", lambda: _phase(cluster, ns, "pausable") == "Succeeded", timeout=150)
+    after = [s for s in _logged_steps(step_log) if s["time"] > resumed_at]
+    assert after[0]["step"] == max(committed) + 1, "the resumed job starts after the step it persisted"
+    assert after[-1]["step"] == 89
+    job = _job(cluster, ns, "pausable")
+    assert job["status"].get("replacements", 0) == 0
+    assert job["status"].get("evictions", []) == []
+    assert "Resumed" in _events(cluster, ns)
+    names = {p["metadata"]["name"] for p in _pods(cluster, ns)}
+    assert names <= {"pausable-worker-0-1", "pausable-worker-1-1"}, names
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")

@@ -356,6 +356,29 @@ def test_a_node_heard_from_within_the_grace_is_not_left_out() -> None:
     assert sim.job.events.of_kind("node_disconnected") == []
 
 
+def test_a_member_whose_agent_says_it_is_leaving_is_left_out_at_once() -> None:
+    sim = Sim(**DISCONNECT)
+    sim.form("a", "b", "c")
+    sim.hb("a"), sim.hb("b")
+    sim.hb("c", state=pb.NODE_STATE_LEAVING)  # its Pod was deleted: SIGTERM, checkpoint persisted, exiting
+    sim.at(sim.now + 0.1)  # no grace: it said so
+    assert sim.job.round_open
+    assert [e.message for e in sim.job.events.of_kind("node_disconnected")] == ["its agent is leaving"]
+    assert sim.job.nodes["c"].status == "alive"
+    assert sim.job.evictions == []
+    sim.at(sim.now + 1.0)
+    assert len(sim.job.events.of_kind("node_disconnected")) == 1  # handled once
+
+
+def test_a_leaving_agent_that_heartbeats_again_is_no_longer_absent() -> None:
+    sim = Sim(**DISCONNECT)
+    sim.form("a", "b")
+    sim.hb("b", state=pb.NODE_STATE_LEAVING)
+    sim.hb("b")
+    sim.at(sim.now + 2.0)
+    assert not sim.job.round_open
+
+
 def test_a_disconnected_joiner_is_dropped_from_the_open_round() -> None:
     sim = Sim(rendezvous={"min_nodes": 1, "max_nodes": 3, "last_call_s": 5.0})
     sim.register("a"), sim.register("b")

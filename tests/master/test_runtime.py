@@ -19,9 +19,13 @@ from .sim import Sim, settings
 class ListSink:
     def __init__(self) -> None:
         self.published: list[Mapping[str, Any]] = []
+        self.suspend: bool | None = None
 
     def publish(self, status: Mapping[str, Any]) -> None:
         self.published.append(status)
+
+    def suspended(self) -> bool | None:
+        return self.suspend
 
 
 @pytest.mark.timeout(20)
@@ -57,3 +61,27 @@ def test_saves_and_publishes_are_coalesced() -> None:
     assert 1 <= len(sink.published) <= 4  # ~2/s over ~1.3 s
     assert len(sink.published[-1]["waiting"]) == 0
     assert sink.published[-1]["nodes_alive"] == 50
+
+
+@pytest.mark.timeout(20)
+def test_the_job_follows_the_spec_suspend_the_sink_reads() -> None:
+    async def scenario() -> tuple[ListSink, list[bool]]:
+        job = Job(settings=settings(rendezvous={"min_nodes": 1, "max_nodes": 2}), now=0.0)
+        sink = ListSink()
+        rt = Runtime(job=job, logs=LogStore(ring_lines=10, max_line_bytes=100, path=None),
+                     store=MemoryStateStore(), sink=sink, resumed=False)  # fmt: skip
+        task = asyncio.create_task(rt.publisher())
+        seen = []
+        for value in (None, True, False):
+            sink.suspend = value
+            await asyncio.sleep(1.2)
+            seen.append(job.suspended)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return sink, seen
+
+    sink, seen = asyncio.run(scenario())
+    assert seen == [False, True, False]
+    phases = [s["phase"] for s in sink.published]
+    assert "Suspended" in phases
+    assert phases[-1] != "Suspended"

@@ -179,6 +179,16 @@ def test_worker_pod_wraps_the_template_in_phalanx_run() -> None:
     assert "affinity" not in pod["spec"]
 
 
+def test_worker_pod_grace_leaves_time_to_persist_the_newest_checkpoint() -> None:
+    j = job(restart={"gracePeriod": "2s"})
+    pod = builders.worker_pod(j, parse_spec(j["spec"]), slot=0, incarnation=0, settings=SETTINGS)
+    # gracePeriod for stopping the workers, then 30 s for the agent's save at breakpoint.
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 32
+    j["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 300
+    pod = builders.worker_pod(j, parse_spec(j["spec"]), slot=0, incarnation=0, settings=SETTINGS)
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 300, "the template's own value wins"
+
+
 def test_worker_pod_keeps_off_excluded_machines() -> None:
     j = job()
     j["spec"]["template"]["spec"]["affinity"] = {

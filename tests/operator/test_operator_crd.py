@@ -48,7 +48,20 @@ def test_names_scope_and_subresources() -> None:
     assert version["name"] == "v1alpha1"
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Nodes", "World", "Step", "Age"]
+    assert columns == ["Phase", "Nodes", "World", "Step", "Age", "Suspend"]
+    wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) > 0]
+    assert wide == ["Suspend"], "the desired state only with -o wide; PHASE reads Suspended anyway"
+
+
+def test_suspend_is_an_optional_boolean_and_a_phase_and_condition() -> None:
+    prop = _prop(("suspend",))
+    assert (prop["type"], prop["default"]) == ("boolean", False)
+    assert "its newest in-memory checkpoint" in prop["description"]
+    assert "master Pod stays" in prop["description"]
+    assert "suspend" not in _schema()["properties"]["spec"]["required"]
+    status = _schema()["properties"]["status"]["properties"]
+    assert "Suspended" in status["phase"]["enum"]
+    assert "Suspended" in status["conditions"]["items"]["properties"]["type"]["enum"]
 
 
 def test_settings_fields_take_doc_and_default_from_settings() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,9 @@ class FakeCluster:
     objects: set[tuple[str, str]] = field(default_factory=set)
     events: list[Event] = field(default_factory=list)
     cordoned: list[str] = field(default_factory=list)
+    deletes: list[DeletePod] = field(default_factory=list)
+    graceful: bool = False
+    """Pods deleted with a grace period stay, terminating, until :meth:`gone` (as their agents persist)."""
     now: float = 1000.0
 
     def step(self) -> list[Action]:
@@ -61,7 +65,12 @@ class FakeCluster:
                 else:
                     self.objects.add((kind, name))
             elif isinstance(a, DeletePod):
-                self.pods.pop(a.name, None)
+                self.deletes.append(a)
+                pod = self.pods.get(a.name)
+                if pod and self.graceful and a.grace_period_s != 0:
+                    self.pods[a.name] = dataclasses.replace(pod, terminating=True)
+                else:
+                    self.pods.pop(a.name, None)
             elif isinstance(a, PatchStatus):
                 self.job["status"].update(a.status)
             elif isinstance(a, Event):
@@ -78,11 +87,24 @@ class FakeCluster:
                     name=name, role=pod.role, phase="Running", node_name=node, nodes=pod.nodes
                 )
 
+    def gone(self) -> None:
+        """The terminating Pods' processes exited: the Pods vanish."""
+        self.pods = {n: pod for n, pod in self.pods.items() if not pod.terminating}
+
     def master_says(self, **status: Any) -> None:
         self.job["status"]["master"] = {"phase": "Running", **status}
 
     def reasons(self) -> list[str]:
         return [e.reason for e in self.events]
+
+    def condition(self, kind: str) -> dict[str, Any]:
+        return next(x for x in self.job["status"]["conditions"] if x["type"] == kind)
+
+    def workers(self) -> list[str]:
+        return sorted(n for n, pod in self.pods.items() if pod.role == "worker")
+
+    def suspend(self, value: bool) -> None:
+        self.job["spec"]["suspend"] = value
 
 
 def started() -> FakeCluster:
@@ -264,3 +286,223 @@ def test_no_status_patch_when_nothing_changed() -> None:
     c = started()
     c.step()
     assert not [a for a in c.step() if isinstance(a, PatchStatus)]
+
+
+# ------------------------------------------------------------------------------------------------------
+# spec.suspend
+
+
+def suspended(c: FakeCluster) -> None:
+    """Suspends a running job through the master's acknowledgement until its worker Pods are gone."""
+    c.suspend(True)
+    c.step()
+    c.master_says(phase="Suspended")
+    c.step()
+    c.gone()
+    c.step()
+    assert c.job["status"]["phase"] == "Suspended"
+
+
+def test_suspend_waits_for_the_master_to_acknowledge() -> None:
+    c = started()
+    c.suspend(True)
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, Create | DeletePod)]
+    cond = c.condition("Suspended")
+    assert (cond["status"], cond["reason"]) == ("False", "Suspending")
+    assert "master to acknowledge" in cond["message"]
+    assert c.job["status"]["phase"] == "Running", "the phase stays until the workers are gone"
+    # A worker failing now is not replaced: the job is about to stop anyway.
+    c.pods["j-worker-1-0"] = PodView(name="j-worker-1-0", role="worker", phase="Failed", exit_code=1)
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, Create | DeletePod)]
+    assert c.job["status"]["replacements"] == 0
+    assert "WorkerReplaced" not in c.reasons()
+
+
+def test_suspend_deletes_workers_gracefully_once_acknowledged_and_keeps_the_master() -> None:
+    c = started()
+    c.graceful = True
+    c.suspend(True)
+    c.step()
+    c.master_says(phase="Suspended")
+    actions = c.step()
+    deletes = [a for a in actions if isinstance(a, DeletePod)]
+    assert deletes == [DeletePod("j-worker-0-0"), DeletePod("j-worker-1-0")], "graceful: the Pod's own grace"
+    assert [e.message for e in c.events if e.reason == "Suspending"] == [
+        "deleting 2 worker Pods; each persists its newest checkpoint first"
+    ]
+    assert c.condition("Suspended")["message"] == "waiting for 2 worker Pods to stop"
+    assert c.job["status"]["phase"] == "Running"
+    # Terminating Pods are still persisting their checkpoint: waited for, not deleted again.
+    assert not [a for a in c.step() if isinstance(a, Create | DeletePod | Event)]
+    assert c.condition("Suspended")["status"] == "False"
+    c.gone()
+    c.step()
+    status = c.job["status"]
+    assert status["phase"] == "Suspended"
+    assert status["nodes"] == 0
+    assert status["replacements"] == 0
+    assert status["workerIncarnations"] == [0, 0], "kept: resumed Pods get new names"
+    assert (c.condition("Suspended")["status"], c.condition("Suspended")["reason"]) == (
+        "True",
+        "JobSuspended",
+    )
+    assert (c.condition("Running")["status"], c.condition("Running")["reason"]) == ("False", "Suspended")
+    assert c.condition("Restarting")["status"] == "False"
+    assert set(c.pods) == {"j-master"}, "the master Pod stays: it holds the job's state"
+    assert c.reasons().count("Suspended") == 1
+    assert not [a for a in c.step() if not isinstance(a, PatchStatus)], "a suspended job is left alone"
+    assert not [a for a in c.step() if isinstance(a, PatchStatus)]
+    assert c.reasons().count("Suspended") == 1, "the Event comes with the transition only"
+    assert c.reasons().count("Suspending") == 1
+
+
+def test_suspend_removes_finished_worker_pods_without_replacing_them() -> None:
+    c = started()
+    c.suspend(True)
+    c.step()
+    c.master_says(phase="Suspended")
+    c.pods["j-worker-1-0"] = PodView(name="j-worker-1-0", role="worker", phase="Failed", exit_code=1)
+    actions = c.step()
+    assert [a for a in actions if isinstance(a, DeletePod)] == [
+        DeletePod("j-worker-0-0"),
+        DeletePod("j-worker-1-0", grace_period_s=0),
+    ]
+    assert not [a for a in actions if isinstance(a, Create)]
+    assert "(and 1 finished ones)" in next(e.message for e in c.events if e.reason == "Suspending")
+    c.step()
+    assert c.job["status"]["phase"] == "Suspended"
+    assert c.job["status"]["replacements"] == 0
+
+
+def test_resume_creates_the_next_incarnations_and_counts_no_replacement() -> None:
+    c = started()
+    c.pods["j-worker-1-0"] = PodView(name="j-worker-1-0", role="worker", phase="Failed", exit_code=1)
+    c.step()  # one real replacement before, to see the count stay where it was
+    c.run_all()
+    c.step()
+    assert c.job["status"]["replacements"] == 1
+    assert c.job["status"]["workerIncarnations"] == [0, 1]
+    suspended(c)
+    c.suspend(False)  # the master still says Suspended until it sees the change
+    actions = c.step()
+    created = [a.obj["metadata"]["name"] for a in actions if isinstance(a, Create)]
+    assert created == ["j-worker-0-1", "j-worker-1-2"], "a resumed slot never reuses a Pod name"
+    status = c.job["status"]
+    assert status["replacements"] == 1
+    assert status["phase"] == "Created", "starting again, not Restarting"
+    assert (c.condition("Suspended")["status"], c.condition("Suspended")["reason"]) == ("False", "Resumed")
+    assert c.condition("Restarting")["status"] == "False"
+    c.master_says(phase="Running")
+    c.step()
+    c.run_all()
+    c.step()
+    assert c.job["status"]["phase"] == "Running"
+    assert c.job["status"]["replacements"] == 1
+    assert c.reasons().count("Resumed") == 1
+    assert c.reasons().count("WorkerReplaced") == 1, "only the failure before the suspension"
+    assert "Restarting" not in c.reasons()[c.reasons().index("Suspending") :]
+    c.step()
+    assert c.reasons().count("Resumed") == 1, "once"
+
+
+def test_a_second_suspension_uses_the_incarnation_after_the_first() -> None:
+    c = started()
+    suspended(c)
+    c.suspend(False)
+    c.master_says(phase="Running")
+    c.step()
+    c.run_all()
+    c.step()
+    suspended(c)
+    c.suspend(False)
+    c.step()
+    assert c.workers() == ["j-worker-0-2", "j-worker-1-2"]
+    assert c.job["status"]["replacements"] == 0
+
+
+def test_resume_waits_for_pods_still_persisting_their_checkpoint() -> None:
+    c = started()
+    c.graceful = True
+    c.suspend(True)
+    c.step()
+    c.master_says(phase="Suspended")
+    c.step()  # deletes issued, the Pods terminate
+    c.suspend(False)
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, Create | DeletePod)], "a new Pod would start from older"
+    cond = c.condition("Suspended")
+    assert (cond["reason"], cond["message"]) == (
+        "Resuming",
+        "waiting for 2 worker Pods to stop before creating new ones",
+    )
+    c.gone()
+    actions = c.step()
+    assert [a.obj["metadata"]["name"] for a in actions if isinstance(a, Create)] == [
+        "j-worker-0-1",
+        "j-worker-1-1",
+    ]
+    assert c.job["status"]["replacements"] == 0
+    assert c.job["status"]["phase"] == "Created"
+    assert "Restarting" not in c.reasons()
+    assert [e.message for e in c.events if e.reason == "Resumed"] == [
+        "suspension cancelled before it completed"
+    ]
+
+
+def test_suspend_cancelled_before_the_ack_keeps_the_workers() -> None:
+    c = started()
+    c.suspend(True)
+    c.step()
+    c.suspend(False)
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, Create | DeletePod)]
+    assert c.job["status"]["phase"] == "Running"
+    assert c.condition("Suspended")["reason"] == "Resumed"
+    assert c.reasons().count("Resumed") == 1
+    assert c.reasons().count("Running") == 1, "no phase change"
+
+
+def test_new_suspended_job_gets_its_master_but_no_workers() -> None:
+    c = FakeCluster(job_obj(suspend=True))
+    actions = c.step()
+    kinds = [a.obj["kind"] for a in actions if isinstance(a, Create)]
+    assert kinds == ["Secret", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service", "Pod"]
+    assert set(c.pods) == {"j-master"}
+    assert c.job["status"]["phase"] == "Created"
+    c.run_all()
+    c.step()
+    assert c.workers() == [], "no worker before the master acknowledged"
+    c.master_says(phase="Suspended")
+    c.step()
+    assert c.job["status"]["phase"] == "Suspended"
+    assert c.job["status"]["workerIncarnations"] == [-1, -1]
+    assert "Suspending" not in c.reasons(), "nothing to delete"
+    c.suspend(False)
+    c.step()
+    assert c.workers() == ["j-worker-0-0", "j-worker-1-0"]
+    assert c.reasons().count("WorkerCreated") == 2
+    assert c.job["status"]["replacements"] == 0
+
+
+def test_a_finished_job_ignores_suspend() -> None:
+    c = started()
+    c.master_says(phase="Succeeded")
+    c.step()
+    c.suspend(True)
+    c.master_says(phase="Suspended")
+    c.step()
+    assert c.job["status"]["phase"] == "Succeeded"
+    assert "Suspended" not in {x["type"] for x in c.job["status"]["conditions"]}
+    assert not [d for d in c.deletes if d.grace_period_s is None and "worker" in d.name]
+
+
+def test_a_suspended_job_the_master_fails_is_no_longer_suspended() -> None:
+    c = started()
+    suspended(c)
+    c.master_says(phase="Failed", reason="the state could not be restored")
+    c.step()
+    assert c.job["status"]["phase"] == "Failed"
+    cond = c.condition("Suspended")
+    assert (cond["status"], cond["reason"]) == ("False", "MasterReportedFailure")

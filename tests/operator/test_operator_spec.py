@@ -1,4 +1,5 @@
-"""spec.healthChecks -> the master's probe settings: defaults, the CRD's defaults, errors naming the spec."""
+"""spec.healthChecks -> the master's probe settings: defaults, the CRD's defaults, errors naming the spec;
+spec.suspend."""
 
 from __future__ import annotations
 
@@ -61,3 +62,10 @@ def test_enabled_alone_keeps_every_other_default() -> None:
 def test_invalid_health_checks_name_the_spec_field(health: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_spec(spec(healthChecks=health))
+
+
+def test_suspend_defaults_to_false_and_takes_only_booleans() -> None:
+    assert parse_spec(spec()).suspend is False
+    assert parse_spec(spec(suspend=True)).suspend is True
+    with pytest.raises(ConfigError, match=r"spec\.suspend: expected true or false, got 'false'"):
+        parse_spec(spec(suspend="false"))

@@ -16,7 +16,7 @@ from typing import IO
 
 from phalanx.agent import config as agent_config
 from phalanx.agent.client import MasterClient
-from phalanx.agent.supervisor import Supervisor
+from phalanx.agent.supervisor import Supervisor, Terminated
 from phalanx.api.errors import ConfigError, PhalanxError
 
 
@@ -69,7 +69,7 @@ class StandaloneMaster:
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the supervisor's cleanup (stops the workers)
+    raise Terminated(signum)  # the supervisor persists the newest checkpoint, then cleans up
 
 
 def _job_id_for_standalone(job_id: str) -> str:
@@ -123,6 +123,8 @@ def run_agent(argv: list[str]) -> int:
             return 1
         except KeyboardInterrupt:
             return 130
+        except Terminated as exc:  # before the supervisor ran
+            return 128 + exc.signum
         finally:
             if master is not None:
                 master.stop()

@@ -31,6 +31,7 @@ log = logging.getLogger("phalanx.agent")
 
 HEARTBEAT_TIMEOUT_S = 2.0  # how long an answer may take beyond the hold, on a good network
 MAX_HEARTBEAT_SLACK_S = 16.0  # past this the master declared the node lost long ago (default timeout 10 s)
+LEAVE_TIMEOUT_S = 2.0  # the last heartbeat of an exiting agent; the master finds out by the timeout anyway
 
 
 def heartbeat_slack(round_trips: collections.abc.Iterable[float]) -> float:
@@ -139,6 +140,15 @@ class Link(threading.Thread):
     def stop(self) -> None:
         self._stop.set()
 
+    def leave(self) -> None:
+        """Stops heartbeating and says so in one last heartbeat (NODE_STATE_LEAVING): an agent that exits
+        while no heartbeat of it is held would otherwise be counted on until the heartbeat timeout."""
+        self.stop()
+        with self._lock:
+            self._state = pb.NODE_STATE_LEAVING
+        with contextlib.suppress(PhalanxError):  # a master that cannot be told finds out by the timeout
+            self._beat(wait_s=0.0, timeout_s=LEAVE_TIMEOUT_S)
+
     def forget_acks(self) -> None:
         """After registering again: a master that forgot this node numbers its actions afresh."""
         with self._lock:
@@ -147,7 +157,7 @@ class Link(threading.Thread):
     def beat_now(self) -> None:
         self._beat(wait_s=0.0)
 
-    def _beat(self, *, wait_s: float) -> None:
+    def _beat(self, *, wait_s: float, timeout_s: float | None = None) -> None:
         with self._lock:
             req = pb.HeartbeatRequest(
                 node_id=self._node_id,
@@ -162,7 +172,7 @@ class Link(threading.Thread):
             )
         sent = time.monotonic()
         try:
-            resp = self._client.heartbeat(req, timeout=wait_s + self.slack_s)
+            resp = self._client.heartbeat(req, timeout=timeout_s or wait_s + self.slack_s)
         except MasterUnavailableError as exc:
             if exc.late:  # the round trip took at least the slack: count it as that long
                 self._round_trips.append(self.slack_s)
@@ -212,6 +222,8 @@ class Link(threading.Thread):
                 failures = 0
                 wait = self.interval_s - (time.monotonic() - started)  # a held heartbeat waited already
             except UnknownNodeError:
+                if self._stop.is_set():
+                    break  # the master forgot a node that is leaving: nothing to register again for
                 log.warning("master does not know this incarnation; registering again")
                 try:
                     self._reregister()

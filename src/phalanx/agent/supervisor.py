@@ -57,6 +57,15 @@ class AgentExit(Exception):
         self.reason = reason
 
 
+class Terminated(BaseException):
+    """SIGTERM reached the agent (its Pod deleted, its machine drained, its job suspended). A BaseException,
+    like SystemExit, so that no handler meant for errors swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 class Supervisor:
     """Runs one node's workers for the life of the job."""
 
@@ -495,8 +504,23 @@ class Supervisor:
         except RendezvousClosedError as exc:
             self.say(str(exc))
             return 0
+        except Terminated as exc:
+            return self._leave(exc.signum)
         finally:
             self._shutdown()
+
+    def _leave(self, signum: int) -> int:
+        """Leaves the job on SIGTERM, persisting first what only this node holds: the workers' newest
+        in-memory snapshots, which die with the Pod's /dev/shm. The step is settled with the other nodes
+        (a suspended job's nodes all leave at once), as at any breakpoint; the Pod's termination grace
+        period bounds the whole of it, and a step cut short is never committed."""
+        self.say(f"terminated (signal {signum}): stopping the workers and persisting their newest checkpoint")
+        if self.workers:
+            self._stop_workers()
+        if self.round is not None:
+            self._save_at_breakpoint("terminated")
+            self._await_agreement()
+        return 128 + signum
 
     def _start_checkpoint_host(self) -> None:
         if not self.config.checkpoint_host:
@@ -650,6 +674,7 @@ class Supervisor:
                         ),
                         timeout=1.0,
                     )
+            self.link.leave()  # after the logs: the master may forget a node that left
         self.ckpt.stop()  # after the workers: nothing writes to the segments it unlinks
         for path in self._beacon_paths():
             with contextlib.suppress(OSError):

@@ -2,6 +2,12 @@
 calls, hang-analysis and min-nodes timeouts, absent nodes). :class:`phalanx.master.job.Job` adds the agent
 requests.
 
+A job can be *suspended* (the ElasticJob's ``spec.suspend``, see :meth:`JobCore.suspend`): the operator
+then deletes the worker Pods, each of which persists its newest in-memory checkpoint first. While
+suspended, a node that goes away (lost, disconnected, or one the policy would evict) is forgotten, not
+evicted: its Pod was deleted on purpose, so it spends no budget; no round completes and the min-nodes
+timeout does not run. On resume, a round whose members are gone is opened again for the new Pods.
+
 Pure: every method takes ``now`` and does no I/O (see :mod:`phalanx.master.job`).
 """
 
@@ -81,6 +87,8 @@ class JobCore:
         heartbeats wake up on it."""
         self.action_seq = 0
         """The seq of the newest one-shot action (:meth:`_push`); durable, so seqs grow across restarts."""
+        self.suspended = False
+        """Whether the job's spec asks it to be suspended (:meth:`suspend`); durable."""
         if saved is not None:
             self._restore(saved, now=now)
             # Events after the last save died with the old master; skipping ahead keeps every seq a poller
@@ -107,6 +115,12 @@ class JobCore:
         return self.phase in FINISHED
 
     @property
+    def shown_phase(self) -> str:
+        """The phase people and the operator see: Suspended while the job is (the decisions use ``phase``,
+        which the suspension leaves as it was)."""
+        return "Suspended" if self.suspended and not self.finished else self.phase
+
+    @property
     def members(self) -> list[str]:
         return self.round.node_ids if self.round else []
 
@@ -117,7 +131,8 @@ class JobCore:
         """The ``/v1/job`` JSON (see :mod:`phalanx.master.http` for the field list)."""
         return {
             "job_id": self.job_id,
-            "phase": self.phase,
+            "phase": self.shown_phase,
+            "suspended": self.suspended,
             "reason": self.reason,
             "round": self.round_number,
             "open_round": self.next_round if self.round_open else None,
@@ -235,7 +250,11 @@ class JobCore:
         self._changed(durable=True)
 
     def _request_eviction(self, node: Node, *, kind: str, reason: str, now: float) -> bool:
-        """Records an eviction request; False (and the job fails) when the budget is spent."""
+        """Records an eviction request; False (and the job fails) when the budget is spent. A suspended job
+        evicts nothing: it forgets the node and returns False (no new round either)."""
+        if self.suspended:
+            self._forget(node, now=now, why=f"left the suspended job ({reason})")
+            return False
         node.status = EVICTED if kind != "heartbeat_timeout" else LOST
         node.exit_reason = f"evicted: {reason}"
         self.action_version += 1  # its agent, if still there, is told to exit
@@ -307,11 +326,48 @@ class JobCore:
     # ------------------------------------------------------------------------------------------------
     # Time
 
+    def suspend(self, value: bool, *, now: float) -> None:
+        """Follows the job's ``spec.suspend`` (see the module docstring); a finished job ignores it."""
+        if value == self.suspended or self.finished:
+            return
+        self.suspended = value
+        if value:
+            self._event("job_suspended", now=now, message="nodes that leave now are forgotten, not evicted")
+            log.info("job suspended", extra={"round": self.round_number})
+        else:
+            self._event("job_resumed", now=now, message="waiting for the nodes of the resumed job")
+            log.info("job resumed", extra={"round": self.round_number})
+            if any(m not in self.nodes for m in self.members):
+                self._open_round("resumed after a suspension", now=now)
+            alive = len(self.alive())
+            self.below_min_since = now if alive < self.settings.rendezvous.min_nodes else None
+        self.action_version += 1
+        self._changed(durable=True)
+
+    def _forget(self, node: Node, *, now: float, why: str) -> None:
+        """Drops a node that left a suspended job. Its agent, if it is still there, is told it is not
+        registered at its next request and registers again."""
+        self.nodes.pop(node.node_id, None)
+        self.joiners.pop(node.node_id, None)
+        self.completed.discard(node.node_id)
+        self._event("node_left", now=now, node=node.node_id, message=why)
+        log.info("node left the suspended job: %s", why, extra={"node": node.node_id})
+        self._settle_breakpoint(now=now)  # whoever still persists no longer waits for it
+
     def tick(self, *, now: float) -> None:
         """Applies everything that happens with time: lost nodes, last calls, hang and min-nodes timeouts."""
         if self.finished:
             return
         hb = self.settings.heartbeat
+        if self.suspended:
+            for node_id in expired(self.nodes.values(), now=now, timeout_s=hb.timeout_s):
+                self._forget(self.nodes[node_id], now=now, why=f"no heartbeat for {hb.timeout_s:g}s")
+            for node_id in self.absent(now=now):
+                node = self.nodes[node_id]
+                self._forget(node, now=now, why="its agent left" if node.leaving else "its connection closed")
+            self._settle_breakpoint(now=now)
+            self.below_min_since = None  # the min-nodes timeout starts again when the job resumes
+            return
         for node_id in expired(self.nodes.values(), now=now, timeout_s=hb.timeout_s):
             self._lose(self.nodes[node_id], now=now)
             if self.finished:
@@ -364,7 +420,9 @@ class JobCore:
             "node_disconnected",
             now=now,
             node=node.node_id,
-            message="its connection closed and it was not heard from since",
+            message="its agent is leaving"
+            if node.leaving
+            else "its connection closed and it was not heard from since",
         )
         failure_log.warning(
             "node disconnected: leaving it out of the rendezvous",
@@ -401,7 +459,7 @@ class JobCore:
             self._push(node, [persist])
 
     def _maybe_complete(self, *, now: float) -> None:
-        if not self.round_open or self.finished or not self.joiners:
+        if not self.round_open or self.finished or self.suspended or not self.joiners:
             return
         if not rdzv.should_complete(
             joiners=self.joiners,

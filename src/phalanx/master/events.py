@@ -44,6 +44,9 @@ KINDS = (
     "probe_failed",
     "straggler",
     "slow_steps",
+    "job_suspended",
+    "job_resumed",
+    "node_left",
 )
 
 

@@ -55,7 +55,7 @@ are listed in :data:`phalanx.master.events.KINDS` (job_started, master_resumed, 
 node_replaced, node_joined, round_open, round_complete, node_disconnected, node_lost, failure, restart,
 eviction_requested, hang, hang_analysis, checkpoint_breakpoint, checkpoint_committed, checkpoint_failed,
 node_completed, job_succeeded, job_failed, probe_started, probe_finished, probe_failed, straggler,
-slow_steps).
+slow_steps, job_suspended, job_resumed, node_left).
 
 ``POST /v1/probe`` -> 202 ``{"probe": <the probe field of /v1/job>}`` once a probe round started; 409
 ``{"error": str}`` when none can start (probes disabled, no running round, a probe round running, no

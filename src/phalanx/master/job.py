@@ -112,6 +112,9 @@ class Job(ProbeCore):
                 self.stats.actions_repeated += sum(1 for a in node.pending if a.seq <= node.sent_seq)
             node.last_seen = now
             node.state = req.state
+            if req.state == pb.NODE_STATE_LEAVING and not node.leaving:
+                node.disconnected_at = now  # the absence is handled once, as a disconnection's is
+            node.leaving = req.state == pb.NODE_STATE_LEAVING
             node.hb_round = req.round
             node.agent_restarts = req.restart_count
             if req.ranks:
@@ -255,6 +258,13 @@ class Job(ProbeCore):
                 extra={"node": req.node_id},
             )
             return action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason="a newer round exists")
+        if self.suspended:
+            # The job is stopping on purpose: a failure now spends no budget, and the node's rejoin waits
+            # for the resume (no round completes while suspended).
+            summary = records[0].summary()
+            self._event("failure", now=now, node=req.node_id, message=f"while suspended: {summary}")
+            self._open_round(f"failure while suspended: {summary}", now=now)
+            return action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason="the job is suspended")
         return self._handle_failure(node, records, now=now)
 
     def _handle_failure(self, node: Node, records: list[FailureRecord], *, now: float) -> pb.Action:

@@ -9,7 +9,9 @@
 * :func:`status_sink` -- maps the master's ``/v1/job`` JSON onto the ElasticJob's status subresource
   (round, worldSize, step, lastCommittedCheckpointStep, restartCount, evictions and ``status.master``).
   The operator reads ``status.evictions`` and carries them out, and ends the job on
-  ``status.master.phase``.
+  ``status.master.phase``. It also reads back ``spec.suspend`` (from each PATCH's answer, else by a GET
+  every :data:`SPEC_POLL_S`): a suspended master publishes phase ``Suspended``, which tells the operator
+  it may delete the worker Pods.
 
 The master's RBAC (built by the operator) allows exactly this: get/patch of its own ElasticJob status and
 its own ConfigMap (by resourceName), and Events. Credentials come from the Pod's service account
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -31,6 +34,7 @@ VERSION = "v1alpha1"
 PLURAL = "elasticjobs"
 STATE_KEY = "state.json"
 _MAX_TEXT = 32000  # CRD maxLength of status.master.reason is 32768
+SPEC_POLL_S = 2.0  # how stale the spec's suspend may be when no status was published meanwhile
 
 __all__ = ["ConfigMapStateStore", "ElasticJobStatusSink", "parse_state_url", "state_store", "status_sink"]
 
@@ -150,19 +154,44 @@ class ElasticJobStatusSink:
         self.namespace = namespace
         self.name = name
         self._custom = client.CustomObjectsApi(api or _api_client())
+        self._suspend: bool | None = None
+        self._read_at = float("-inf")
+
+    def _saw(self, job: Any) -> None:
+        spec = job.get("spec") if isinstance(job, Mapping) else None
+        if isinstance(spec, Mapping):
+            self._suspend = bool(spec.get("suspend", False))
+            self._read_at = time.monotonic()
 
     def publish(self, status: Mapping[str, Any]) -> None:
         from kubernetes.client.exceptions import ApiException
 
         body = {"status": job_status_patch(status)}
         try:
-            self._custom.patch_namespaced_custom_object_status(
+            job = self._custom.patch_namespaced_custom_object_status(
                 GROUP, VERSION, self.namespace, PLURAL, self.name, body
             )
         except ApiException as exc:
             raise KubernetesError(
                 f"cannot publish the status of ElasticJob {self.namespace}/{self.name}: {exc.reason}"
             ) from exc
+        self._saw(job)
+
+    def suspended(self) -> bool | None:
+        """``spec.suspend`` as of at most :data:`SPEC_POLL_S` ago (a GET when no publish read it since)."""
+        from kubernetes.client.exceptions import ApiException
+
+        if time.monotonic() - self._read_at >= SPEC_POLL_S:
+            self._read_at = time.monotonic()  # a failing GET is retried at the same pace, not on every call
+            try:
+                self._saw(self._custom.get_namespaced_custom_object(
+                    GROUP, VERSION, self.namespace, PLURAL, self.name
+                ))  # fmt: skip
+            except ApiException as exc:
+                raise KubernetesError(
+                    f"cannot read the spec of ElasticJob {self.namespace}/{self.name}: {exc.reason}"
+                ) from exc
+        return self._suspend
 
 
 def state_store(*, namespace: str, name: str) -> ConfigMapStateStore:

@@ -56,6 +56,8 @@ class Node:
     """When a held heartbeat's connection closed before its answer (0: never). Any request since clears it."""
     absence_handled: float = 0.0
     """The ``disconnected_at`` the master already acted on, so that one disconnection opens one round."""
+    leaving: bool = False
+    """Its last heartbeat said the agent is exiting (NODE_STATE_LEAVING): absent at once, no grace."""
 
     def durable(self) -> dict[str, Any]:
         return {
@@ -118,12 +120,14 @@ class Node:
 
 
 def absent(nodes: Iterable[Node], *, now: float, grace_s: float) -> list[str]:
-    """Ids of live nodes whose connection closed more than ``grace_s`` ago and that were not heard from
-    since (a live agent whose connection broke sends its next heartbeat within the grace)."""
+    """Ids of live nodes whose agent said it is leaving, or whose connection closed more than ``grace_s`` ago
+    and that were not heard from since (a live agent whose connection broke sends its next heartbeat within
+    the grace)."""
     return [
         n.node_id
         for n in nodes
-        if n.status == ALIVE and n.disconnected_at > n.last_seen and now - n.disconnected_at > grace_s
+        if n.status == ALIVE
+        and (n.leaving or (n.disconnected_at > n.last_seen and now - n.disconnected_at > grace_s))
     ]
 
 

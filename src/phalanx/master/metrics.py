@@ -44,7 +44,7 @@ from phalanx.master.membership import ALIVE, EVICTED, LOST
 
 __all__ = ["MasterMetrics"]
 
-_PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed")
+_PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 
 
 class _JobCollector:
@@ -69,7 +69,7 @@ class _JobCollector:
         )
         phase = GaugeMetricFamily("phalanx_job_phase", "1 for the job's current phase.", labels=["phase"])
         for p in _PHASES:
-            phase.add_metric([p], 1.0 if job.phase == p else 0.0)
+            phase.add_metric([p], 1.0 if job.shown_phase == p else 0.0)
         yield phase
         yield CounterMetricFamily(
             "phalanx_restarts", "In-place restarts of the job.", value=job.restart_count

@@ -9,7 +9,8 @@ version counters and
 * hands the durable state to the saver task when it changed (``durable_version``): the saver writes the
   newest snapshot in a worker thread, so a burst of changes costs one write, never one per heartbeat,
 * and the publisher task sends the status to the :class:`~phalanx.master.state.StatusSink` at most
-  twice a second when it changed (``status_version``).
+  twice a second when it changed (``status_version``), and has the job follow the spec's ``suspend``
+  as the sink reads it.
 """
 
 from __future__ import annotations
@@ -143,4 +144,12 @@ class Runtime:
                     await asyncio.to_thread(self.sink.publish, self.job.status())
                 except Exception:
                     log.exception("publishing the job status failed")
+            try:
+                suspend = await asyncio.to_thread(self.sink.suspended)
+            except Exception:
+                log.exception("reading the job's spec failed")
+                suspend = None
+            if suspend is not None and suspend != self.job.suspended:
+                self.job.suspend(suspend, now=self.now())
+                self.after()
             await asyncio.sleep(PUBLISH_INTERVAL_S)

@@ -3,7 +3,8 @@
 Fields: ``version``, ``job_id``, ``phase``, ``reason``, ``started_unix``, ``round`` (number, members with
 group ranks, world size, store address) or null, ``next_round``, ``round_open``, ``restart_count``,
 ``evictions``, ``committed_checkpoint_step``, ``nodes`` (node id -> incarnation, host, machine, nproc,
-status, old incarnations), ``hang_counts``, ``completed``, ``root_cause``, ``event_seq`` and ``action_seq``;
+status, old incarnations), ``hang_counts``, ``completed``, ``root_cause``, ``event_seq``, ``action_seq`` and
+``suspended``;
 :class:`~phalanx.master.probing.ProbeCore` adds ``next_probe``.
 
 Not durable, by design: heartbeat times (a restarted master gives every node one heartbeat timeout to
@@ -67,6 +68,7 @@ def durable(job: JobCore) -> dict[str, Any]:
         "root_cause": job.root_cause,
         "event_seq": job.events.next_seq,
         "action_seq": job.action_seq,
+        "suspended": job.suspended,
     }
 
 
@@ -108,6 +110,7 @@ def restore(job: JobCore, saved: Mapping[str, Any], *, now: float) -> None:
         job.hang_counts = {str(k): int(v) for k, v in dict(saved.get("hang_counts", {})).items()}
         job.completed = {str(n) for n in saved.get("completed", [])}
         job.root_cause = saved.get("root_cause")
+        job.suspended = bool(saved.get("suspended", False))
     except (KeyError, TypeError, ValueError) as exc:
         raise StateStoreError(f"the saved master state is incomplete or malformed: {exc!r}") from exc
     job.opened_at = now

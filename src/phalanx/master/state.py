@@ -8,8 +8,9 @@ Two small interfaces, so the master runs the same on one machine and in Kubernet
   called on every durable change (coalesced by the server, never per heartbeat) and must be atomic: a
   master killed mid-write leaves the previous state readable.
 * :class:`StatusSink` -- receives the ``/v1/job`` JSON on every change (coalesced to at most ~2/s). In
-  Kubernetes it writes the ElasticJob status (including eviction requests the operator carries out);
-  locally it is :class:`NullStatusSink`, since ``phalanx local`` polls ``/v1/job`` instead.
+  Kubernetes it writes the ElasticJob status (including eviction requests the operator carries out) and
+  reads back whether the spec asks the job to be suspended; locally it is :class:`NullStatusSink`, since
+  ``phalanx local`` polls ``/v1/job`` instead.
 
 The state is a JSON object; see :meth:`phalanx.master.job.Job.durable` for its fields.
 """
@@ -39,6 +40,8 @@ class StatusSink(Protocol):
     """Receives the job status (the ``/v1/job`` JSON) whenever it changes."""
 
     def publish(self, status: Mapping[str, Any]) -> None: ...  # called on every change, at most ~2/s
+
+    def suspended(self) -> bool | None: ...  # the spec's suspend (None: no spec to follow); polled ~2/s
 
 
 class FileStateStore:
@@ -105,4 +108,7 @@ class NullStatusSink:
     """Publishes nothing: locally the status is read from ``/v1/job``."""
 
     def publish(self, status: Mapping[str, Any]) -> None:
+        return None
+
+    def suspended(self) -> bool | None:
         return None

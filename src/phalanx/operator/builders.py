@@ -343,7 +343,9 @@ def worker_pod(
     pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), _token_volume(job_name, mode=0o444)]
     pod_spec["restartPolicy"] = "Never"  # a failed node is replaced by a new Pod, never restarted in place
     pod_spec.setdefault("automountServiceAccountToken", False)  # workers never call the Kubernetes API
-    pod_spec.setdefault("terminationGracePeriodSeconds", int(r.grace_period_s) + 5)
+    # A SIGTERMed agent stops its workers (up to gracePeriod), then persists its newest in-memory snapshot
+    # (save at breakpoint) before it exits; the 30 s are for that write. A template's own value still wins.
+    pod_spec.setdefault("terminationGracePeriodSeconds", int(r.grace_period_s) + 30)
     if excluded_machines:
         _keep_off(pod_spec, sorted(set(excluded_machines)))
     return {

@@ -29,8 +29,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MAX_JOB_NAME = 40
 """Longest job name: worker Pod names append ``-worker-<slot>-<incarnation>`` and must stay DNS labels."""
 
-CONDITION_TYPES = ("Created", "MasterReady", "Running", "Restarting", "Succeeded", "Failed")
-PHASES = ("Pending", "Created", "Running", "Restarting", "Succeeded", "Failed")
+CONDITION_TYPES = ("Created", "MasterReady", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+PHASES = ("Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 CLEAN_POD_POLICIES = ("None", "Running", "All")
 
 # Go-style durations: the form CEL's duration() parses and people write in YAML.
@@ -316,6 +316,16 @@ def _spec_schema() -> dict[str, Any]:
                 "enum": list(CLEAN_POD_POLICIES),
                 "default": "Running",
             },
+            "suspend": {
+                "type": "boolean",
+                "description": "Pause the job and free its worker nodes. Once the master acknowledged (it "
+                "then forgets departing nodes instead of evicting them), the worker Pods are deleted "
+                "gracefully, each persisting its newest in-memory checkpoint before it exits; the master "
+                "Pod stays and keeps the job's state. Setting it back to false creates new worker Pods, "
+                "which resume from the last committed checkpoint. Suspended time counts against no budget "
+                "or timeout. Ignored once the job finished.",
+                "default": False,
+            },
         },
         required=["nodes", "template"],
         **{
@@ -449,6 +459,8 @@ def build_crd() -> dict[str, Any]:
         {"name": "World", "type": "integer", "jsonPath": ".status.worldSize"},
         {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        # The desired state, shown with -o wide: while suspending, PHASE still reads Running.
+        {"name": "Suspend", "type": "boolean", "jsonPath": ".spec.suspend", "priority": 1},
     ]
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

@@ -17,22 +17,31 @@ Rules, per pass:
 * slots beyond ``nodes.max`` (the spec was scaled down) are deleted, new slots (scaled up) created; the
   master Pod is restarted with the new ``--nodes MIN:MAX`` and resumes from its state;
 * the master's verdict (``status.master.phase``) ends the job: Succeeded or Failed with the master's
-  reason in the condition message; then worker Pods are cleaned up per ``cleanPodPolicy``.
+  reason in the condition message; then worker Pods are cleaned up per ``cleanPodPolicy``;
+* ``spec.suspend`` (ignored by a finished job) frees the job's worker nodes: until the master acknowledged
+  (``status.master.phase`` Suspended: it then forgets nodes that leave instead of evicting them) worker
+  Pods are neither created, replaced nor deleted; then every worker Pod is deleted gracefully (its agent
+  persists its newest in-memory checkpoint on SIGTERM), and once none is left the job is Suspended. The
+  master Pod stays and keeps the job's state. None of this is a replacement;
+* ``spec.suspend`` false again resumes (once the deleted Pods are gone, so the new ones start from the
+  checkpoint they persisted): every slot gets a Pod of its next incarnation, again not a replacement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import builders, names
-from phalanx.operator.conditions import get_condition, parse_rfc3339, set_condition
+from phalanx.operator.conditions import get_condition, is_true, parse_rfc3339, set_condition
 from phalanx.operator.spec import JobSpec, parse_spec
 
 LIVE_PHASES = ("Pending", "Running", "Unknown")
+SUSPENDING_REASONS = ("Suspending", "Resuming")
+"""Reasons of a False ``Suspended`` condition while a suspension (or the resume after one) is under way."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +119,10 @@ class CordonNode:
 Action = Create | DeletePod | PatchStatus | Event | CordonNode
 
 
+SetCondition = Callable[[str, bool, str, str], None]
+"""Sets one status condition in the pass: (type, status, reason, message)."""
+
+
 @dataclass
 class _Pass:
     actions: list[Action] = field(default_factory=list)
@@ -179,6 +192,7 @@ def reconcile(
         condition("Succeeded", True, "TrainingCompleted", "all nodes finished training")
         condition("Running", False, "Completed", "the job finished")
         condition("Restarting", False, "Completed", "the job finished")
+        _not_suspended(p, condition, "Completed")
         p.status["phase"] = "Succeeded"
         p.actions.append(Event("Normal", "Succeeded", "training completed"))
         _cleanup(p, job, observed.pods, spec=spec, finished_for=0.0, settings=settings)
@@ -230,9 +244,36 @@ def reconcile(
         "MasterRunning" if master_ready else "MasterStarting",
         "the master runs and publishes the job status" if master_ready else "waiting for the master",
     )
+    running = sum(1 for w in workers if w.phase == "Running" and not w.terminating)
+    p.status["nodes"] = running
+    p.status["masterEndpoint"] = builders.master_address(job, settings=settings)
+
+    # --- suspension --------------------------------------------------------------------------------
+    if spec.suspend:
+        _suspend(p, status, condition, workers, phase=phase, acked=verdict == "suspended", spec=spec)
+        p.status["observedGeneration"] = generation
+        return _finish(p, status)
+    resuming = False
+    if was := _suspension(status):
+        stopping = [w for w in workers if w.terminating]
+        if stopping:
+            # Pods deleted for the suspension are still persisting their newest checkpoint: new ones started
+            # now would resume from an older one.
+            message = f"waiting for {len(stopping)} worker Pods to stop before creating new ones"
+            condition("Suspended", False, "Resuming", message)
+            p.status["observedGeneration"] = generation
+            return _finish(p, status)
+        resuming = True
+        message = (
+            "resumed: new worker Pods resume from the last committed checkpoint"
+            if was == "suspended"
+            else "suspension cancelled before it completed"
+        )
+        condition("Suspended", False, "Resumed", message)
+        p.actions.append(Event("Normal", "Resumed", message))
 
     # --- workers -----------------------------------------------------------------------------------
-    replaced = _reconcile_workers(p, job, spec, status, workers, settings=settings)
+    replaced = _reconcile_workers(p, job, spec, status, workers, resuming=resuming, settings=settings)
     budget = spec.restart.max_evictions
     used = int(status.get("replacements", 0)) + replaced
     p.status["replacements"] = used
@@ -243,16 +284,16 @@ def reconcile(
             job=job, pods=observed.pods, spec=spec, settings=settings,
         )  # fmt: skip
 
-    running = sum(1 for w in workers if w.phase == "Running" and not w.terminating)
-    p.status["nodes"] = running
-    p.status["masterEndpoint"] = builders.master_address(job, settings=settings)
-    restarting = replaced > 0 or (phase in ("Running", "Restarting") and running < spec.min_nodes)
+    # A job whose worker Pods the suspension deleted has too few nodes because of that, not because any were
+    # lost: it starts again (Created, then Running) instead of Restarting.
+    was_up = phase in ("Running", "Restarting") and not (resuming and not any(w.live for w in workers))
+    restarting = replaced > 0 or (was_up and running < spec.min_nodes)
     if restarting:
         new_phase = "Restarting"
     elif master_ready and running >= spec.min_nodes:
         new_phase = "Running"
     else:  # still starting, or a master being replaced: keep what the job was
-        new_phase = phase if phase in ("Running", "Restarting") else "Created"
+        new_phase = phase if was_up else "Created"
     if new_phase not in (phase, "Created"):  # "Created" has its own Event above
         p.actions.append(Event("Normal" if new_phase != "Restarting" else "Warning", new_phase,
                                f"job is {new_phase} with {running} of {spec.max_nodes} nodes"))  # fmt: skip
@@ -278,9 +319,11 @@ def _reconcile_workers(
     status: Mapping[str, Any],
     workers: Sequence[PodView],
     *,
+    resuming: bool = False,
     settings: OperatorSettings,
 ) -> int:
-    """Worker Pod actions; returns how many replacements this pass makes."""
+    """Worker Pod actions; returns how many replacements this pass makes. ``resuming``: the slots' Pods
+    were deleted by a suspension, so a slot without a Pod is no replacement."""
     evictions = [e for e in status.get("evictions") or [] if isinstance(e, Mapping)]
     evicted = {str(e.get("nodeId")): e for e in evictions}
     excluded = list(status.get("excludedMachines") or [])
@@ -292,8 +335,7 @@ def _reconcile_workers(
                 p.actions.append(CordonNode(machine, reason=str(e.get("reason") or "evicted by phalanx")))
                 p.actions.append(Event("Warning", "NodeCordoned", f"cordoned and tainted bad node {machine}"))
     p.status["excludedMachines"] = excluded
-    incarnations = list(status.get("workerIncarnations") or [])
-    incarnations += [-1] * (spec.max_nodes - len(incarnations))
+    incarnations = _incarnations(status, workers, slots=spec.max_nodes)
     by_slot: dict[int, list[PodView]] = {}
     for w in workers:
         if w.slot is not None:
@@ -301,7 +343,7 @@ def _reconcile_workers(
     replaced = 0
     for slot in range(spec.max_nodes):
         pods = sorted(by_slot.get(slot, []), key=lambda w: w.incarnation)
-        newest = max([incarnations[slot], *(w.incarnation for w in pods)])
+        newest = incarnations[slot]
         live = [w for w in pods if w.live]
         done = [w for w in pods if w.phase == "Succeeded" and not w.terminating]
         evict = [w for w in live if w.name in evicted]
@@ -312,11 +354,10 @@ def _reconcile_workers(
             cause = f"evicted by the master: {e.get('reason') or 'no reason given'}"
         elif not live and not done:
             last = pods[-1] if pods else None
-            cause = (
-                f"{last.name} {last.phase} ({_exit(last)})"
-                if last
-                else ("" if newest < 0 else "Pod vanished")
-            )
+            if last:
+                cause = f"{last.name} {last.phase} ({_exit(last)})"
+            elif newest >= 0 and not resuming:  # the slot had a Pod; a suspension did not delete it
+                cause = "Pod vanished"
         if not keep and not done:
             inc = newest + 1
             pod = builders.worker_pod(job, spec, slot=slot, incarnation=inc, settings=settings,
@@ -336,8 +377,6 @@ def _reconcile_workers(
                 p.actions.append(
                     Event("Normal", "WorkerCreated", f"created worker Pod {pod['metadata']['name']}")
                 )
-        else:
-            incarnations[slot] = newest
         for w in evict:
             p.actions.append(DeletePod(w.name))
             p.actions.append(
@@ -363,12 +402,82 @@ def _reconcile_workers(
                     p.actions.append(
                         Event("Normal", "ScaledDown", f"deleted {w.name}: nodes.max is {spec.max_nodes}")
                     )
-    for slot, pods in by_slot.items():  # remember removed slots too: a later scale-up never reuses a name
-        if slot >= len(incarnations):
-            incarnations += [-1] * (slot + 1 - len(incarnations))
-        incarnations[slot] = max([incarnations[slot], *(w.incarnation for w in pods)])
     p.status["workerIncarnations"] = incarnations
     return replaced
+
+
+def _incarnations(status: Mapping[str, Any], workers: Sequence[PodView], *, slots: int) -> list[int]:
+    """Newest Pod incarnation per worker slot (-1: none yet), from the status and the Pods that exist (a
+    Pod created just before a crash that lost the status patch counts). Slots beyond ``slots`` (removed by
+    a scale-down) are remembered too: a later pass never reuses a Pod name."""
+    incarnations = list(status.get("workerIncarnations") or [])
+    incarnations += [-1] * (slots - len(incarnations))
+    for w in workers:
+        if w.slot is not None:
+            incarnations += [-1] * (w.slot + 1 - len(incarnations))
+            incarnations[w.slot] = max(incarnations[w.slot], w.incarnation)
+    return incarnations
+
+
+def _suspension(status: Mapping[str, Any]) -> str:
+    """Where the job stood with a suspension at the start of the pass: "suspended", "suspending" (asked
+    for, or being resumed from, but not finished), or "" (none)."""
+    conditions = status.get("conditions") or []
+    if status.get("phase") == "Suspended" or is_true(conditions, "Suspended"):
+        return "suspended"
+    c = get_condition(conditions, "Suspended")
+    return "suspending" if c and c.get("reason") in SUSPENDING_REASONS else ""
+
+
+def _suspend(
+    p: _Pass,
+    status: Mapping[str, Any],
+    condition: SetCondition,
+    workers: Sequence[PodView],
+    *,
+    phase: str,
+    acked: bool,
+    spec: JobSpec,
+) -> None:
+    """spec.suspend is true: free the job's worker nodes, the master Pod stays (small, no GPU, the state).
+
+    The worker Pods go only after the master acknowledged (``status.master.phase`` Suspended): before, it
+    would count them as lost and spend the eviction budget on them. Deletion is graceful: an agent persists
+    its newest in-memory checkpoint on SIGTERM, and the job is Suspended only once every Pod is gone.
+    Nothing here is a replacement; the incarnations are kept so that resumed Pods get new names.
+    """
+    p.status["workerIncarnations"] = _incarnations(status, workers, slots=spec.max_nodes)
+    if not acked:  # a failing worker is not replaced either: the job is about to stop anyway
+        message = "waiting for the master to acknowledge the suspension before deleting worker Pods"
+        condition("Suspended", False, "Suspending", message)
+        p.status["phase"] = phase or "Created"
+        return
+    stop = [w for w in workers if not w.terminating]
+    live = [w for w in stop if w.live]
+    for w in stop:  # a finished Pod has nothing left to persist
+        p.actions.append(DeletePod(w.name, grace_period_s=None if w.live else 0))
+    if stop:
+        finished = len(stop) - len(live)
+        message = f"deleting {len(live)} worker Pods; each persists its newest checkpoint first"
+        if finished:
+            message += f" (and {finished} finished ones)"
+        p.actions.append(Event("Normal", "Suspending", message))
+    if workers:  # terminating ones too: they are still persisting their checkpoint
+        condition("Suspended", False, "Suspending", f"waiting for {len(workers)} worker Pods to stop")
+        return
+    condition("Suspended", True, "JobSuspended", "no worker Pods run; set spec.suspend to false to resume")
+    condition("Running", False, "Suspended", "the job is suspended")
+    condition("Restarting", False, "Suspended", "the job is suspended")
+    if phase != "Suspended":
+        p.actions.append(Event("Normal", "Suspended", "the job is suspended; its master Pod keeps its state"))
+    p.status["phase"] = "Suspended"
+
+
+def _not_suspended(p: _Pass, condition: SetCondition, reason: str) -> None:
+    """A job that finishes is no longer suspended (the master may end a suspended job); a job that never
+    was keeps having no Suspended condition."""
+    if get_condition(p.status["conditions"], "Suspended"):
+        condition("Suspended", False, reason, "the job finished")
 
 
 def _finished_for(status: Mapping[str, Any], now: float) -> float:
@@ -409,7 +518,7 @@ def _cleanup(
 def _fail(
     p: _Pass,
     status: Mapping[str, Any],
-    condition: Any,
+    condition: SetCondition,
     *,
     reason: str,
     message: str,
@@ -421,6 +530,7 @@ def _fail(
     condition("Failed", True, reason, message)
     condition("Running", False, reason, "the job failed")
     condition("Restarting", False, reason, "the job failed")
+    _not_suspended(p, condition, reason)
     p.status["phase"] = "Failed"
     p.actions.append(Event("Warning", "Failed", message))
     _cleanup(p, job, pods, spec=spec, finished_for=0.0, settings=settings)

@@ -42,6 +42,8 @@ class JobSpec:
     pipeline: int = 1
     cordon_bad_nodes: bool = False
     clean_pod_policy: str = "Running"
+    suspend: bool = False
+    """``spec.suspend``: worker Pods are deleted (after the master acknowledged) until it is false again."""
     template: Mapping[str, Any] = field(default_factory=dict)
     master_resources: Mapping[str, Any] = field(default_factory=dict)
 
@@ -141,6 +143,9 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         raise ConfigError(
             f"must be one of {', '.join(CLEAN_POD_POLICIES)}, got {policy!r}", field="cleanPodPolicy"
         )
+    suspend = spec.get("suspend", False)
+    if not isinstance(suspend, bool):  # bool("false") would suspend the job
+        raise ConfigError(f"expected true or false, got {suspend!r}", field="spec.suspend")
     template = spec.get("template") or {}
     containers = (template.get("spec") or {}).get("containers") or []
     if not containers:
@@ -157,6 +162,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         pipeline=int(par.get("pipeline", 1)),
         cordon_bad_nodes=bool(spec.get("cordonBadNodes", False)),
         clean_pod_policy=policy,
+        suspend=suspend,
         template=template,
         master_resources=(_group(spec, "master").get("resources") or {}),
     )

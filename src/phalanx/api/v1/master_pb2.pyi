@@ -45,6 +45,10 @@ class _NodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeState.V
     """All local workers exited with code 0."""
     NODE_STATE_FAILED: _NodeState.ValueType  # 6
     """The agent gave up (restart budget spent, or told to exit)."""
+    NODE_STATE_LEAVING: _NodeState.ValueType  # 7
+    """The agent is exiting (SIGTERM, or done) and sends no more heartbeats: its last one says so, so that
+    the master stops counting on it at once instead of after the heartbeat timeout.
+    """
 
 class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
     """---------------------------------------------------------------------------------------------------
@@ -66,6 +70,10 @@ NODE_STATE_SUCCEEDED: NodeState.ValueType  # 5
 """All local workers exited with code 0."""
 NODE_STATE_FAILED: NodeState.ValueType  # 6
 """The agent gave up (restart budget spent, or told to exit)."""
+NODE_STATE_LEAVING: NodeState.ValueType  # 7
+"""The agent is exiting (SIGTERM, or done) and sends no more heartbeats: its last one says so, so that
+the master stops counting on it at once instead of after the heartbeat timeout.
+"""
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
 class _ActionKind:
