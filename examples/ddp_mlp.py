@@ -129,6 +129,9 @@ def main() -> None:
     if flash is not None:
         flash.wait()
         flash.close()
+    # DDP holds the process group: dropped first, the group is destroyed here, with the interpreter alive,
+    # instead of at exit, where gloo's threads can abort the process after training succeeded.
+    del ddp
     dist.destroy_process_group()
 
 

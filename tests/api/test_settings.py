@@ -26,13 +26,25 @@ from phalanx.api.settings import (
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("30s", 30.0), ("500ms", 0.5), ("2m", 120.0), ("1h", 3600.0), ("1.5", 1.5), (".25s", 0.25), (7, 7.0)],
+    [
+        ("30s", 30.0),
+        ("500ms", 0.5),
+        ("2m", 120.0),
+        ("1h", 3600.0),
+        ("1.5", 1.5),
+        (".25s", 0.25),
+        (7, 7.0),
+        ("1h30m", 5400.0),
+        ("2m5s", 125.0),
+        ("1h0m0.5s", 3600.5),
+        ("1s500ms", 1.5),
+    ],
 )
 def test_parse_duration_accepts_the_documented_forms(text: str | int, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("text", ["", "abc", "10 parsecs", "-3s", "1d", True])
+@pytest.mark.parametrize("text", ["", "abc", "10 parsecs", "-3s", "1d", True, "1h 30m", "1h-30m", "m30"])
 def test_parse_duration_rejects_garbage_naming_the_field(text: str) -> None:
     with pytest.raises(ConfigError, match=r"^hang\.floor_s: "):
         parse_duration(text, name="hang.floor_s")

@@ -81,6 +81,9 @@ INVALID = [
         _with("spec.healthChecks", {"enabled": True, "timeout": "0s"}),
         "healthChecks.timeout must be greater than 0",
     ),
+    ("bad-deadline", _with("spec.activeDeadline", "a day"), "must be a duration such as 500ms"),
+    ("zero-deadline", _with("spec.activeDeadline", "0s"), "must be greater than 0; leave it out"),
+    ("bad-ttl", _with("spec.ttlAfterFinished", "forever"), "must be a duration such as 500ms"),
 ]
 
 

@@ -310,6 +310,7 @@ metadata:
 spec:
   nodes: {min: 1, max: 1}
   restart: {maxRestarts: 1}
+  ttlAfterFinished: 10s
   template:
     spec:
       containers:
@@ -332,6 +333,14 @@ def test_failed_job_reports_the_root_cause(cluster: Cluster) -> None:
     assert failed["reason"] == "MasterReportedFailure"
     assert "ValueError" in failed["message"], failed["message"]
     assert "Failed" in _events(cluster, ns)
+    # ttlAfterFinished: the operator deletes the finished job, and with it everything it owns.
+    cluster.wait_for(
+        "the finished job deleted after its TTL",
+        lambda: not cluster.cp.kubectl(
+            "get", "ej,pods,secrets,configmaps", "-n", ns, "-l", "phalanx.dev/job=failing", "-o", "name"
+        ).strip() and "failing" not in cluster.cp.kubectl("get", "ej", "-n", ns, "-o", "name"),
+        timeout=60,
+    )  # fmt: skip
     cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
 
 

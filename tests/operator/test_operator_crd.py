@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import yaml
 
 from phalanx.api import settings as s
-from phalanx.operator.crd import SETTINGS_FIELDS, build_crd, format_duration, render_crd_yaml
+from phalanx.operator.crd import DURATION_RE, SETTINGS_FIELDS, build_crd, format_duration, render_crd_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,3 +114,40 @@ def test_format_duration() -> None:
     assert [format_duration(x) for x in (0.5, 1.0, 10.0, 60.0, 600.0, 3600.0, 90.0)] == [
         "500ms", "1s", "10s", "1m", "10m", "1h", "90s",
     ]  # fmt: skip
+
+
+def test_run_policy_fields_are_optional_durations_without_default() -> None:
+    spec = _schema()["properties"]["spec"]
+    for key in ("activeDeadline", "ttlAfterFinished"):
+        prop = spec["properties"][key]
+        assert (prop["type"], prop["maxLength"]) == ("string", 32), key
+        assert "default" not in prop, f"{key}: absent means none"
+        assert key not in spec["required"]
+        syntax = prop["x-kubernetes-validations"][0]
+        assert syntax == {
+            "rule": f"self == '' || self.matches('{DURATION_RE}')",
+            "message": "must be a duration such as 500ms, 30s, 2m or 1h",
+        }, "the duration rule of every other field, and empty for none"
+    deadline = spec["properties"]["activeDeadline"]
+    assert "DeadlineExceeded" in deadline["description"]
+    assert "a suspended job is never failed by it" in deadline["description"]
+    positive = deadline["x-kubernetes-validations"][1]
+    assert "duration(self) > duration('0s')" in positive["rule"]
+    assert positive["rule"].startswith(f"self == '' || !self.matches('{DURATION_RE}') || ")
+    assert positive["message"] == "must be greater than 0; leave it out for no deadline"
+    ttl = spec["properties"]["ttlAfterFinished"]
+    assert len(ttl["x-kubernetes-validations"]) == 1, "0s is a valid ttl: delete at once"
+    assert "deletes it" in ttl["description"]
+
+
+def test_the_duration_pattern_takes_go_durations_only() -> None:
+    for text in ("24h", "1h30m", "1.5h", "500ms", "0s"):
+        assert re.match(DURATION_RE, text), text
+    for text in ("", "1d", "-1s", "24", "1 h", "h", "soon", ".5h"):
+        assert not re.match(DURATION_RE, text), text
+
+
+def test_status_has_the_start_time() -> None:
+    start = _schema()["properties"]["status"]["properties"]["startTime"]
+    assert (start["type"], start["format"]) == ("string", "date-time")
+    assert "spec.activeDeadline" in start["description"]

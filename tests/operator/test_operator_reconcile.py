@@ -13,6 +13,7 @@ from phalanx.operator.reconcile import (
     Action,
     CordonNode,
     Create,
+    DeleteJob,
     DeletePod,
     Event,
     Observed,
@@ -45,6 +46,7 @@ class FakeCluster:
     events: list[Event] = field(default_factory=list)
     cordoned: list[str] = field(default_factory=list)
     deletes: list[DeletePod] = field(default_factory=list)
+    deleted_job: list[DeleteJob] = field(default_factory=list)
     graceful: bool = False
     """Pods deleted with a grace period stay, terminating, until :meth:`gone` (as their agents persist)."""
     now: float = 1000.0
@@ -77,6 +79,8 @@ class FakeCluster:
                 self.events.append(a)
             elif isinstance(a, CordonNode):
                 self.cordoned.append(a.node)
+            elif isinstance(a, DeleteJob):
+                self.deleted_job.append(a)
         self.now += 1
         return actions
 
@@ -107,8 +111,8 @@ class FakeCluster:
         self.job["spec"]["suspend"] = value
 
 
-def started() -> FakeCluster:
-    c = FakeCluster(job_obj())
+def started(**spec: Any) -> FakeCluster:
+    c = FakeCluster(job_obj(**spec))
     c.step()
     c.run_all()
     c.master_says()
@@ -506,3 +510,261 @@ def test_a_suspended_job_the_master_fails_is_no_longer_suspended() -> None:
     assert c.job["status"]["phase"] == "Failed"
     cond = c.condition("Suspended")
     assert (cond["status"], cond["reason"]) == ("False", "MasterReportedFailure")
+
+
+# ------------------------------------------------------------------------------------------------------
+# spec.activeDeadline
+
+
+def failed_condition(c: FakeCluster) -> dict[str, Any] | None:
+    return next((x for x in c.job["status"]["conditions"] if x["type"] == "Failed"), None)
+
+
+def test_a_job_records_when_it_started() -> None:
+    c = FakeCluster(job_obj())
+    c.step()
+    assert c.job["status"]["startTime"] == "1970-01-01T00:16:40Z"  # now=1000 at the first pass
+    c.run_all()
+    c.master_says()
+    c.step()
+    assert c.job["status"]["startTime"] == "1970-01-01T00:16:40Z", "set once"
+
+
+def test_deadline_not_reached_changes_nothing() -> None:
+    c = started(activeDeadline="1h")
+    c.now = 1000 + 3599
+    actions = c.step()
+    assert c.job["status"]["phase"] == "Running"
+    assert failed_condition(c) is None
+    assert not [a for a in actions if isinstance(a, Create | DeletePod | Event | PatchStatus)]
+
+
+def test_deadline_reached_fails_the_job_and_cleans_up() -> None:
+    c = started(activeDeadline="1h")
+    c.now = 1000 + 3600
+    c.step()
+    assert c.job["status"]["phase"] == "Failed"
+    failed = failed_condition(c)
+    assert failed is not None
+    assert (failed["status"], failed["reason"]) == ("True", "DeadlineExceeded")
+    assert (
+        "active for longer than spec.activeDeadline (1h), counted from 1970-01-01T00:16:40Z"
+        in (failed["message"])
+    )
+    assert "a larger spec.activeDeadline or none" in failed["message"]
+    assert c.condition("Running")["status"] == "False"
+    assert [e.type for e in c.events if e.reason == "Failed"] == ["Warning"]
+    assert {"j-worker-0-0", "j-worker-1-0", "j-master"} <= set(c.pods), "running Pods get a grace to exit"
+    c.now += SETTINGS.finish_grace_s
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, Create)]
+    assert c.pods == {}, "cleanPodPolicy Running deletes what still runs"
+    assert not c.deleted_job, "no ttlAfterFinished: the job is kept"
+
+
+def test_deadline_respects_clean_pod_policy_none() -> None:
+    c = started(activeDeadline="10m", cleanPodPolicy="None")
+    c.now += 600
+    c.step()
+    assert c.condition("Failed")["reason"] == "DeadlineExceeded"
+    c.now += SETTINGS.finish_grace_s
+    c.step()
+    assert set(c.pods) == {"j-master", "j-worker-0-0", "j-worker-1-0"}
+
+
+def test_deadline_counts_from_the_start_not_from_running() -> None:
+    c = FakeCluster(job_obj(activeDeadline="30s"))
+    c.step()  # now 1000: created; the Pods never become Running
+    c.now = 1030
+    c.step()
+    assert c.condition("Failed")["reason"] == "DeadlineExceeded"
+
+
+def test_a_compound_deadline_and_an_empty_one() -> None:
+    c = started(activeDeadline="1h30m")
+    c.now = 1000 + 5399
+    c.step()
+    assert failed_condition(c) is None
+    c.now = 1000 + 5400
+    c.step()
+    assert c.condition("Failed")["reason"] == "DeadlineExceeded"
+    assert "(1h30m)" in c.condition("Failed")["message"]
+    c = started(activeDeadline="")
+    c.now += 10 * 365 * 86400
+    c.step()
+    assert c.job["status"]["phase"] == "Running", "empty: no deadline"
+
+
+def test_raising_the_deadline_of_a_running_job_extends_it() -> None:
+    c = started(activeDeadline="10m")
+    c.now = 1000 + 500
+    c.step()
+    c.job["spec"]["activeDeadline"] = "1h"
+    c.now = 1000 + 3000
+    c.step()
+    assert c.job["status"]["phase"] == "Running"
+    del c.job["spec"]["activeDeadline"]
+    c.now = 1000 + 86400
+    c.step()
+    assert c.job["status"]["phase"] == "Running"
+
+
+def test_a_suspended_job_is_never_failed_by_the_deadline() -> None:
+    c = started(activeDeadline="1h")
+    suspended(c)
+    c.now += 86400
+    c.step()
+    assert c.job["status"]["phase"] == "Suspended"
+    assert failed_condition(c) is None
+
+
+def test_a_job_being_suspended_is_not_failed_by_the_deadline() -> None:
+    c = started(activeDeadline="1h")
+    c.suspend(True)
+    c.step()  # waiting for the master to acknowledge
+    c.now += 7200
+    c.step()
+    assert failed_condition(c) is None
+    assert c.condition("Suspended")["reason"] == "Suspending"
+
+
+def test_the_deadline_clock_restarts_at_the_resume() -> None:
+    c = started(activeDeadline="1h")
+    c.now = 1000 + 3000  # 50 minutes of the hour spent
+    suspended(c)
+    c.now = 20000
+    c.suspend(False)
+    c.step()  # resumes: the new worker Pods are created
+    assert c.condition("Suspended")["reason"] == "Resumed"
+    assert c.job["status"]["startTime"] == "1970-01-01T05:33:20Z"  # 20000
+    c.master_says(phase="Running")
+    c.run_all()
+    c.now = 20000 + 3599
+    c.step()
+    assert c.job["status"]["phase"] == "Running", "the time before the suspension no longer counts"
+    c.now = 20000 + 3600
+    c.step()
+    assert c.condition("Failed")["reason"] == "DeadlineExceeded"
+    assert "counted from 1970-01-01T05:33:20Z (its start or last resume)" in c.condition("Failed")["message"]
+
+
+def test_a_resume_that_waits_for_stopping_pods_is_not_failed_meanwhile() -> None:
+    c = started(activeDeadline="1h")
+    c.graceful = True
+    c.suspend(True)
+    c.step()
+    c.master_says(phase="Suspended")
+    c.step()  # the worker Pods terminate, persisting their checkpoint
+    c.suspend(False)
+    c.now = 1000 + 7200
+    c.step()
+    assert c.condition("Suspended")["reason"] == "Resuming"
+    assert failed_condition(c) is None
+    c.gone()
+    c.step()
+    assert failed_condition(c) is None
+    assert c.job["status"]["startTime"] == "1970-01-01T02:16:41Z"  # 8201: the pass that resumed
+
+
+def test_a_job_from_before_start_time_counts_from_its_created_condition() -> None:
+    c = started(activeDeadline="1h")
+    del c.job["status"]["startTime"]
+    c.now = 1000 + 1800
+    c.step()
+    assert c.job["status"]["startTime"] == "1970-01-01T00:16:40Z", "the Created condition's time"
+    c.now = 1000 + 3600
+    c.step()
+    assert c.condition("Failed")["reason"] == "DeadlineExceeded"
+
+
+def test_the_masters_success_wins_over_the_deadline() -> None:
+    c = started(activeDeadline="1h")
+    c.master_says(phase="Succeeded")
+    c.now = 1000 + 7200
+    c.step()
+    assert c.job["status"]["phase"] == "Succeeded"
+    assert failed_condition(c) is None
+
+
+# ------------------------------------------------------------------------------------------------------
+# spec.ttlAfterFinished
+
+
+def succeeded(**spec: Any) -> FakeCluster:
+    """A job that succeeded at now=2000."""
+    c = started(**spec)
+    c.master_says(phase="Succeeded")
+    c.now = 2000
+    c.step()
+    assert c.job["status"]["phase"] == "Succeeded"
+    return c
+
+
+def test_a_finished_job_is_deleted_only_after_its_ttl() -> None:
+    c = succeeded(ttlAfterFinished="10m")
+    assert not c.deleted_job
+    c.now = 2000 + 599
+    c.step()
+    assert not c.deleted_job
+    c.now = 2000 + 600
+    actions = c.step()
+    assert c.deleted_job == [
+        DeleteJob(
+            "deleting the job: Succeeded since 1970-01-01T00:33:20Z, longer than spec.ttlAfterFinished (10m)"
+        )
+    ]
+    assert isinstance(actions[-1], DeleteJob), "last: nothing is done to a job being deleted"
+    assert not any("ttlAfterFinished" in e.message for e in c.events), "logged by the executor, no Event"
+
+
+def test_without_ttl_a_finished_job_is_kept_forever() -> None:
+    c = succeeded()
+    c.now += 10 * 365 * 86400
+    c.step()
+    assert not c.deleted_job
+    c = succeeded(ttlAfterFinished="")
+    c.now += 10 * 365 * 86400
+    c.step()
+    assert not c.deleted_job
+
+
+def test_a_zero_ttl_deletes_at_the_next_pass() -> None:
+    c = succeeded(ttlAfterFinished="0s")
+    assert not c.deleted_job, "the pass that finishes the job only records it"
+    c.step()
+    assert len(c.deleted_job) == 1
+
+
+def test_a_job_failed_by_its_deadline_is_deleted_after_its_ttl() -> None:
+    c = started(activeDeadline="1h", ttlAfterFinished="1h")
+    c.now = 1000 + 3600
+    c.step()
+    assert c.condition("Failed")["reason"] == "DeadlineExceeded"
+    c.now = 1000 + 7199
+    c.step()
+    assert not c.deleted_job
+    c.now = 1000 + 7200
+    c.step()
+    assert [d.message.split(",")[0] for d in c.deleted_job] == [
+        "deleting the job: Failed since 1970-01-01T01:16:40Z"
+    ]
+
+
+def test_a_job_failed_for_an_invalid_spec_is_deleted_after_its_ttl_too() -> None:
+    c = FakeCluster(job_obj(heartbeat={"interval": "5s", "timeout": "3s"}, ttlAfterFinished="1m"))
+    c.step()
+    assert c.condition("Failed")["reason"] == "InvalidSpec"
+    c.now += 60
+    c.step()
+    assert len(c.deleted_job) == 1
+
+
+def test_an_unreadable_ttl_keeps_the_job() -> None:
+    c = FakeCluster(job_obj(ttlAfterFinished="soon"))
+    c.step()
+    failed = c.condition("Failed")
+    assert failed["reason"] == "InvalidSpec"
+    assert "spec.ttlAfterFinished: expected a duration" in failed["message"]
+    c.now += 86400
+    c.step()
+    assert not c.deleted_job

@@ -1,15 +1,16 @@
 """spec.healthChecks -> the master's probe settings: defaults, the CRD's defaults, errors naming the spec;
-spec.suspend."""
+spec.suspend; the run policy (activeDeadline, ttlAfterFinished); durations as the CRD admits them."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
 from phalanx.api.errors import ConfigError
-from phalanx.api.settings import ProbeSettings
-from phalanx.operator.crd import build_crd
+from phalanx.api.settings import ProbeSettings, parse_duration
+from phalanx.operator.crd import DURATION_RE, build_crd
 from phalanx.operator.spec import parse_spec
 
 
@@ -69,3 +70,62 @@ def test_suspend_defaults_to_false_and_takes_only_booleans() -> None:
     assert parse_spec(spec(suspend=True)).suspend is True
     with pytest.raises(ConfigError, match=r"spec\.suspend: expected true or false, got 'false'"):
         parse_spec(spec(suspend="false"))
+
+
+def test_run_policy_is_absent_by_default() -> None:
+    parsed = parse_spec(spec())
+    assert (parsed.active_deadline_s, parsed.ttl_after_finished_s) == (None, None)
+    parsed = parse_spec(spec(activeDeadline="", ttlAfterFinished=""))
+    assert (parsed.active_deadline_s, parsed.ttl_after_finished_s) == (None, None), "empty: not set"
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("24h", 86400.0), ("1h30m", 5400.0), ("1.5h", 5400.0), ("90s", 90.0), ("500ms", 0.5)],
+)
+def test_run_policy_durations_in_seconds(text: str, seconds: float) -> None:
+    parsed = parse_spec(spec(activeDeadline=text, ttlAfterFinished=text))
+    assert (parsed.active_deadline_s, parsed.ttl_after_finished_s) == (seconds, seconds)
+
+
+def test_a_zero_ttl_deletes_at_once_but_a_zero_deadline_is_refused() -> None:
+    assert parse_spec(spec(ttlAfterFinished="0s")).ttl_after_finished_s == 0.0
+    with pytest.raises(
+        ConfigError,
+        match=r"^spec\.activeDeadline: must be greater than 0, got '0s'; leave it out for no deadline",
+    ):
+        parse_spec(spec(activeDeadline="0s"))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"activeDeadline": "a day"},
+            r"^spec\.activeDeadline: expected a duration such as 500ms, 30s, 2m or 1h",
+        ),
+        ({"activeDeadline": "1d"}, r"^spec\.activeDeadline: expected a duration .*got '1d'"),
+        ({"activeDeadline": True}, r"^spec\.activeDeadline: expected a duration"),
+        ({"ttlAfterFinished": "forever"}, r"^spec\.ttlAfterFinished: expected a duration .*got 'forever'"),
+        ({"ttlAfterFinished": "-1s"}, r"^spec\.ttlAfterFinished: expected a duration"),
+    ],
+)
+def test_invalid_run_policy_names_the_field(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_spec(spec(**fields))
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("500ms", 0.5), ("30s", 30.0), ("1h30m", 5400.0), ("2m5s", 125.0), ("1h0m0.5s", 3600.5), ("0.5m", 30.0)],
+)
+def test_what_admission_takes_parse_spec_takes_too(text: str, seconds: float) -> None:
+    """A duration the CRD admits (its pattern takes Go's compound form) parses to Go's seconds, so the API
+    server never takes a job that parse_spec then fails as InvalidSpec."""
+    assert re.match(DURATION_RE, text)
+    assert parse_duration(text, name="x") == pytest.approx(seconds)
+
+
+def test_compound_durations_work_for_every_spec_duration() -> None:
+    parsed = parse_spec(spec(heartbeat={"interval": "1s", "timeout": "1m30s"}))
+    assert parsed.heartbeat.timeout_s == 90.0

@@ -43,19 +43,27 @@ def group(factory: Any, *, doc: str) -> Any:
 
 _DURATION = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*(ms|s|m|h)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+# Go's compound form, which the CRD admits too: "1h30m", "2m0.5s".
+_COMPOUND_DURATION = re.compile(r"^(?:[0-9]+(?:[.][0-9]+)?(?:ms|s|m|h))+$")
+_DURATION_PART = re.compile(r"([0-9]+(?:[.][0-9]+)?)(ms|s|m|h)")
 
 
 def parse_duration(text: str | float | int, *, name: str = "duration") -> float:
-    """Parses ``"500ms"``, ``"30s"``, ``"2m"``, ``"1h"`` or a plain number of seconds."""
+    """Parses ``"500ms"``, ``"30s"``, ``"2m"``, ``"1h"``, Go's compound form (``"1h30m"``) or a plain number
+    of seconds."""
     if isinstance(text, bool):
         raise ConfigError(f"expected a duration such as 30s, got {text!r}", field=name)
     if isinstance(text, int | float):
         seconds = float(text)
     else:
         match = _DURATION.match(text)
-        if not match:
+        if match:
+            seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        elif _COMPOUND_DURATION.match(text.strip()):
+            parts = _DURATION_PART.findall(text)
+            seconds = sum(float(n) * _DURATION_UNITS[unit] for n, unit in parts)
+        else:
             raise ConfigError(f"expected a duration such as 500ms, 30s, 2m or 1h, got {text!r}", field=name)
-        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
     if seconds < 0:
         raise ConfigError(f"a duration cannot be negative, got {text!r}", field=name)
     return seconds

@@ -12,7 +12,8 @@ rename or remove one.
 ``GET /v1/job`` -> the job status, also what the StatusSink publishes::
 
     job_id: str
-    phase: "Pending" | "Running" | "Restarting" | "Succeeded" | "Failed"
+    phase: "Pending" | "Running" | "Restarting" | "Suspended" | "Succeeded" | "Failed"
+    suspended: bool                  the ElasticJob's spec.suspend, as the master follows it
     reason: str                      why the job ended (or ""), one sentence
     round: int                       latest completed rendezvous round, 0 before the first
     open_round: int | null           the round gathering now, if any
@@ -41,7 +42,7 @@ rename or remove one.
                                      ranks of `round` whose step intervals lag the others' (step-time check)
 
 ``GET /v1/nodes`` -> ``{"nodes": [{node_id, incarnation, host, machine, nproc, agent_version, status
-(alive|lost|evicted), state (idle|rendezvous|running|restarting|succeeded|failed), round,
+(alive|lost|evicted), state (idle|rendezvous|running|restarting|succeeded|failed|leaving), round,
 last_heartbeat_unix, heartbeat_age_s, disconnected_unix (when a held heartbeat's connection closed
 and the node was not heard from since, else null), ranks: [{rank, local_rank, step, step_unix,
 beacon_age_s, pid}], agent_restarts, memory_checkpoint_step, probes: {matmul|allgather: [{peer_node_id,

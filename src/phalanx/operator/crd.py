@@ -117,6 +117,27 @@ def _duration(doc: str) -> dict[str, Any]:
     }
 
 
+def _optional_duration(doc: str, *, positive: bool = False) -> dict[str, Any]:
+    """A run-policy duration without a default: absent or "" means not set. The syntax rule is the one of
+    every duration; the rule for > 0 passes a value that is no duration (CEL's ``||`` is true when either
+    side is, even if the other errs), so such a value gets the syntax message only."""
+    prop = _duration(doc)
+    prop["x-kubernetes-validations"] = [
+        {
+            "rule": f"self == '' || self.matches('{DURATION_RE}')",
+            "message": "must be a duration such as 500ms, 30s, 2m or 1h",
+        }
+    ]
+    if positive:
+        prop["x-kubernetes-validations"].append(
+            {
+                "rule": f"self == '' || !self.matches('{DURATION_RE}') || duration(self) > duration('0s')",
+                "message": "must be greater than 0; leave it out for no deadline",
+            }
+        )
+    return prop
+
+
 def _obj(description: str, properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
     obj = {"type": "object", "description": description, "properties": properties, **extra}
     if obj.get("default") == {}:
@@ -326,6 +347,20 @@ def _spec_schema() -> dict[str, Any]:
                 "or timeout. Ignored once the job finished.",
                 "default": False,
             },
+            "activeDeadline": _optional_duration(
+                "How long the job may be active before the operator fails it (reason DeadlineExceeded; "
+                "its Pods are then cleaned up per cleanPodPolicy), like a batch/v1 Job's "
+                "activeDeadlineSeconds. Counted from status.startTime: the job's start, and again from "
+                "each resume after a suspension; a suspended job is never failed by it. Raising it on a "
+                "running job before it expires extends the deadline. Absent or empty: no deadline.",
+                positive=True,
+            ),
+            "ttlAfterFinished": _optional_duration(
+                "How long the job is kept once it Succeeded or Failed; then the operator deletes it, and "
+                "its Pods, Secret, ConfigMap and master RBAC with it (they are owned by the job), like a "
+                "batch/v1 Job's ttlSecondsAfterFinished. 0s: as soon as it finished. Absent or empty: kept "
+                "until deleted by hand.",
+            ),
         },
         required=["nodes", "template"],
         **{
@@ -387,6 +422,12 @@ def _status_schema() -> dict[str, Any]:
                 "x-kubernetes-list-map-keys": ["type"],
             },
             "observedGeneration": {"type": "integer", "format": "int64"},
+            "startTime": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When the job started, or was last resumed after a suspension: the start "
+                "of spec.activeDeadline.",
+            },
             "nodes": _int("Worker Pods running."),
             "worldSize": _int("Training processes in the current rendezvous round."),
             "round": {"type": "integer", "format": "int64", "description": "Current rendezvous round."},

@@ -19,6 +19,7 @@ from phalanx.operator.reconcile import (
     Action,
     CordonNode,
     Create,
+    DeleteJob,
     DeletePod,
     Event,
     Observed,
@@ -206,6 +207,8 @@ class Executor:
             self._event(job, action)
         elif isinstance(action, CordonNode):
             self._cordon(action)
+        elif isinstance(action, DeleteJob):
+            self._delete_job(job, action)
 
     def _create(self, ns: str, obj: dict[str, Any]) -> None:
         kind = obj["kind"]
@@ -225,6 +228,29 @@ class Executor:
             self.rbac.create_namespaced_role_binding(ns, obj)
         else:
             raise KubernetesError(f"the operator does not create {kind} objects")
+
+    def _delete_job(self, job: Mapping[str, Any], action: DeleteJob) -> None:
+        """Deletes the ElasticJob with foreground propagation, as batch/v1's TTL controller does: it stays,
+        terminating, until the objects it owns are gone, so a new job of the same name never meets the old
+        one's Pods, Secret or state ConfigMap (their names are deterministic). The uid precondition keeps
+        a job re-created under the name meanwhile; that one (409) or one already gone (404) is done."""
+        from kubernetes.client.exceptions import ApiException
+
+        meta = job["metadata"]
+        log.info("%s/%s: %s", meta["namespace"], meta["name"], action.message)
+        try:
+            self.custom.delete_namespaced_custom_object(
+                GROUP,
+                VERSION,
+                meta["namespace"],
+                PLURAL,
+                meta["name"],
+                propagation_policy="Foreground",
+                body={"preconditions": {"uid": meta["uid"]}},
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
 
     def _cordon(self, action: CordonNode) -> None:
         from phalanx.operator.builders import bad_node_taint

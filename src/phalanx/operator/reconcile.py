@@ -24,7 +24,12 @@ Rules, per pass:
   persists its newest in-memory checkpoint on SIGTERM), and once none is left the job is Suspended. The
   master Pod stays and keeps the job's state. None of this is a replacement;
 * ``spec.suspend`` false again resumes (once the deleted Pods are gone, so the new ones start from the
-  checkpoint they persisted): every slot gets a Pod of its next incarnation, again not a replacement.
+  checkpoint they persisted): every slot gets a Pod of its next incarnation, again not a replacement;
+* ``spec.activeDeadline`` fails a job active for longer (reason DeadlineExceeded), counted from
+  ``status.startTime``: set when the job starts and again at each resume, so suspended time never counts
+  and a suspended job is never failed by it;
+* ``spec.ttlAfterFinished`` deletes the ElasticJob itself once it has been Succeeded or Failed that long
+  (its Pods and supporting objects are owned by it and go with it).
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ from typing import Any
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import builders, names
-from phalanx.operator.conditions import get_condition, is_true, parse_rfc3339, set_condition
-from phalanx.operator.spec import JobSpec, parse_spec
+from phalanx.operator.conditions import get_condition, is_true, parse_rfc3339, rfc3339, set_condition
+from phalanx.operator.crd import format_duration
+from phalanx.operator.spec import JobSpec, parse_spec, ttl_after_finished
 
 LIVE_PHASES = ("Pending", "Running", "Unknown")
 SUSPENDING_REASONS = ("Suspending", "Resuming")
@@ -116,7 +122,15 @@ class CordonNode:
     reason: str
 
 
-Action = Create | DeletePod | PatchStatus | Event | CordonNode
+@dataclass(frozen=True)
+class DeleteJob:
+    """Deletes the ElasticJob itself; what it owns (Pods, Secret, ConfigMap, master RBAC, Service) goes with
+    it. ``message`` says why; the executor logs it (an Event on a deleted object would be lost with it)."""
+
+    message: str
+
+
+Action = Create | DeletePod | PatchStatus | Event | CordonNode | DeleteJob
 
 
 SetCondition = Callable[[str, bool, str, str], None]
@@ -163,7 +177,10 @@ def reconcile(
     workers = [pod for pod in observed.pods if pod.role == "worker"]
     if phase in ("Succeeded", "Failed"):
         _cleanup(p, job, observed.pods, finished_for=_finished_for(status, now), settings=settings)
-        return _finish(p, status)
+        actions = _finish(p, status)
+        if expired := _ttl_expired(job, status, phase=phase, now=now):
+            actions.append(DeleteJob(expired))  # last: nothing is patched on a job being deleted
+        return actions
 
     try:
         spec = parse_spec(job.get("spec") or {})
@@ -201,6 +218,21 @@ def reconcile(
         reason = str(master_status.get("reason") or "the master reported the job failed")
         return _fail(p, status, condition, reason="MasterReportedFailure", message=reason, job=job,
                      pods=observed.pods, spec=spec, settings=settings)  # fmt: skip
+
+    # --- spec.activeDeadline -----------------------------------------------------------------------
+    # Neither suspended nor being resumed (the resume below starts the clock again): the job is active.
+    if not spec.suspend and not _suspension(status):
+        started = _start_time(status, now)
+        p.status["startTime"] = rfc3339(started)
+        if spec.active_deadline_s is not None and now - started >= spec.active_deadline_s:
+            limit = (job.get("spec") or {}).get("activeDeadline") or format_duration(spec.active_deadline_s)
+            message = (
+                f"the job was active for longer than spec.activeDeadline ({limit}), counted from "
+                f"{rfc3339(started)} (its start or last resume); give a job that needs more time a larger "
+                "spec.activeDeadline or none (a running job's can be raised before it expires)"
+            )
+            return _fail(p, status, condition, reason="DeadlineExceeded", message=message, job=job,
+                         pods=observed.pods, spec=spec, settings=settings)  # fmt: skip
 
     if master is None:
         p.actions.append(Create(builders.master_pod(job, spec, settings=settings)))
@@ -271,6 +303,7 @@ def reconcile(
         )
         condition("Suspended", False, "Resumed", message)
         p.actions.append(Event("Normal", "Resumed", message))
+        p.status["startTime"] = rfc3339(now)  # spec.activeDeadline counts from the resume, as batch/v1 Job's
 
     # --- workers -----------------------------------------------------------------------------------
     replaced = _reconcile_workers(p, job, spec, status, workers, resuming=resuming, settings=settings)
@@ -480,13 +513,56 @@ def _not_suspended(p: _Pass, condition: SetCondition, reason: str) -> None:
         condition("Suspended", False, reason, "the job finished")
 
 
-def _finished_for(status: Mapping[str, Any], now: float) -> float:
-    """Seconds since the job's Succeeded or Failed condition became true (0 if it has not)."""
+def _finished_at(status: Mapping[str, Any]) -> float | None:
+    """When the job's Succeeded or Failed condition became true (None if it has not)."""
     for kind in ("Succeeded", "Failed"):
         c = get_condition(status.get("conditions") or [], kind)
         if c and c.get("status") == "True" and c.get("lastTransitionTime"):
-            return max(0.0, now - parse_rfc3339(str(c["lastTransitionTime"])))
-    return 0.0
+            return parse_rfc3339(str(c["lastTransitionTime"]))
+    return None
+
+
+def _finished_for(status: Mapping[str, Any], now: float) -> float:
+    """Seconds since the job's Succeeded or Failed condition became true (0 if it has not)."""
+    at = _finished_at(status)
+    return 0.0 if at is None else max(0.0, now - at)
+
+
+def _ttl_expired(job: Mapping[str, Any], status: Mapping[str, Any], *, phase: str, now: float) -> str:
+    """Why the finished job is to be deleted now per spec.ttlAfterFinished; "" while it is kept.
+
+    The field is read on its own, not through :func:`parse_spec`: a job that failed for an invalid spec
+    is deleted too. One whose ttlAfterFinished itself cannot be read is kept (admission refuses those).
+    """
+    spec = job.get("spec")
+    if not isinstance(spec, Mapping):
+        return ""
+    try:
+        ttl = ttl_after_finished(spec)
+    except ConfigError:
+        return ""
+    finished_at = _finished_at(status)
+    if ttl is None or finished_at is None or now - finished_at < ttl:
+        return ""
+    return (
+        f"deleting the job: {phase} since {rfc3339(finished_at)}, longer than spec.ttlAfterFinished "
+        f"({spec.get('ttlAfterFinished')})"
+    )
+
+
+def _start_time(status: Mapping[str, Any], now: float) -> float:
+    """When the job started or was last resumed (``status.startTime``). A job from before that field counts
+    from its Created condition, or from its Suspended condition turning False (a resume) if later; a new
+    job from now."""
+    if text := status.get("startTime"):
+        return parse_rfc3339(str(text))
+    conditions = status.get("conditions") or []
+    times = [
+        parse_rfc3339(str(c["lastTransitionTime"]))
+        for kind, value in (("Created", "True"), ("Suspended", "False"))
+        if (c := get_condition(conditions, kind)) and c.get("status") == value and c.get("lastTransitionTime")
+    ]
+    return max(times, default=now)
 
 
 def _cleanup(

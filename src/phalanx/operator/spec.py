@@ -46,6 +46,10 @@ class JobSpec:
     """``spec.suspend``: worker Pods are deleted (after the master acknowledged) until it is false again."""
     template: Mapping[str, Any] = field(default_factory=dict)
     master_resources: Mapping[str, Any] = field(default_factory=dict)
+    active_deadline_s: float | None = None
+    """``spec.activeDeadline``: seconds the job may be active (from its start or last resume); None: none."""
+    ttl_after_finished_s: float | None = None
+    """``spec.ttlAfterFinished``: seconds a finished job is kept, then the operator deletes it; None: kept."""
 
     @property
     def min_nodes(self) -> int:
@@ -65,6 +69,32 @@ def _group(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
 
 def _dur(group: Mapping[str, Any], key: str, default: float, where: str) -> float:
     return parse_duration(group[key], name=f"spec.{where}.{key}") if key in group else default
+
+
+def _optional_dur(spec: Mapping[str, Any], key: str) -> float | None:
+    """A run-policy duration of the spec: None when absent, null or ""."""
+    value = spec.get(key)
+    if value is None or value == "":
+        return None
+    return parse_duration(value, name=f"spec.{key}")
+
+
+def active_deadline(spec: Mapping[str, Any]) -> float | None:
+    """``spec.activeDeadline`` in seconds (None: no deadline); a ConfigError naming the field unless it is a
+    duration above 0."""
+    seconds = _optional_dur(spec, "activeDeadline")
+    if seconds is not None and seconds <= 0:
+        raise ConfigError(
+            f"must be greater than 0, got {spec['activeDeadline']!r}; leave it out for no deadline",
+            field="spec.activeDeadline",
+        )
+    return seconds
+
+
+def ttl_after_finished(spec: Mapping[str, Any]) -> float | None:
+    """``spec.ttlAfterFinished`` in seconds (None: keep the finished job); a ConfigError naming the field
+    unless it is a duration. Read on its own as well: a job that failed for an invalid spec still has one."""
+    return _optional_dur(spec, "ttlAfterFinished")
 
 
 def _probes(health: Mapping[str, Any]) -> ProbeSettings:
@@ -146,6 +176,8 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     suspend = spec.get("suspend", False)
     if not isinstance(suspend, bool):  # bool("false") would suspend the job
         raise ConfigError(f"expected true or false, got {suspend!r}", field="spec.suspend")
+    deadline = active_deadline(spec)
+    ttl = ttl_after_finished(spec)
     template = spec.get("template") or {}
     containers = (template.get("spec") or {}).get("containers") or []
     if not containers:
@@ -165,4 +197,6 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         suspend=suspend,
         template=template,
         master_resources=(_group(spec, "master").get("resources") or {}),
+        active_deadline_s=deadline,
+        ttl_after_finished_s=ttl,
     )
