@@ -11,7 +11,7 @@ import pytest
 from phalanx.master.job import Job
 from phalanx.master.logstore import LogStore
 from phalanx.master.runtime import Runtime
-from phalanx.master.state import MemoryStateStore
+from phalanx.master.state import MemoryStateStore, SpecView
 
 from .sim import Sim, settings
 
@@ -19,13 +19,13 @@ from .sim import Sim, settings
 class ListSink:
     def __init__(self) -> None:
         self.published: list[Mapping[str, Any]] = []
-        self.suspend: bool | None = None
+        self.view: SpecView | None = None
 
     def publish(self, status: Mapping[str, Any]) -> None:
         self.published.append(status)
 
-    def suspended(self) -> bool | None:
-        return self.suspend
+    def spec(self) -> SpecView | None:
+        return self.view
 
 
 @pytest.mark.timeout(20)
@@ -64,7 +64,7 @@ def test_saves_and_publishes_are_coalesced() -> None:
 
 
 @pytest.mark.timeout(20)
-def test_the_job_follows_the_spec_suspend_the_sink_reads() -> None:
+def test_the_job_follows_the_spec_the_sink_reads_and_publishes_its_generation() -> None:
     async def scenario() -> tuple[ListSink, list[bool]]:
         job = Job(settings=settings(rendezvous={"min_nodes": 1, "max_nodes": 2}), now=0.0)
         sink = ListSink()
@@ -72,8 +72,8 @@ def test_the_job_follows_the_spec_suspend_the_sink_reads() -> None:
                      store=MemoryStateStore(), sink=sink, resumed=False)  # fmt: skip
         task = asyncio.create_task(rt.publisher())
         seen = []
-        for value in (None, True, False):
-            sink.suspend = value
+        for view in (None, SpecView(suspend=True, generation=2), SpecView(suspend=False, generation=3)):
+            sink.view = view
             await asyncio.sleep(1.2)
             seen.append(job.suspended)
         task.cancel()
@@ -82,6 +82,6 @@ def test_the_job_follows_the_spec_suspend_the_sink_reads() -> None:
 
     sink, seen = asyncio.run(scenario())
     assert seen == [False, True, False]
-    phases = [s["phase"] for s in sink.published]
-    assert "Suspended" in phases
-    assert phases[-1] != "Suspended"
+    published = [(s["phase"], s["spec_generation"]) for s in sink.published]
+    assert ("Suspended", 2) in published
+    assert published[-1] == ("Pending", 3)

@@ -23,6 +23,7 @@ def test_status_mapping() -> None:
             ],
             "committed_checkpoint_step": -1,
             "max_step": 17,
+            "spec_generation": 5,
         }
     )
     assert patch["round"] == 3
@@ -40,6 +41,7 @@ def test_status_mapping() -> None:
     ]
     assert patch["master"]["phase"] == "Restarting"
     assert patch["master"]["members"] == ["a", "b"]
+    assert patch["master"]["observedGeneration"] == 5  # the spec the master follows (its suspend)
 
 
 def test_state_url() -> None:

@@ -96,7 +96,9 @@ class FakeCluster:
         self.pods = {n: pod for n, pod in self.pods.items() if not pod.terminating}
 
     def master_says(self, **status: Any) -> None:
-        self.job["status"]["master"] = {"phase": "Running", **status}
+        """The master publishes its view; by default of the spec as it is now (its generation)."""
+        generation = self.job["metadata"]["generation"]
+        self.job["status"]["master"] = {"phase": "Running", "observedGeneration": generation, **status}
 
     def reasons(self) -> list[str]:
         return [e.reason for e in self.events]
@@ -109,6 +111,7 @@ class FakeCluster:
 
     def suspend(self, value: bool) -> None:
         self.job["spec"]["suspend"] = value
+        self.job["metadata"]["generation"] += 1  # as the API server does for every spec change
 
 
 def started(**spec: Any) -> FakeCluster:
@@ -424,6 +427,24 @@ def test_a_second_suspension_uses_the_incarnation_after_the_first() -> None:
     c.step()
     assert c.workers() == ["j-worker-0-2", "j-worker-1-2"]
     assert c.job["status"]["replacements"] == 0
+
+
+def test_a_stale_acknowledgement_deletes_nothing() -> None:
+    """Suspended, resumed, suspended again within seconds: the master's Suspended still in the status is
+    of the first suspension (it may not know of the second yet), so no Pod is deleted until it follows the
+    current spec."""
+    c = started()
+    suspended(c)
+    c.suspend(False)
+    c.step()
+    c.run_all()
+    c.suspend(True)  # the master has not published since the first suspension
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, DeletePod)]
+    assert c.condition("Suspended")["reason"] == "Suspending"
+    c.master_says(phase="Suspended")  # now of the current generation
+    actions = c.step()
+    assert len([a for a in actions if isinstance(a, DeletePod)]) == 2
 
 
 def test_resume_waits_for_pods_still_persisting_their_checkpoint() -> None:

@@ -89,6 +89,10 @@ class JobCore:
         """The seq of the newest one-shot action (:meth:`_push`); durable, so seqs grow across restarts."""
         self.suspended = False
         """Whether the job's spec asks it to be suspended (:meth:`suspend`); durable."""
+        self.spec_generation = 0
+        """The generation of the ElasticJob spec the job follows (0: none, outside Kubernetes); published so
+        the operator knows an acknowledgement is of the spec it sees. Not durable: a restarted master
+        reads the spec again."""
         if saved is not None:
             self._restore(saved, now=now)
             # Events after the last save died with the old master; skipping ahead keeps every seq a poller
@@ -133,6 +137,7 @@ class JobCore:
             "job_id": self.job_id,
             "phase": self.shown_phase,
             "suspended": self.suspended,
+            "spec_generation": self.spec_generation,
             "reason": self.reason,
             "round": self.round_number,
             "open_round": self.next_round if self.round_open else None,
@@ -325,6 +330,13 @@ class JobCore:
 
     # ------------------------------------------------------------------------------------------------
     # Time
+
+    def follow_spec(self, *, suspend: bool, generation: int, now: float) -> None:
+        """Follows the ElasticJob's spec as the master last read it (generation ``generation``)."""
+        self.suspend(suspend, now=now)
+        if generation != self.spec_generation:
+            self.spec_generation = generation
+            self._changed()  # published: the operator waits for the generation it acts on
 
     def suspend(self, value: bool, *, now: float) -> None:
         """Follows the job's ``spec.suspend`` (see the module docstring); a finished job ignores it."""

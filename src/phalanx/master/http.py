@@ -14,6 +14,7 @@ rename or remove one.
     job_id: str
     phase: "Pending" | "Running" | "Restarting" | "Suspended" | "Succeeded" | "Failed"
     suspended: bool                  the ElasticJob's spec.suspend, as the master follows it
+    spec_generation: int             the generation of the ElasticJob spec it follows (0 outside Kubernetes)
     reason: str                      why the job ended (or ""), one sentence
     round: int                       latest completed rendezvous round, 0 before the first
     open_round: int | null           the round gathering now, if any

@@ -9,9 +9,10 @@
 * :func:`status_sink` -- maps the master's ``/v1/job`` JSON onto the ElasticJob's status subresource
   (round, worldSize, step, lastCommittedCheckpointStep, restartCount, evictions and ``status.master``).
   The operator reads ``status.evictions`` and carries them out, and ends the job on
-  ``status.master.phase``. It also reads back ``spec.suspend`` (from each PATCH's answer, else by a GET
-  every :data:`SPEC_POLL_S`): a suspended master publishes phase ``Suspended``, which tells the operator
-  it may delete the worker Pods.
+  ``status.master.phase``. It also reads back ``spec.suspend`` and the job's generation (from each
+  PATCH's answer, else by a GET every :data:`SPEC_POLL_S`): a suspended master publishes phase
+  ``Suspended`` and the generation it follows (``status.master.observedGeneration``), which together tell
+  the operator it may delete the worker Pods.
 
 The master's RBAC (built by the operator) allows exactly this: get/patch of its own ElasticJob status and
 its own ConfigMap (by resourceName), and Events. Credentials come from the Pod's service account
@@ -28,6 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from phalanx.api.errors import KubernetesError, StateStoreError
+from phalanx.master.state import SpecView
 
 GROUP = "phalanx.dev"
 VERSION = "v1alpha1"
@@ -133,6 +135,7 @@ def job_status_patch(status: Mapping[str, Any]) -> dict[str, Any]:
             "phase": str(status.get("phase", "")),
             "reason": str(status.get("reason") or "")[:_MAX_TEXT],
             "members": [str(m) for m in status.get("members") or []],
+            "observedGeneration": int(status.get("spec_generation") or 0),
             "updatedAt": _rfc3339(datetime.now(tz=UTC).timestamp()),
         },
     }
@@ -154,13 +157,16 @@ class ElasticJobStatusSink:
         self.namespace = namespace
         self.name = name
         self._custom = client.CustomObjectsApi(api or _api_client())
-        self._suspend: bool | None = None
+        self._view: SpecView | None = None
         self._read_at = float("-inf")
 
     def _saw(self, job: Any) -> None:
         spec = job.get("spec") if isinstance(job, Mapping) else None
-        if isinstance(spec, Mapping):
-            self._suspend = bool(spec.get("suspend", False))
+        meta = job.get("metadata") if isinstance(job, Mapping) else None
+        if isinstance(spec, Mapping) and isinstance(meta, Mapping):
+            self._view = SpecView(
+                suspend=bool(spec.get("suspend", False)), generation=int(meta["generation"])
+            )
             self._read_at = time.monotonic()
 
     def publish(self, status: Mapping[str, Any]) -> None:
@@ -177,8 +183,8 @@ class ElasticJobStatusSink:
             ) from exc
         self._saw(job)
 
-    def suspended(self) -> bool | None:
-        """``spec.suspend`` as of at most :data:`SPEC_POLL_S` ago (a GET when no publish read it since)."""
+    def spec(self) -> SpecView | None:
+        """The spec as of at most :data:`SPEC_POLL_S` ago (a GET when no publish read it since)."""
         from kubernetes.client.exceptions import ApiException
 
         if time.monotonic() - self._read_at >= SPEC_POLL_S:
@@ -191,7 +197,7 @@ class ElasticJobStatusSink:
                 raise KubernetesError(
                     f"cannot read the spec of ElasticJob {self.namespace}/{self.name}: {exc.reason}"
                 ) from exc
-        return self._suspend
+        return self._view
 
 
 def state_store(*, namespace: str, name: str) -> ConfigMapStateStore:

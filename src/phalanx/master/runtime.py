@@ -9,8 +9,8 @@ version counters and
 * hands the durable state to the saver task when it changed (``durable_version``): the saver writes the
   newest snapshot in a worker thread, so a burst of changes costs one write, never one per heartbeat,
 * and the publisher task sends the status to the :class:`~phalanx.master.state.StatusSink` at most
-  twice a second when it changed (``status_version``), and has the job follow the spec's ``suspend``
-  as the sink reads it.
+  twice a second when it changed (``status_version``), and has the job follow the spec as the sink reads
+  it (:meth:`~phalanx.master.core.JobCore.follow_spec`).
 """
 
 from __future__ import annotations
@@ -145,11 +145,11 @@ class Runtime:
                 except Exception:
                     log.exception("publishing the job status failed")
             try:
-                suspend = await asyncio.to_thread(self.sink.suspended)
+                view = await asyncio.to_thread(self.sink.spec)
             except Exception:
                 log.exception("reading the job's spec failed")
-                suspend = None
-            if suspend is not None and suspend != self.job.suspended:
-                self.job.suspend(suspend, now=self.now())
+                view = None
+            if view is not None:
+                self.job.follow_spec(suspend=view.suspend, generation=view.generation, now=self.now())
                 self.after()
             await asyncio.sleep(PUBLISH_INTERVAL_S)

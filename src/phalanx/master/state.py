@@ -9,8 +9,8 @@ Two small interfaces, so the master runs the same on one machine and in Kubernet
   master killed mid-write leaves the previous state readable.
 * :class:`StatusSink` -- receives the ``/v1/job`` JSON on every change (coalesced to at most ~2/s). In
   Kubernetes it writes the ElasticJob status (including eviction requests the operator carries out) and
-  reads back whether the spec asks the job to be suspended; locally it is :class:`NullStatusSink`, since
-  ``phalanx local`` polls ``/v1/job`` instead.
+  reads back what of the spec the master follows (:class:`SpecView`); locally it is
+  :class:`NullStatusSink`, since ``phalanx local`` polls ``/v1/job`` instead.
 
 The state is a JSON object; see :meth:`phalanx.master.job.Job.durable` for its fields.
 """
@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from phalanx.api.errors import StateStoreError
 
-__all__ = ["FileStateStore", "MemoryStateStore", "NullStatusSink", "StateStore", "StatusSink"]
+__all__ = ["FileStateStore", "MemoryStateStore", "NullStatusSink", "SpecView", "StateStore", "StatusSink"]
 
 
 class StateStore(Protocol):
@@ -41,7 +42,17 @@ class StatusSink(Protocol):
 
     def publish(self, status: Mapping[str, Any]) -> None: ...  # called on every change, at most ~2/s
 
-    def suspended(self) -> bool | None: ...  # the spec's suspend (None: no spec to follow); polled ~2/s
+    def spec(self) -> SpecView | None: ...  # what the master follows of the spec (None: no spec); ~2/s
+
+
+@dataclass(frozen=True)
+class SpecView:
+    """The part of the job's spec the master follows while it runs, and the spec's generation (the
+    master publishes the generation it follows, so the operator can tell a fresh acknowledgement from a
+    stale one)."""
+
+    suspend: bool
+    generation: int
 
 
 class FileStateStore:
@@ -110,5 +121,5 @@ class NullStatusSink:
     def publish(self, status: Mapping[str, Any]) -> None:
         return None
 
-    def suspended(self) -> bool | None:
+    def spec(self) -> SpecView | None:
         return None

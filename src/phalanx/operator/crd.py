@@ -465,6 +465,12 @@ def _status_schema() -> dict[str, Any]:
                     "phase": {"type": "string"},
                     "reason": {"type": "string", "maxLength": 32768},
                     "members": {"type": "array", "items": {"type": "string"}},
+                    "observedGeneration": {
+                        "type": "integer",
+                        "format": "int64",
+                        "description": "The generation of the spec the master follows (spec.suspend); its "
+                        "Suspended phase acknowledges a suspension only at the job's current generation.",
+                    },
                     "updatedAt": {"type": "string"},
                 },
             ),

@@ -282,7 +282,11 @@ def reconcile(
 
     # --- suspension --------------------------------------------------------------------------------
     if spec.suspend:
-        _suspend(p, status, condition, workers, phase=phase, acked=verdict == "suspended", spec=spec)
+        # The master's Suspended is an acknowledgement only if it follows this spec: one published before a
+        # resume and the next suspension (seconds apart) is stale, and the master may not know yet.
+        followed = int(master_status.get("observedGeneration") or 0)
+        acked = verdict == "suspended" and followed >= generation
+        _suspend(p, status, condition, workers, phase=phase, acked=acked, spec=spec)
         p.status["observedGeneration"] = generation
         return _finish(p, status)
     resuming = False
