@@ -342,3 +342,45 @@ def test_heartbeat_slack_follows_the_slowest_recent_round_trip() -> None:
     assert heartbeat_slack([0.001, 0.002]) == HEARTBEAT_TIMEOUT_S  # a good network keeps the default
     assert heartbeat_slack([0.001, 2.4, 0.5]) == pytest.approx(7.2)  # 1.2 s each way
     assert heartbeat_slack([60.0]) == MAX_HEARTBEAT_SLACK_S
+
+
+def test_client_deadlines_stretch_on_late_calls_and_shrink_on_fast_ones() -> None:
+    import grpc
+
+    from phalanx.agent.client import MAX_STRETCH, MasterClient, MasterUnavailableError
+
+    class Late(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def details(self) -> str:
+            return "Deadline Exceeded"
+
+    deadlines: list[float] = []
+
+    def late(request: object, *, metadata: object, timeout: float) -> object:
+        deadlines.append(timeout)
+        raise Late()
+
+    def fast(request: object, *, metadata: object, timeout: float) -> object:
+        deadlines.append(timeout)
+        return "answer"
+
+    client = MasterClient(address="127.0.0.1:1", token="t")  # no call reaches the channel
+    try:
+        for _ in range(6):
+            with pytest.raises(MasterUnavailableError):
+                client._call(late, None, None, base=5.0)
+        assert deadlines == [5.0, 10.0, 20.0, 40.0, 80.0, 80.0]
+        assert client.stretch == MAX_STRETCH
+        assert client._call(fast, None, 2.0, base=2.0) == "answer"  # an explicit deadline is left alone
+        assert client.stretch == MAX_STRETCH
+        for _ in range(5):
+            client._call(fast, None, None, base=5.0)
+        assert deadlines[-5:] == [80.0, 40.0, 20.0, 10.0, 5.0]
+        assert client.stretch == 1.0
+        with pytest.raises(MasterUnavailableError):
+            client._call(late, None, 3.0, base=3.0)  # a caller's own deadline: its lateness is its business
+        assert client.stretch == 1.0
+    finally:
+        client.close()

@@ -7,6 +7,8 @@ import socketserver
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,3 +102,51 @@ def test_server_close_reaches_the_client(relay: Relay) -> None:
         relay.close()  # the relay going away closes its connections: the client sees the end
         sock.settimeout(5)
         assert sock.recv(100) == b""
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_registers_and_joins_over_a_link_slower_than_its_default_deadlines(tmp_path: Path) -> None:
+    """3 s each way between the agent and a real master: a round trip (6 s) is longer than the 5 s default
+    deadline of RegisterNode and JoinRendezvous. The agent's client doubles its deadlines on each call that
+    ran out of time, so its retries get through; with fixed deadlines every attempt failed."""
+    from phalanx.agent.client import MasterClient, MasterUnavailableError
+    from phalanx.api.v1 import master_pb2 as pb
+    from tests.master.procs import TOKEN, Master
+
+    master = Master(tmp_path, "--nodes", "1:1")
+    relay = Relay(master.grpc)
+    client = MasterClient(address=relay.start(), token=TOKEN)
+    relay.latency_s = 3.0
+    try:
+        late = 0
+
+        def retried(call: Any) -> Any:
+            nonlocal late
+            while True:
+                try:
+                    return call()
+                except MasterUnavailableError as exc:
+                    if not exc.late:  # refused, not slow: the master is not there
+                        raise
+                    late += 1
+                    assert late <= 4, "the deadlines did not grow"
+
+        register = pb.RegisterNodeRequest(
+            job_id="test-job", node_id="n", incarnation="i", host="127.0.0.1", nproc_per_node=1
+        )
+        join = pb.JoinRendezvousRequest(
+            node_id="n", incarnation="i", nproc_per_node=1, store_host="127.0.0.1", store_port=1
+        )
+        started = time.monotonic()
+        reg = retried(lambda: client.register(register))
+        joined = retried(lambda: client.join(join))
+        took = time.monotonic() - started
+    finally:
+        client.close()
+        relay.close()
+        master.stop()
+    assert reg.heartbeat_interval_s > 0
+    assert joined.round == 1
+    assert late >= 1, "the link was not slower than the default deadline"
+    assert client.stretch >= 2.0
+    print(f"\nregister + join over 3 s each way: {took:.1f}s, {late} attempt(s) out of time")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -19,6 +20,7 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 # The master answers this when it does not know the node at all (e.g. it lost its state): register again.
 # FAILED_PRECONDITION (evicted, replaced) is final and surfaces as a TransportError.
 _UNKNOWN_NODE = {grpc.StatusCode.NOT_FOUND}
+MAX_STRETCH = 16.0  # default deadlines of 5 s grow to at most 80 s
 
 
 class MasterUnavailableError(TransportError):
@@ -57,13 +59,21 @@ class MasterClient:
         )
         self._stub = pb_grpc.MasterStub(self._channel)
         self._metadata = auth.metadata(token)
+        self.stretch = 1.0
+        """Multiplies the default deadlines: doubled by each call that ran out of time, halved by each that
+        took under a quarter of its deadline, so an agent whose link to the master is slow (seconds each
+        way) still registers and joins, where fixed deadlines would fail every attempt. Heartbeats, whose
+        deadline the link derives from measured round trips, pass their own."""
 
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, method: Callable[..., Any], request: Any, timeout: float) -> Any:
+    def _call(self, method: Callable[..., Any], request: Any, timeout: float | None, *, base: float) -> Any:
+        """One call; ``timeout`` None: ``base`` seconds times the client's stretch (see :attr:`stretch`)."""
+        deadline = timeout if timeout is not None else base * self.stretch
+        started = time.monotonic()
         try:
-            return method(request, metadata=self._metadata, timeout=timeout)
+            answer = method(request, metadata=self._metadata, timeout=deadline)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             detail = exc.details() if hasattr(exc, "details") else str(exc)
@@ -71,41 +81,54 @@ class MasterClient:
                 raise AuthenticationError(f"the master refused the job token: {detail}") from exc
             if code in _RETRYABLE:
                 late = code == grpc.StatusCode.DEADLINE_EXCEEDED
+                if late and timeout is None:
+                    self.stretch = min(MAX_STRETCH, self.stretch * 2)
                 raise MasterUnavailableError(f"master unavailable ({code}): {detail}", late=late) from exc
             if code in _UNKNOWN_NODE:
                 raise UnknownNodeError(f"master does not know this node ({code}): {detail}") from exc
             raise TransportError(f"master call failed ({code}): {detail}") from exc
+        if timeout is None and time.monotonic() - started < deadline / 4:
+            self.stretch = max(1.0, self.stretch / 2)  # the network recovered
+        return answer
 
-    def register(self, req: pb.RegisterNodeRequest, timeout: float = 5.0) -> pb.RegisterNodeResponse:
-        return self._call(self._stub.RegisterNode, req, timeout)  # type: ignore[no-any-return]
+    def register(self, req: pb.RegisterNodeRequest, timeout: float | None = None) -> pb.RegisterNodeResponse:
+        return self._call(self._stub.RegisterNode, req, timeout, base=5.0)  # type: ignore[no-any-return]
 
     def heartbeat(self, req: pb.HeartbeatRequest, timeout: float = 2.0) -> pb.HeartbeatResponse:
-        return self._call(self._stub.Heartbeat, req, timeout)  # type: ignore[no-any-return]
+        return self._call(self._stub.Heartbeat, req, timeout, base=timeout)  # type: ignore[no-any-return]
 
-    def join(self, req: pb.JoinRendezvousRequest, timeout: float = 5.0) -> pb.JoinRendezvousResponse:
-        return self._call(self._stub.JoinRendezvous, req, timeout)  # type: ignore[no-any-return]
+    def join(self, req: pb.JoinRendezvousRequest, timeout: float | None = None) -> pb.JoinRendezvousResponse:
+        return self._call(self._stub.JoinRendezvous, req, timeout, base=5.0)  # type: ignore[no-any-return]
 
-    def get_rendezvous(self, req: pb.GetRendezvousRequest, timeout: float) -> pb.GetRendezvousResponse:
-        return self._call(self._stub.GetRendezvous, req, timeout)  # type: ignore[no-any-return]
+    def get_rendezvous(
+        self, req: pb.GetRendezvousRequest, timeout: float | None = None
+    ) -> pb.GetRendezvousResponse:
+        return self._call(self._stub.GetRendezvous, req, timeout, base=10.0)  # type: ignore[no-any-return]
 
-    def report_failure(self, req: pb.ReportFailureRequest, timeout: float = 5.0) -> pb.ReportFailureResponse:
-        return self._call(self._stub.ReportFailure, req, timeout)  # type: ignore[no-any-return]
+    def report_failure(
+        self, req: pb.ReportFailureRequest, timeout: float | None = None
+    ) -> pb.ReportFailureResponse:
+        return self._call(self._stub.ReportFailure, req, timeout, base=5.0)  # type: ignore[no-any-return]
 
     def report_completion(
-        self, req: pb.ReportCompletionRequest, timeout: float = 5.0
+        self, req: pb.ReportCompletionRequest, timeout: float | None = None
     ) -> pb.ReportCompletionResponse:
-        return self._call(self._stub.ReportCompletion, req, timeout)  # type: ignore[no-any-return]
+        return self._call(self._stub.ReportCompletion, req, timeout, base=5.0)  # type: ignore[no-any-return]
 
-    def report_logs(self, req: pb.ReportLogsRequest, timeout: float = 2.0) -> pb.ReportLogsResponse:
-        return self._call(self._stub.ReportLogs, req, timeout)  # type: ignore[no-any-return]
+    def report_logs(self, req: pb.ReportLogsRequest, timeout: float | None = None) -> pb.ReportLogsResponse:
+        return self._call(self._stub.ReportLogs, req, timeout, base=2.0)  # type: ignore[no-any-return]
 
-    def report_stacks(self, req: pb.ReportStacksRequest, timeout: float = 5.0) -> pb.ReportStacksResponse:
-        return self._call(self._stub.ReportStacks, req, timeout)  # type: ignore[no-any-return]
+    def report_stacks(
+        self, req: pb.ReportStacksRequest, timeout: float | None = None
+    ) -> pb.ReportStacksResponse:
+        return self._call(self._stub.ReportStacks, req, timeout, base=5.0)  # type: ignore[no-any-return]
 
-    def report_probe(self, req: pb.ReportProbeRequest, timeout: float = 5.0) -> pb.ReportProbeResponse:
-        return self._call(self._stub.ReportProbe, req, timeout)  # type: ignore[no-any-return]
+    def report_probe(
+        self, req: pb.ReportProbeRequest, timeout: float | None = None
+    ) -> pb.ReportProbeResponse:
+        return self._call(self._stub.ReportProbe, req, timeout, base=5.0)  # type: ignore[no-any-return]
 
     def report_checkpoint(
-        self, req: pb.ReportCheckpointRequest, timeout: float = 5.0
+        self, req: pb.ReportCheckpointRequest, timeout: float | None = None
     ) -> pb.ReportCheckpointResponse:
-        return self._call(self._stub.ReportCheckpoint, req, timeout)  # type: ignore[no-any-return]
+        return self._call(self._stub.ReportCheckpoint, req, timeout, base=5.0)  # type: ignore[no-any-return]

@@ -315,8 +315,7 @@ class Supervisor:
                     lambda r=joined.round: self.client.get_rendezvous(  # type: ignore[misc]
                         pb.GetRendezvousRequest(
                             node_id=self.config.node_id, incarnation=self.incarnation, round=r, wait_s=2.0
-                        ),
-                        timeout=10.0,
+                        )
                     ),
                     "rendezvous",
                 )

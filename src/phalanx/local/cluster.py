@@ -8,9 +8,12 @@ writes the summary.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from phalanx.local.relay import Relay
 from phalanx.local.report import FailureRecord, Summary, table
 
 POLL_S = 0.05
+STOP_GRACE_S = 40.0  # SIGTERM to SIGKILL at the end of a run: the agents' workers' grace, then a persist
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +142,24 @@ class LocalCluster:
         procs.kill_tree(node.proc.pid)
         node.proc.wait()
         node.killed = True
+
+    def stop_nodes(self) -> None:
+        """Ends the nodes still running as Kubernetes ends Pods: SIGTERM, on which each agent persists its
+        newest in-memory checkpoint (so a run stopped by --timeout or Ctrl-C resumes from there with the
+        same checkpoint directory), then SIGKILL for whatever still runs after :data:`STOP_GRACE_S` or at
+        a second Ctrl-C. The master stays up meanwhile: the nodes settle their step with it."""
+        alive = [node for node in self.nodes.values() if node.alive]
+        for node in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(node.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        try:
+            for node in alive:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    node.proc.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            for node in alive:
+                self.kill_node(node)  # the leftovers of those that exited, all of those that did not
 
     # -------------------------------------------------------------------------------------------------
     # observation
@@ -369,9 +391,7 @@ class LocalCluster:
                 self.start_node()
             return self._loop()
         finally:
-            for node in self.nodes.values():
-                if node.alive:
-                    self.kill_node(node)
+            self.stop_nodes()
             self.master.kill()
             for relay in self.relays.values():
                 relay.close()
