@@ -20,7 +20,7 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 # The master answers this when it does not know the node at all (e.g. it lost its state): register again.
 # FAILED_PRECONDITION (evicted, replaced) is final and surfaces as a TransportError.
 _UNKNOWN_NODE = {grpc.StatusCode.NOT_FOUND}
-MAX_STRETCH = 16.0  # default deadlines of 5 s grow to at most 80 s
+MAX_STRETCH = 4.0  # default deadlines of 5 s grow to at most 20 s: round trips of up to ~15 s
 
 
 class MasterUnavailableError(TransportError):
