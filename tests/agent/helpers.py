@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,3 +36,41 @@ def phalanx_local(args: list[str], *, cwd: Path, timeout: float) -> subprocess.C
         timeout=timeout,
         check=False,
     )
+
+
+@dataclass(frozen=True)
+class MasterProc:
+    grpc: str
+    http: str
+    token_file: Path
+
+    @property
+    def token(self) -> str:
+        return self.token_file.read_text()
+
+
+@contextlib.contextmanager
+def master_process(tmp: Path, job: str, *args: str, nodes: str = "1:1") -> Iterator[MasterProc]:
+    """A real ``phalanx master`` for ``job`` (state and token under ``tmp``), stopped on the way out."""
+    token = tmp / "token"
+    token.write_text("t0k3n-" + "x" * 20)
+    token.chmod(0o600)
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "phalanx", "master", "--job-id", job, "--nodes", nodes, "--port", "0",
+            "--http-port", "0", "--token-file", str(token), "--state", str(tmp / "state.json"), *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        values = dict(proc.stdout.readline().strip().split("=", 1) for _ in range(2))
+        yield MasterProc(
+            grpc=values["PHALANX_MASTER_GRPC"], http=values["PHALANX_MASTER_HTTP"], token_file=token
+        )
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()

@@ -23,6 +23,7 @@ from phalanx.agent.client import MasterClient
 from phalanx.api.errors import ConfigError
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.checkpoint import protocol, shm
+from tests.agent.helpers import master_process
 
 # ------------------------------------------------------------------------------------------------------
 # Pure decisions
@@ -195,57 +196,39 @@ def test_host_lifecycle_persists_agreed_step_and_unlinks(tmp_path: Path) -> None
 @pytest.mark.timeout(60)
 def test_run_probe_action_reports_matmul_measurements(tmp_path: Path) -> None:
     job = f"probe-{os.getpid()}"
-    token = tmp_path / "token"
-    token.write_text("probe-token-" + "x" * 16)
-    master = subprocess.Popen(
-        [
-            sys.executable, "-m", "phalanx", "master", "--job-id", job, "--nodes", "1:1", "--port", "0",
-            "--http-port", "0", "--token-file", str(token), "--state", str(tmp_path / "state.json"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )  # fmt: skip
-    assert master.stdout is not None
-    client = None
-    try:
-        values = dict(master.stdout.readline().strip().split("=", 1) for _ in range(2))
-        client = MasterClient(address=values["PHALANX_MASTER_GRPC"], token=token.read_text())
-        client.register(
-            pb.RegisterNodeRequest(
-                job_id=job, node_id="n0", incarnation="inc-1", host="127.0.0.1", nproc_per_node=1
+    with master_process(tmp_path, job) as master:
+        client = MasterClient(address=master.grpc, token=master.token)
+        try:
+            client.register(
+                pb.RegisterNodeRequest(
+                    job_id=job, node_id="n0", incarnation="inc-1", host="127.0.0.1", nproc_per_node=1
+                )
             )
-        )
-        said: list[str] = []
-        executor = probes.ProbeExecutor(
-            client=client, node_id="n0", incarnation="inc-1", env=dict(os.environ), say=said.append
-        )
-        action = pb.Action(kind=pb.ACTION_KIND_RUN_PROBE, probe=pb.PROBE_KIND_MATMUL, probe_round=3)
-        thread = executor.start(action)
-        assert thread is not None
-        assert executor.start(action) is None  # one probe at a time
-        executor.join(50)
-        assert not thread.is_alive()
-        report = executor.last_report
-        assert report is not None
-        assert report.probe_round == 3
-        assert [m.ok for m in report.measurements] == [True] * len(report.measurements), said
-        assert all(m.rate > 0 for m in report.measurements)
-        req = urllib.request.Request(
-            f"http://{values['PHALANX_MASTER_HTTP']}/v1/nodes",
-            headers={"Authorization": f"Bearer {token.read_text()}"},
-        )
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            nodes = json.loads(resp.read())["nodes"]
-        matmul = nodes[0]["probes"]["matmul"]
-        assert matmul
-        assert all(m["ok"] and m["rate"] > 0 and m["probe_round"] == 3 for m in matmul)
-    finally:
-        if client is not None:
+            said: list[str] = []
+            executor = probes.ProbeExecutor(
+                client=client, node_id="n0", incarnation="inc-1", env=dict(os.environ), say=said.append
+            )
+            action = pb.Action(kind=pb.ACTION_KIND_RUN_PROBE, probe=pb.PROBE_KIND_MATMUL, probe_round=3)
+            thread = executor.start(action)
+            assert thread is not None
+            assert executor.start(action) is None  # one probe at a time
+            executor.join(50)
+            assert not thread.is_alive()
+            report = executor.last_report
+            assert report is not None
+            assert report.probe_round == 3
+            assert [m.ok for m in report.measurements] == [True] * len(report.measurements), said
+            assert all(m.rate > 0 for m in report.measurements)
+            req = urllib.request.Request(
+                f"http://{master.http}/v1/nodes", headers={"Authorization": f"Bearer {master.token}"}
+            )
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                nodes = json.loads(resp.read())["nodes"]
+            matmul = nodes[0]["probes"]["matmul"]
+            assert matmul
+            assert all(m["ok"] and m["rate"] > 0 and m["probe_round"] == 3 for m in matmul)
+        finally:
             client.close()
-        master.terminate()
-        master.wait(10)
-        master.stdout.close()
 
 
 # An agent's checkpoint-host lifecycle in a process of its own, so a test can SIGKILL it: it starts the

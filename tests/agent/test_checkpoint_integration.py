@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.checkpoint import storage as storage_lib
-from tests.agent.helpers import DDP, phalanx_local
+from tests.agent.helpers import DDP, master_process, phalanx_local
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -109,30 +109,14 @@ def test_restarted_workers_load_from_agent_owned_memory(tmp_path: Path) -> None:
 
 def test_save_at_breakpoint_persists_and_master_learns_it(tmp_path: Path) -> None:
     job = f"flash-bp-{os.getpid()}"
-    token = tmp_path / "token"
-    token.write_text("t0k3n-" + "x" * 20)
-    token.chmod(0o600)
-    master = subprocess.Popen(
-        [
-            sys.executable, "-m", "phalanx", "master", "--job-id", job, "--nodes", "1:1", "--port", "0",
-            "--http-port", "0", "--token-file", str(token), "--state", str(tmp_path / "state.json"),
-            "--max-restarts", "0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )  # fmt: skip
-    try:
-        assert master.stdout is not None
-        values = dict(master.stdout.readline().strip().split("=", 1) for _ in range(2))
+    with master_process(tmp_path, job, "--max-restarts", "0") as master:
         storage = tmp_path / "ckpt"
         log = tmp_path / "steps.jsonl"
         pids = tmp_path / "pids"
         pids.mkdir()
         proc = _agent(
             [
-                "--rdzv-endpoint", values["PHALANX_MASTER_GRPC"], "--rdzv-id", job,
-                "--token-file", str(token),
+                "--rdzv-endpoint", master.grpc, "--rdzv-id", job, "--token-file", str(master.token_file),
                 "--nproc-per-node", "2", "--max-restarts", "0", "--checkpoint-dir", str(storage),
                 str(DDP), "--flash", "--persist-every", "1000", "--steps", "400", "--step-time", "0.03",
                 "--step-log", str(log), "--pid-dir", str(pids),
@@ -153,8 +137,7 @@ def test_save_at_breakpoint_persists_and_master_learns_it(tmp_path: Path) -> Non
         # Step 0 was persisted by the script; everything after came from the save at breakpoint.
         assert max(committed) >= failed_at - 1, (committed, failed_at)
         req = urllib.request.Request(
-            f"http://{values['PHALANX_MASTER_HTTP']}/v1/job",
-            headers={"Authorization": f"Bearer {token.read_text()}"},
+            f"http://{master.http}/v1/job", headers={"Authorization": f"Bearer {master.token}"}
         )
         deadline = time.monotonic() + 10
         while True:
@@ -165,11 +148,6 @@ def test_save_at_breakpoint_persists_and_master_learns_it(tmp_path: Path) -> Non
             time.sleep(0.2)
         assert status["committed_checkpoint_step"] == max(committed), status
         assert not _job_leftovers(job), _job_leftovers(job)
-    finally:
-        master.terminate()
-        master.wait(10)
-        if master.stdout is not None:
-            master.stdout.close()
 
 
 @pytest.mark.timeout(150)
@@ -277,48 +255,32 @@ def test_sigterm_to_every_agent_commits_the_newest_step(tmp_path: Path) -> None:
     only step 0; each agent stops its workers, settles the step with the master and persists it, so the
     newest step every rank held in memory is committed before the Pods' shared memory is gone."""
     job = f"flash-leave-{os.getpid()}"
-    token = tmp_path / "token"
-    token.write_text("t0k3n-" + "x" * 20)
-    token.chmod(0o600)
-    master = subprocess.Popen(
-        [
-            sys.executable, "-m", "phalanx", "master", "--job-id", job, "--nodes", "2:2", "--port", "0",
-            "--http-port", "0", "--token-file", str(token), "--state", str(tmp_path / "state.json"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )  # fmt: skip
     storage, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
     agents: list[subprocess.Popen[str]] = []
-    try:
-        assert master.stdout is not None
-        values = dict(master.stdout.readline().strip().split("=", 1) for _ in range(2))
-        for node in range(2):
-            agents.append(_agent(
-                [
-                    "--rdzv-endpoint", values["PHALANX_MASTER_GRPC"], "--rdzv-id", job,
-                    "--token-file", str(token), "--node-id", f"node-{node}", "--grace-period", "2",
-                    "--nproc-per-node", "1", "--checkpoint-dir", str(storage),
-                    str(DDP), "--flash", "--persist-every", "1000", "--steps", "2000", "--step-time", "0.05",
-                    "--step-log", str(log),
-                ],
-                cwd=tmp_path,
-            ))  # fmt: skip
-        _wait_for(log, step=10, timeout_s=60)
-        sent = time.monotonic()
-        for proc in agents:
-            proc.send_signal(signal.SIGTERM)
-        errs = [proc.communicate(timeout=40)[1] for proc in agents]
-        print(f"\nSIGTERM to both agents: exited {time.monotonic() - sent:.2f}s later")
-        reached = max(json.loads(line)["step"] for line in log.read_text().splitlines())
-    finally:
-        for proc in agents:
-            _end(proc)
-        master.terminate()
-        master.wait(10)
-        if master.stdout is not None:
-            master.stdout.close()
+    with master_process(tmp_path, job, nodes="2:2") as master:
+        try:
+            for node in range(2):
+                agents.append(_agent(
+                    [
+                        "--rdzv-endpoint", master.grpc, "--rdzv-id", job,
+                        "--token-file", str(master.token_file), "--node-id", f"node-{node}",
+                        "--grace-period", "2", "--nproc-per-node", "1",
+                        "--checkpoint-dir", str(storage),
+                        str(DDP), "--flash", "--persist-every", "1000", "--steps", "2000",
+                        "--step-time", "0.05", "--step-log", str(log),
+                    ],
+                    cwd=tmp_path,
+                ))  # fmt: skip
+            _wait_for(log, step=10, timeout_s=60)
+            sent = time.monotonic()
+            for proc in agents:
+                proc.send_signal(signal.SIGTERM)
+            errs = [proc.communicate(timeout=40)[1] for proc in agents]
+            print(f"\nSIGTERM to both agents: exited {time.monotonic() - sent:.2f}s later")
+            reached = max(json.loads(line)["step"] for line in log.read_text().splitlines())
+        finally:
+            for proc in agents:
+                _end(proc)
     for proc, err in zip(agents, errs, strict=True):
         assert proc.returncode == 128 + signal.SIGTERM, err
         assert "save at breakpoint (terminated): persisted step" in err, err

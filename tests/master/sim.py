@@ -111,6 +111,20 @@ class Sim:
         )
         return self.job.report_checkpoint(req, now=self.now)
 
+    def in_memory(self, node: str, *, round: int, held: list[int]) -> pb.ReportCheckpointResponse:
+        """``node`` stopped its workers of ``round`` (a failure, a membership change, SIGTERM); its ranks
+        (0-1 on node "a", 2-3 elsewhere) all hold ``held`` in memory; it would persist the newest."""
+        req = pb.ReportCheckpointRequest(
+            node_id=node,
+            incarnation=self.inc[node],
+            step=max(held),
+            state=pb.CHECKPOINT_STATE_IN_MEMORY,
+            ranks=[0, 1] if node == "a" else [2, 3],
+            round=round,
+            held_steps=held,
+        )
+        return self.job.report_checkpoint(req, now=self.now)
+
     def complete(self, node: str) -> pb.Action:
         req = pb.ReportCompletionRequest(
             node_id=node, incarnation=self.inc[node], round=self.job.round_number

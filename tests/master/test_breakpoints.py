@@ -35,27 +35,13 @@ def test_settle_waits_for_every_reachable_member_and_asks_the_ones_ahead() -> No
     assert bp.settle(reachable=["a", "b"], committed=-1) == []  # asked once
 
 
-def reporting(sim: Sim, node: str, *, round: int, held: list[int]) -> pb.ReportCheckpointResponse:
-    """``node`` stopped its workers of ``round``; its ranks all hold ``held``; it persists its newest."""
-    req = pb.ReportCheckpointRequest(
-        node_id=node,
-        incarnation=sim.inc[node],
-        step=max(held),
-        state=pb.CHECKPOINT_STATE_IN_MEMORY,
-        ranks=[0, 1] if node == "a" else [2, 3],
-        round=round,
-        held_steps=held,
-    )
-    return sim.job.report_checkpoint(req, now=sim.now)
-
-
 def test_a_straddled_step_is_agreed_and_committed() -> None:
     sim = Sim(**TWO)
     r = sim.form("a", "b")
     sim.fail("a")  # a's rank saved step 11, then crashed; b's ranks were copying 11 when they stopped
-    first = reporting(sim, "a", round=r, held=[10, 11])
+    first = sim.in_memory("a", round=r, held=[10, 11])
     assert first.persist_step == -1  # b has not reported: a persists its own newest, 11
-    last = reporting(sim, "b", round=r, held=[9, 10])
+    last = sim.in_memory("b", round=r, held=[9, 10])
     assert last.persist_step == 10
     asked = [x for x in sim.hb("a") if x.kind == pb.ACTION_KIND_PERSIST_CHECKPOINT]
     assert [x.step for x in asked] == [10]
@@ -73,8 +59,8 @@ def test_nodes_that_agree_are_not_asked_again() -> None:
     sim = Sim(**TWO)
     r = sim.form("a", "b")
     sim.fail("a")
-    assert reporting(sim, "a", round=r, held=[10, 11]).persist_step == -1
-    assert reporting(sim, "b", round=r, held=[10, 11]).persist_step == 11
+    assert sim.in_memory("a", round=r, held=[10, 11]).persist_step == -1
+    assert sim.in_memory("b", round=r, held=[10, 11]).persist_step == 11
     assert "PERSIST_CHECKPOINT" not in kinds(sim.hb("a"))
 
 
@@ -82,8 +68,8 @@ def test_a_member_that_went_away_is_not_waited_for() -> None:
     sim = Sim(**THREE)
     r = sim.form("a", "b", "c")
     sim.fail("a")
-    assert reporting(sim, "a", round=r, held=[10, 11]).persist_step == -1
-    assert reporting(sim, "b", round=r, held=[9, 10]).persist_step == -1  # c still may report
+    assert sim.in_memory("a", round=r, held=[10, 11]).persist_step == -1
+    assert sim.in_memory("b", round=r, held=[9, 10]).persist_step == -1  # c still may report
     sim.disconnect("c")
     sim.at(sim.now + 1.5)  # c is absent after one heartbeat interval: settled without it
     assert [x.step for x in sim.hb("a") if x.kind == pb.ACTION_KIND_PERSIST_CHECKPOINT] == [10]
@@ -93,14 +79,14 @@ def test_reports_of_other_rounds_get_no_step() -> None:
     sim = Sim(**TWO)
     r = sim.form("a", "b")
     sim.fail("a")
-    assert reporting(sim, "a", round=r + 5, held=[10, 11]).persist_step == -1  # not the running round
+    assert sim.in_memory("a", round=r + 5, held=[10, 11]).persist_step == -1  # not the running round
     assert sim.job.breakpoint is None
-    assert reporting(sim, "a", round=r, held=[10, 11]).persist_step == -1
-    assert reporting(sim, "b", round=0, held=[9, 10]).persist_step == -1  # round 0: not a breakpoint
-    assert reporting(sim, "b", round=r, held=[9, 10]).persist_step == 10
+    assert sim.in_memory("a", round=r, held=[10, 11]).persist_step == -1
+    assert sim.in_memory("b", round=0, held=[9, 10]).persist_step == -1  # round 0: not a breakpoint
+    assert sim.in_memory("b", round=r, held=[9, 10]).persist_step == 10
     # Reporting again after the agreement gets the agreed step when the node holds it.
-    assert reporting(sim, "b", round=r, held=[9, 10]).persist_step == 10
-    assert reporting(sim, "b", round=r, held=[11]).persist_step == -1
+    assert sim.in_memory("b", round=r, held=[9, 10]).persist_step == 10
+    assert sim.in_memory("b", round=r, held=[11]).persist_step == -1
 
 
 def test_no_step_newer_than_the_committed_one_asks_nothing() -> None:
@@ -109,8 +95,8 @@ def test_no_step_newer_than_the_committed_one_asks_nothing() -> None:
     sim.persisted("a", step=10, ranks=[0, 1])
     sim.persisted("b", step=10, ranks=[2, 3])
     sim.fail("a")
-    assert reporting(sim, "a", round=r, held=[10, 11]).persist_step == -1
-    assert reporting(sim, "b", round=r, held=[9, 10]).persist_step == -1
+    assert sim.in_memory("a", round=r, held=[10, 11]).persist_step == -1
+    assert sim.in_memory("b", round=r, held=[9, 10]).persist_step == -1
     assert "PERSIST_CHECKPOINT" not in kinds(sim.hb("a"))
 
 
@@ -120,7 +106,7 @@ def test_an_unsettled_breakpoint_is_dropped_when_the_next_round_forms() -> None:
     sim = Sim(**THREE)
     r = sim.form("a", "b", "c")
     sim.fail("a")
-    assert reporting(sim, "a", round=r, held=[10, 11]).persist_step == -1
+    assert sim.in_memory("a", round=r, held=[10, 11]).persist_step == -1
     c = pb.ReportCheckpointRequest(
         node_id="c",
         incarnation=sim.inc["c"],

@@ -16,20 +16,6 @@ TWO = {
 }
 
 
-def leaving(sim: Sim, node: str, *, round: int, held: list[int]) -> pb.ReportCheckpointResponse:
-    """``node``'s agent got SIGTERM: it stopped its workers and reports what they hold in memory."""
-    req = pb.ReportCheckpointRequest(
-        node_id=node,
-        incarnation=sim.inc[node],
-        step=max(held),
-        state=pb.CHECKPOINT_STATE_IN_MEMORY,
-        ranks=[0, 1] if node == "a" else [2, 3],
-        round=round,
-        held_steps=held,
-    )
-    return sim.job.report_checkpoint(req, now=sim.now)
-
-
 def suspended_job() -> tuple[Sim, int]:
     sim = Sim(**TWO)
     r = sim.form("a", "b")
@@ -120,15 +106,15 @@ def test_a_probe_eviction_while_suspended_only_forgets_the_node() -> None:
 
 def test_leaving_nodes_agree_on_one_step_to_persist() -> None:
     sim, r = suspended_job()
-    assert leaving(sim, "a", round=r, held=[10, 11]).persist_step == -1  # b has not reported yet
-    assert leaving(sim, "b", round=r, held=[9, 10]).persist_step == 10
+    assert sim.in_memory("a", round=r, held=[10, 11]).persist_step == -1  # b has not reported yet
+    assert sim.in_memory("b", round=r, held=[9, 10]).persist_step == 10
     asked = [x for x in sim.hb("a") if x.kind == pb.ACTION_KIND_PERSIST_CHECKPOINT]
     assert [(x.step, x.round) for x in asked] == [(10, r)]
 
 
 def test_a_node_that_left_is_not_waited_for_by_the_others_persisting() -> None:
     sim, r = suspended_job()
-    assert leaving(sim, "a", round=r, held=[7, 8]).persist_step == -1
+    assert sim.in_memory("a", round=r, held=[7, 8]).persist_step == -1
     sim.hb("a")
     sim.at(sim.now + 2.0)
     sim.hb("a")
