@@ -19,7 +19,7 @@ import torch
 
 from phalanx.agent import checkpointing, probes
 from phalanx.agent import config as agent_config
-from phalanx.agent.client import MasterClient
+from phalanx.agent.client import MasterClient, RetiredError
 from phalanx.api.errors import ConfigError
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.checkpoint import protocol, shm
@@ -172,6 +172,18 @@ def test_host_lifecycle_persists_agreed_step_and_unlinks(tmp_path: Path) -> None
             0: {6, 7},
             1: {7, 8},
         }
+
+        # An evicted node (SIGTERMed with its Pod, say) is refused by the master: it persists nothing, so
+        # what a bad GPU holds never becomes part of a committed step.
+        def retired(req: pb.ReportCheckpointRequest) -> pb.ReportCheckpointResponse:
+            raise RetiredError("node/0 is evicted: it leaves the job's state to the survivors")
+
+        breakpoints = checkpointing.Breakpoints(
+            host, report=retired, node_id="node/0", incarnation="i", say=said.append
+        )
+        breakpoints.save("terminated", round_no=3, ranks=[4, 5])
+        assert not storage.exists() or not list(storage.rglob("*.safetensors")), sorted(storage.rglob("*"))
+        assert any("save at breakpoint (terminated) skipped" in line for line in said), said
         # The node's workers are global ranks 4 and 5, but the slots are named 0 and 1 (as the trainer
         # names them, by model shard): the snapshots on the node are persisted all the same.
         result = host.save_at_breakpoint("test", ranks=[4, 5])

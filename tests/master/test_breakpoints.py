@@ -126,3 +126,18 @@ def test_an_unsettled_breakpoint_is_dropped_when_the_next_round_forms() -> None:
     sim.at(sim.now + 1.5)
     assert "PERSIST_CHECKPOINT" not in kinds(sim.hb("a"))
     assert not sim.job.events.of_kind("checkpoint_breakpoint")
+
+
+def test_an_evicted_node_may_not_take_part_in_a_breakpoint() -> None:
+    import pytest
+
+    from phalanx.master.errors import RequestError
+
+    sim = Sim(**TWO)
+    r = sim.form("a", "b")
+    sim.fail("a", cls=pb.FAILURE_CLASS_HARDWARE, msg="ECC error")  # evicted: its memory is suspect
+    assert sim.job.nodes["a"].status == "evicted"
+    with pytest.raises(RequestError) as refused:
+        sim.in_memory("a", round=r, held=[10, 11])
+    assert refused.value.code == "failed_precondition"
+    assert "survivors" in str(refused.value)

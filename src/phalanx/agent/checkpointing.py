@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from phalanx.agent.client import RetiredError
 from phalanx.api.errors import CheckpointError, TransportError
 from phalanx.api.settings import CheckpointSettings
 from phalanx.api.v1 import master_pb2 as pb
@@ -303,6 +304,8 @@ class Breakpoints:
             )
             try:
                 answer = self._report(req)
+            except RetiredError:
+                raise  # not a failure to reach the master: this node's snapshots must not be persisted
             except TransportError as exc:
                 self._say(f"could not tell the master which steps this node holds ({exc}); persisting {step}")
                 return None
@@ -311,7 +314,10 @@ class Breakpoints:
                 return None
             return answer.persist_step
 
-        self._host.save_at_breakpoint(reason, ranks=ranks, agree=agree if round_no else None)
+        try:
+            self._host.save_at_breakpoint(reason, ranks=ranks, agree=agree if round_no else None)
+        except RetiredError as exc:
+            self._say(f"save at breakpoint ({reason}) skipped: {exc}")
 
     def persist_asked(self, action: pb.Action, *, current_ranks: list[int]) -> None:
         """PERSIST_CHECKPOINT, in the background (monitoring and the rendezvous go on). The host pins the

@@ -18,7 +18,7 @@ R = TypeVar("R")
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 # The master answers this when it does not know the node at all (e.g. it lost its state): register again.
-# FAILED_PRECONDITION (evicted, replaced) is final and surfaces as a TransportError.
+# FAILED_PRECONDITION (evicted, replaced) is final and surfaces as a RetiredError.
 _UNKNOWN_NODE = {grpc.StatusCode.NOT_FOUND}
 MAX_STRETCH = 4.0  # default deadlines of 5 s grow to at most 20 s: round trips of up to ~15 s
 
@@ -34,6 +34,10 @@ class MasterUnavailableError(TransportError):
 
 class UnknownNodeError(TransportError):
     """The master does not know this incarnation; the agent must register again."""
+
+
+class RetiredError(TransportError):
+    """The master no longer lets this node take part (evicted, or replaced by a newer incarnation)."""
 
 
 def backoff_s(
@@ -86,6 +90,8 @@ class MasterClient:
                 raise MasterUnavailableError(f"master unavailable ({code}): {detail}", late=late) from exc
             if code in _UNKNOWN_NODE:
                 raise UnknownNodeError(f"master does not know this node ({code}): {detail}") from exc
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise RetiredError(f"the master retired this node: {detail}") from exc
             raise TransportError(f"master call failed ({code}): {detail}") from exc
         if timeout is None and time.monotonic() - started < deadline / 4:
             self.stretch = max(1.0, self.stretch / 2)  # the network recovered

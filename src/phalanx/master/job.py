@@ -390,6 +390,13 @@ class Job(ProbeCore):
                 extra={"node": req.node_id, "round": self.round_number},
             )
         elif req.state == pb.CHECKPOINT_STATE_IN_MEMORY:
+            if node.status != ALIVE or req.incarnation != node.incarnation:
+                # An evicted node (a bad GPU, a hang) leaves the job's state to the survivors: what it holds
+                # must not become part of a committed step.
+                raise RequestError(
+                    f"{req.node_id} is {node.status}: it leaves the job's state to the survivors",
+                    code="failed_precondition",
+                )
             node.memory_checkpoint_step = max(node.memory_checkpoint_step, req.step)
             self._changed()
             if req.round > 0:
