@@ -1,6 +1,7 @@
 """The ElasticJob scenarios a user of any cluster relies on, through kubectl alone: the example trains to
-success, a worker Pod deleted mid-run is replaced and the job still succeeds, an invalid spec is refused at
-admission with a message that says what to fix."""
+success, a worker Pod deleted mid-run is replaced and the job still succeeds, a suspended job frees its
+worker Pods and resumes to success, an invalid spec is refused at admission with a message that says what to
+fix."""
 
 from __future__ import annotations
 
@@ -106,3 +107,33 @@ def test_an_invalid_spec_is_refused_with_what_to_fix(phalanx: Target, ns: str) -
     out = phalanx.kube("apply", "-n", ns, "-f", "-", input_text=bad, check=False)
     assert "nodes.min must not be greater than nodes.max" in out, out
     assert "bad" not in phalanx.kube("get", "ej", "-n", ns, "-o", "name"), "nothing was created"
+
+
+def test_a_suspended_job_frees_its_workers_and_resumes_to_success(phalanx: Target, ns: str) -> None:
+    _apply_example(phalanx, ns, steps=150, step_s=0.2)
+    phalanx.kube.wait_for(
+        "training progress",
+        lambda: _status(phalanx, ns).get("step", -1) >= 3 and len(_workers(phalanx, ns)) == 2,
+        timeout=240,
+        namespace=ns,
+    )
+    master = phalanx.kube.get("pods", "-n", ns, "-l", "phalanx.dev/role=master")["items"][0]
+    phalanx.kube("patch", "ej", "tiny", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    phalanx.kube.wait_for(
+        "job Suspended with no worker Pod",
+        lambda: (
+            _status(phalanx, ns).get("phase") == "Suspended"
+            and not phalanx.kube.get("pods", "-n", ns, "-l", "phalanx.dev/role=worker")["items"]
+        ),
+        timeout=120,
+        namespace=ns,
+    )
+    masters = phalanx.kube.get("pods", "-n", ns, "-l", "phalanx.dev/role=master")["items"]
+    assert [p["metadata"]["uid"] for p in masters] == [master["metadata"]["uid"]], "the master Pod stays"
+    phalanx.kube("patch", "ej", "tiny", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    status = _succeeded(phalanx, ns, timeout=300)
+    assert status.get("replacements", 0) == 0, status
+    assert status.get("evictions", []) == [], status
+    events = phalanx.kube.get("events", "-n", ns, "--field-selector", "involvedObject.kind=ElasticJob")
+    reasons = {e["reason"] for e in events["items"]}
+    assert {"Suspending", "Suspended", "Resumed", "Succeeded"} <= reasons, reasons
