@@ -61,6 +61,16 @@ def _workers(t: Target, ns: str) -> list[dict[str, Any]]:
     ]
 
 
+def _training(t: Target, ns: str) -> None:
+    """Waits until both workers run and the job has stepped a few times."""
+    t.kube.wait_for(
+        "training progress",
+        lambda: _status(t, ns).get("step", -1) >= 3 and len(_workers(t, ns)) == 2,
+        timeout=240,
+        namespace=ns,
+    )
+
+
 def test_the_example_trains_to_success(phalanx: Target, ns: str) -> None:
     _apply_example(phalanx, ns, steps=20, step_s=0.1)
     status = _succeeded(phalanx, ns, timeout=240)
@@ -75,12 +85,7 @@ def test_the_example_trains_to_success(phalanx: Target, ns: str) -> None:
 
 def test_a_deleted_worker_pod_is_replaced_and_the_job_succeeds(phalanx: Target, ns: str) -> None:
     _apply_example(phalanx, ns, steps=80, step_s=0.2)
-    phalanx.kube.wait_for(
-        "training progress",
-        lambda: _status(phalanx, ns).get("step", -1) >= 3 and len(_workers(phalanx, ns)) == 2,
-        timeout=240,
-        namespace=ns,
-    )
+    _training(phalanx, ns)
     victim = sorted(_workers(phalanx, ns), key=lambda p: p["metadata"]["name"])[0]
     # The node is gone at once, as when its machine dies: no grace period for the agent.
     phalanx.kube("delete", "pod", victim["metadata"]["name"], "-n", ns, "--grace-period=0", "--force")
@@ -111,12 +116,7 @@ def test_an_invalid_spec_is_refused_with_what_to_fix(phalanx: Target, ns: str) -
 
 def test_a_suspended_job_frees_its_workers_and_resumes_to_success(phalanx: Target, ns: str) -> None:
     _apply_example(phalanx, ns, steps=150, step_s=0.2)
-    phalanx.kube.wait_for(
-        "training progress",
-        lambda: _status(phalanx, ns).get("step", -1) >= 3 and len(_workers(phalanx, ns)) == 2,
-        timeout=240,
-        namespace=ns,
-    )
+    _training(phalanx, ns)
     master = phalanx.kube.get("pods", "-n", ns, "-l", "phalanx.dev/role=master")["items"][0]
     phalanx.kube("patch", "ej", "tiny", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
     phalanx.kube.wait_for(
