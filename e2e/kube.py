@@ -60,6 +60,8 @@ class Helm:
     def __call__(self, *args: str) -> str:
         env = {
             "PATH": os.environ.get("PATH", ""),
+            # client-go caches API discovery under $HOME/.kube: without a HOME, under the working directory.
+            "HOME": str(self.home),
             "HELM_CACHE_HOME": str(self.home / "cache"),
             "HELM_CONFIG_HOME": str(self.home / "config"),
             "HELM_DATA_HOME": str(self.home / "data"),

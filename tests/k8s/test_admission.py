@@ -84,6 +84,16 @@ INVALID = [
     ("bad-deadline", _with("spec.activeDeadline", "a day"), "must be a duration such as 500ms"),
     ("zero-deadline", _with("spec.activeDeadline", "0s"), "must be greater than 0; leave it out"),
     ("bad-ttl", _with("spec.ttlAfterFinished", "forever"), "must be a duration such as 500ms"),
+    (
+        "gang-above-max",
+        _with("spec.gangScheduling", {"enabled": True, "minNodes": 5}),
+        "gangScheduling.minNodes must not be greater than nodes.max",
+    ),
+    (
+        "gang-zero",
+        _with("spec.gangScheduling", {"enabled": True, "minNodes": 0}),
+        "should be greater than or equal to 1",
+    ),
 ]
 
 
@@ -116,9 +126,14 @@ def test_valid_job_gets_defaults_and_immutable_fields(control_plane: ControlPlan
         assert spec["healthChecks"] == {
             "enabled": False, "probes": ["matmul", "allgather"], "interval": "0s", "timeout": "2m",
         }  # fmt: skip
+        assert spec["gangScheduling"] == {"enabled": False}
         changed = copy.deepcopy(got)
         changed["spec"]["nprocPerNode"] = 4
         out = control_plane.kubectl("replace", "-f", "-", input_text=json.dumps(changed), check=False)
         assert "nprocPerNode cannot be changed on a running job" in out
+        changed = copy.deepcopy(got)
+        changed["spec"]["gangScheduling"] = {"enabled": True}
+        out = control_plane.kubectl("replace", "-f", "-", input_text=json.dumps(changed), check=False)
+        assert "gangScheduling.enabled cannot be changed on a running job" in out
     finally:
         control_plane.kubectl("delete", "ej", "defaults", "--wait=false")

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from k8s_harness.cluster import METRICS_TOKEN, Cluster
+from k8s_harness.controlplane import ControlPlane
+from kubernetes import config as k8s_config
+
+from phalanx.api.settings import OperatorSettings
+from phalanx.operator import executor as executor_module
+from phalanx.operator.executor import Executor
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 
@@ -486,3 +493,99 @@ def test_suspended_job_frees_its_workers_and_resumes_from_the_step_they_persiste
     names = {p["metadata"]["name"] for p in _pods(cluster, ns)}
     assert names <= {"pausable-worker-0-1", "pausable-worker-1-1"}, names
     cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _condition(cluster: Cluster, namespace: str, kind: str, name: str = "tiny") -> dict[str, Any]:
+    conditions = _job(cluster, namespace, name).get("status", {}).get("conditions", [])
+    return next((c for c in conditions if c["type"] == kind), {})
+
+
+@pytest.mark.timeout(300)
+def test_a_gang_is_placed_all_at_once_or_not_at_all(cluster: Cluster) -> None:
+    """spec.gangScheduling through the real kube-scheduler's GangScheduling plugin: 3 worker Pods of 30 CPUs
+    each, with a 40-CPU Pod on one of the two 64-CPU process nodes, do not all fit. Without a gang two would
+    be bound and sit idle; with one, none is bound and the job says why. Once the blocker is gone the three
+    are placed together and the job succeeds."""
+    ns = "gang"
+    cluster.cp.kubectl("create", "namespace", ns)
+    blocker = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "blocker", "namespace": ns},
+        "spec": {
+            "nodeName": "node-a",
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "x",
+                    "command": ["sleep", "600"],
+                    "resources": {"requests": {"cpu": 40}},
+                },
+            ],
+        },
+    }
+    cluster.cp.kubectl("apply", "-f", "-", input_text=json.dumps(blocker))
+    docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
+    for doc in docs:
+        if doc["kind"] == "ElasticJob":
+            doc["spec"].update(nodes={"min": 3, "max": 3}, nprocPerNode=1, gangScheduling={"enabled": True})
+            container = doc["spec"]["template"]["spec"]["containers"][0]
+            container["resources"] = {"requests": {"cpu": "30"}}
+            container["env"] = [
+                {"name": "TINY_STEPS", "value": "20"},
+                {"name": "TINY_STEP_S", "value": "0.1"},
+            ]
+    cluster.cp.kubectl("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump_all(docs))
+
+    unschedulable = cluster.wait_for(
+        "the gang judged unschedulable",
+        lambda: (
+            _condition(cluster, ns, "GangScheduled").get("status") == "False"
+            and _condition(cluster, ns, "GangScheduled")
+        ),
+        timeout=90,
+    )
+    assert unschedulable["reason"] == "Unschedulable"
+    message = unschedulable["message"]
+    assert message.startswith("the scheduler cannot place 3 worker Pods at once"), message
+    workers = _pods(cluster, ns)
+    assert len(workers) == 3
+    assert [w["spec"].get("nodeName") for w in workers] == [None] * 3, "no worker of a gang that does not fit"
+    assert all(w["spec"]["schedulingGroup"] == {"podGroupName": "tiny-workers"} for w in workers)
+    group = cluster.get_json("podgroup", "tiny-workers", "-n", ns)
+    assert group["spec"]["schedulingPolicy"] == {"gang": {"minCount": 3}}
+    (master,) = _pods(cluster, ns, "master")
+    assert master["status"]["phase"] == "Running", "the master is no member of the gang"
+    assert "GangUnschedulable" in _events(cluster, ns)
+
+    freed = time.monotonic()
+    cluster.cp.kubectl("delete", "pod", "blocker", "-n", ns)
+    cluster.wait_for(
+        "all three placed", lambda: all(w["spec"].get("nodeName") for w in _pods(cluster, ns)), timeout=90
+    )
+    placed_s = time.monotonic() - freed
+    cluster.wait_for(
+        "job Succeeded",
+        lambda: _phase(cluster, ns) == "Succeeded" or _unless_failed(cluster, ns, "tiny"),
+        timeout=150,
+    )
+    print(f"\ngang: blocker deleted -> all 3 workers bound in {placed_s:.1f}s")
+    assert _condition(cluster, ns, "GangScheduled")["status"] == "True"
+    assert "GangScheduled" in _events(cluster, ns)
+    status = _job(cluster, ns)["status"]
+    assert status.get("replacements", 0) == 0
+    assert status["worldSize"] == 3
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_the_operator_discovers_whether_the_cluster_serves_pod_groups(
+    control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """API discovery against the real kube-apiserver: this one serves scheduling.k8s.io/v1beta1 PodGroups
+    (GenericWorkload on); an API version it does not serve reads as absent, which fails a gang job with
+    GangSchedulingUnavailable instead of placing its Pods one by one."""
+    api = k8s_config.new_client_from_config(str(control_plane.kubeconfig))
+    assert Executor(api=api, settings=OperatorSettings())._serves_pod_groups()
+    monkeypatch.setattr(executor_module, "POD_GROUP_VERSION", "v1alpha9")
+    assert not Executor(api=api, settings=OperatorSettings())._serves_pod_groups()

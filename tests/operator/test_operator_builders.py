@@ -231,3 +231,23 @@ def test_training_entry_needs_a_command() -> None:
 def test_worker_names_round_trip() -> None:
     assert names.parse_worker(names.worker("my-job", slot=12, incarnation=3)) == (12, 3)
     assert names.parse_worker("my-job-master") is None
+
+
+def test_gang_scheduling_puts_every_worker_pod_in_one_pod_group() -> None:
+    j = job(gangScheduling={"enabled": True})
+    j["spec"]["template"]["spec"]["priorityClassName"] = "training"
+    spec = parse_spec(j["spec"])
+    group = builders.pod_group(j, spec)
+    assert group["apiVersion"] == "scheduling.k8s.io/v1beta1"
+    assert group["kind"] == "PodGroup"
+    assert group["metadata"]["name"] == names.pod_group("j") == "j-workers"
+    assert group["metadata"]["ownerReferences"][0]["uid"] == "u-1", "garbage-collected with the job"
+    assert group["spec"]["schedulingPolicy"] == {"gang": {"minCount": 2}}, "nodes.min by default"
+    assert group["spec"]["priorityClassName"] == "training", "the group has its Pods' priority"
+    for slot in range(3):
+        pod = builders.worker_pod(j, spec, slot=slot, incarnation=0, settings=SETTINGS)
+        assert pod["spec"]["schedulingGroup"] == {"podGroupName": "j-workers"}
+    assert "schedulingGroup" not in builders.master_pod(j, spec, settings=SETTINGS)["spec"]
+    plain = job()
+    pod = builders.worker_pod(plain, parse_spec(plain["spec"]), slot=0, incarnation=0, settings=SETTINGS)
+    assert "schedulingGroup" not in pod["spec"]

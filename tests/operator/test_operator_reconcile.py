@@ -17,6 +17,7 @@ from phalanx.operator.reconcile import (
     DeletePod,
     Event,
     Observed,
+    PatchPodGroup,
     PatchStatus,
     PodView,
     reconcile,
@@ -47,13 +48,19 @@ class FakeCluster:
     cordoned: list[str] = field(default_factory=list)
     deletes: list[DeletePod] = field(default_factory=list)
     deleted_job: list[DeleteJob] = field(default_factory=list)
+    pod_group: dict[str, Any] | None = None
+    pod_group_api: bool = True
     graceful: bool = False
     """Pods deleted with a grace period stay, terminating, until :meth:`gone` (as their agents persist)."""
     now: float = 1000.0
 
     def step(self) -> list[Action]:
         observed = Observed(
-            job=copy.deepcopy(self.job), pods=list(self.pods.values()), existing=frozenset(self.objects)
+            job=copy.deepcopy(self.job),
+            pods=list(self.pods.values()),
+            existing=frozenset(self.objects),
+            pod_group=copy.deepcopy(self.pod_group),
+            pod_group_api=self.pod_group_api,
         )
         actions = reconcile(observed, now=self.now, settings=SETTINGS, new_token="tok")
         for a in actions:
@@ -64,6 +71,9 @@ class FakeCluster:
                     role = a.obj["metadata"]["labels"]["phalanx.dev/role"]
                     nodes = a.obj["metadata"].get("annotations", {}).get("phalanx.dev/nodes", "")
                     self.pods[name] = PodView(name=name, role=role, phase="Pending", nodes=nodes)
+                elif kind == "PodGroup":
+                    assert self.pod_group is None, "a second PodGroup"
+                    self.pod_group = copy.deepcopy(a.obj)
                 else:
                     self.objects.add((kind, name))
             elif isinstance(a, DeletePod):
@@ -75,6 +85,10 @@ class FakeCluster:
                     self.pods.pop(a.name, None)
             elif isinstance(a, PatchStatus):
                 self.job["status"].update(a.status)
+            elif isinstance(a, PatchPodGroup):
+                assert self.pod_group is not None
+                assert a.name == self.pod_group["metadata"]["name"]
+                self.pod_group["spec"]["schedulingPolicy"]["gang"]["minCount"] = a.min_count
             elif isinstance(a, Event):
                 self.events.append(a)
             elif isinstance(a, CordonNode):
@@ -789,3 +803,112 @@ def test_an_unreadable_ttl_keeps_the_job() -> None:
     c.now += 86400
     c.step()
     assert not c.deleted_job
+
+
+def _scheduler_says(c: FakeCluster, placed: bool, message: str = "") -> None:
+    """The Kubernetes scheduler's verdict on the job's PodGroup."""
+    assert c.pod_group is not None
+    verdict = {
+        "type": "PodGroupInitiallyScheduled",
+        "status": "True" if placed else "False",
+        "reason": "Scheduled" if placed else "Unschedulable",
+        "message": message,
+    }
+    c.pod_group["status"] = {"conditions": [verdict]}
+
+
+def test_gang_scheduling_creates_the_pod_group_before_the_worker_pods() -> None:
+    c = FakeCluster(job_obj(gangScheduling={"enabled": True}))
+    actions = c.step()
+    creates = [a.obj for a in actions if isinstance(a, Create)]
+    kinds = [(o["kind"], o["metadata"]["labels"].get("phalanx.dev/role")) for o in creates]
+    first_worker = kinds.index(("Pod", "worker"))
+    assert kinds.index(("PodGroup", "worker")) < first_worker
+    workers = [o for o in creates if o["kind"] == "Pod" and "-worker-" in o["metadata"]["name"]]
+    assert len(workers) == 2
+    assert all(w["spec"]["schedulingGroup"] == {"podGroupName": "j-workers"} for w in workers)
+    assert c.pod_group is not None
+    assert c.pod_group["spec"]["schedulingPolicy"]["gang"]["minCount"] == 2
+    c.step()
+    c.step()
+    assert not [a for a in c.step() if isinstance(a, Create)], "one PodGroup, created once"
+
+
+def test_a_job_without_gang_scheduling_has_no_pod_group() -> None:
+    c = FakeCluster(job_obj())
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, Create) and a.obj["kind"] == "PodGroup"]
+    assert all("schedulingGroup" not in a.obj["spec"] for a in actions if isinstance(a, Create)
+               and a.obj["kind"] == "Pod")  # fmt: skip
+
+
+def test_the_schedulers_verdict_on_the_gang_becomes_a_condition_and_one_event_per_change() -> None:
+    c = FakeCluster(job_obj(gangScheduling={"enabled": True}))
+    c.step()
+    c.step()
+    assert "GangScheduled" not in [x["type"] for x in c.job["status"]["conditions"]], "not looked at yet"
+    _scheduler_says(c, False, "minCount (2) cannot be satisfied: 1 scheduled, 0 remaining")
+    c.step()
+    cond = c.condition("GangScheduled")
+    assert cond["status"] == "False"
+    assert cond["reason"] == "Unschedulable"
+    assert cond["message"] == (
+        "the scheduler cannot place 2 worker Pods at once: minCount (2) cannot be satisfied: 1 scheduled, "
+        "0 remaining"
+    )
+    assert c.reasons().count("GangUnschedulable") == 1
+    c.step()
+    c.step()
+    assert c.reasons().count("GangUnschedulable") == 1, "one Event per change, not per pass"
+    _scheduler_says(c, True)
+    c.run_all()
+    c.master_says()
+    c.step()
+    assert c.condition("GangScheduled")["status"] == "True"
+    assert c.reasons().count("GangScheduled") == 1
+    assert c.job["status"]["phase"] == "Running"
+
+
+def test_the_gangs_minimum_follows_nodes_min_unless_the_spec_fixes_it() -> None:
+    c = FakeCluster(job_obj(nodes={"min": 2, "max": 4}, gangScheduling={"enabled": True}))
+    c.step()
+    assert c.pod_group is not None
+    c.job["spec"]["nodes"] = {"min": 3, "max": 4}
+    patches = [a for a in c.step() if isinstance(a, PatchPodGroup)]
+    assert patches == [PatchPodGroup("j-workers", 3)]
+    assert c.pod_group["spec"]["schedulingPolicy"]["gang"]["minCount"] == 3
+    assert not [a for a in c.step() if isinstance(a, PatchPodGroup)], "patched once"
+    c.job["spec"]["gangScheduling"] = {"enabled": True, "minNodes": 4}
+    assert [a for a in c.step() if isinstance(a, PatchPodGroup)] == [PatchPodGroup("j-workers", 4)]
+
+
+def test_gang_scheduling_on_a_cluster_without_the_pod_group_api_fails_the_job_at_once() -> None:
+    c = FakeCluster(job_obj(gangScheduling={"enabled": True}), pod_group_api=False)
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, Create)], "no Pod is placed one by one unannounced"
+    assert c.job["status"]["phase"] == "Failed"
+    failed = c.condition("Failed")
+    assert failed["reason"] == "GangSchedulingUnavailable"
+    assert "GenericWorkload feature gate" in failed["message"]
+    assert "without spec.gangScheduling" in failed["message"]
+
+
+def test_a_suspended_job_stays_suspended_while_the_master_catches_up_with_a_spec_edit() -> None:
+    c = started()
+    c.suspend(True)
+    c.step()
+    c.master_says(phase="Suspended")
+    c.step()
+    c.step()
+    assert c.job["status"]["phase"] == "Suspended"
+    since = c.condition("Suspended")["lastTransitionTime"]
+    c.job["spec"]["activeDeadline"] = "2h"  # any edit: a new generation the master has not read yet
+    c.job["metadata"]["generation"] += 1
+    c.now += 60
+    c.step()
+    suspended = c.condition("Suspended")
+    assert (suspended["status"], suspended["reason"]) == ("True", "JobSuspended")
+    assert suspended["lastTransitionTime"] == since, "no flap to Suspending and back"
+    assert c.job["status"]["phase"] == "Suspended"
+    assert c.reasons().count("Suspended") == 1
+    assert c.reasons().count("Suspending") == 1

@@ -129,3 +129,28 @@ def test_what_admission_takes_parse_spec_takes_too(text: str, seconds: float) ->
 def test_compound_durations_work_for_every_spec_duration() -> None:
     parsed = parse_spec(spec(heartbeat={"interval": "1s", "timeout": "1m30s"}))
     assert parsed.heartbeat.timeout_s == 90.0
+
+
+def test_gang_scheduling_is_off_by_default_and_its_minimum_follows_nodes_min() -> None:
+    assert parse_spec(spec()).gang_min_nodes is None
+    assert parse_spec(spec(gangScheduling={"enabled": False, "minNodes": 3})).gang_min_nodes is None
+    assert parse_spec(spec(gangScheduling={"enabled": True})).gang_min_nodes == 2
+    assert parse_spec(spec(gangScheduling={"enabled": True, "minNodes": 3})).gang_min_nodes == 3
+
+
+@pytest.mark.parametrize(
+    ("gang", "message"),
+    [
+        ({"enabled": "yes"}, r"spec\.gangScheduling\.enabled: expected true or false, got 'yes'"),
+        (
+            {"enabled": True, "minNodes": 4},
+            r"spec\.gangScheduling\.minNodes: must be a whole number from 1 "
+            r"to nodes\.max \(3\), got 4",
+        ),
+        ({"enabled": True, "minNodes": 0}, r"spec\.gangScheduling\.minNodes: .* got 0"),
+        ({"enabled": True, "minNodes": True}, r"spec\.gangScheduling\.minNodes: .* got True"),
+    ],
+)
+def test_invalid_gang_scheduling_names_the_field(gang: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_spec(spec(gangScheduling=gang))

@@ -28,6 +28,8 @@ TOKEN_DIR = "/var/run/phalanx/token"  # noqa: S105 -- a mount path, not a secret
 TOKEN_FILE = f"{TOKEN_DIR}/token"
 METRICS_TOKEN_KEY = "metrics-token"  # noqa: S105 -- a key name, not a secret
 STATE_KEY = "state.json"
+POD_GROUP_GROUP, POD_GROUP_VERSION, POD_GROUP_PLURAL = "scheduling.k8s.io", "v1beta1", "podgroups"
+POD_GROUP_API_VERSION = f"{POD_GROUP_GROUP}/{POD_GROUP_VERSION}"
 
 Obj = dict[str, Any]
 
@@ -348,6 +350,8 @@ def worker_pod(
     pod_spec.setdefault("terminationGracePeriodSeconds", int(r.grace_period_s) + 30)
     if excluded_machines:
         _keep_off(pod_spec, sorted(set(excluded_machines)))
+    if spec.gang_min_nodes is not None:
+        pod_spec["schedulingGroup"] = {"podGroupName": names.pod_group(job_name)}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -359,6 +363,23 @@ def worker_pod(
             "ownerReferences": [owner_reference(job)],
         },
         "spec": pod_spec,
+    }
+
+
+def pod_group(job: Mapping[str, Any], spec: JobSpec) -> Obj:
+    """The PodGroup that gang-schedules the worker Pods (``spec.gangScheduling``): the scheduler binds none
+    of them until ``minCount`` fit at once. Once placed, a group takes its members' replacements one by one
+    (the scheduled ones count towards minCount). The master Pod is not a member: it holds no accelerator,
+    and it must run for the job to report why it waits."""
+    assert spec.gang_min_nodes is not None
+    group_spec: Obj = {"schedulingPolicy": {"gang": {"minCount": spec.gang_min_nodes}}}
+    if priority := (spec.template.get("spec") or {}).get("priorityClassName"):
+        group_spec["priorityClassName"] = priority  # the group preempts and is preempted as its Pods are
+    return {
+        "apiVersion": POD_GROUP_API_VERSION,
+        "kind": "PodGroup",
+        "metadata": _meta(job, names.pod_group(job["metadata"]["name"]), component="worker"),
+        "spec": group_spec,
     }
 
 

@@ -29,7 +29,9 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MAX_JOB_NAME = 40
 """Longest job name: worker Pod names append ``-worker-<slot>-<incarnation>`` and must stay DNS labels."""
 
-CONDITION_TYPES = ("Created", "MasterReady", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+CONDITION_TYPES = (
+    "Created", "MasterReady", "GangScheduled", "Running", "Restarting", "Suspended", "Succeeded", "Failed"
+)  # fmt: skip
 PHASES = ("Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 CLEAN_POD_POLICIES = ("None", "Running", "All")
 
@@ -297,6 +299,27 @@ def _spec_schema() -> dict[str, Any]:
             }
         },
     }
+    gang = _obj(
+        "All-or-nothing placement of the worker Pods by the Kubernetes scheduler: none of them is bound to a "
+        "node until minNodes of them fit at once, so a job that cannot start holds no GPU while it waits. "
+        "Needs the PodGroup API (scheduling.k8s.io/v1beta1, Kubernetes 1.37 or later with the "
+        "GenericWorkload feature gate on in kube-apiserver and kube-scheduler); a job asking for it on a "
+        "cluster without that API fails with reason GangSchedulingUnavailable.",
+        {
+            "enabled": {
+                "type": "boolean",
+                "description": "Gang-schedule the worker Pods (through a PodGroup <job>-workers that the "
+                "operator creates and keeps). Fixed when the job is created.",
+                "default": False,
+            },
+            "minNodes": _int(
+                "Worker Pods that must fit at once before any is bound. Default: nodes.min (and it follows "
+                "nodes.min when that changes). Replacements of lost nodes join the running gang one by one.",
+                minimum=1,
+            ),
+        },
+        default={},
+    )
     quantity = {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]}
     master = _obj(
         "The job's master Pod.",
@@ -324,6 +347,7 @@ def _spec_schema() -> dict[str, Any]:
             "checkpoint": checkpoint,
             "template": template,
             "master": master,
+            "gangScheduling": gang,
             "cordonBadNodes": {
                 "type": "boolean",
                 "description": "Cordon and taint the Kubernetes node of an evicted worker, so nothing else "
@@ -379,6 +403,17 @@ def _spec_schema() -> dict[str, Any]:
                 {
                     "rule": "self.parallelism == oldSelf.parallelism",
                     "message": "parallelism cannot be changed on a running job",
+                },
+                {
+                    "rule": "!has(self.gangScheduling.minNodes) || "
+                    "self.gangScheduling.minNodes <= self.nodes.max",
+                    "message": "gangScheduling.minNodes must not be greater than nodes.max: so many worker "
+                    "Pods never exist, and the gang would never be placed",
+                },
+                {
+                    "rule": "self.gangScheduling.enabled == oldSelf.gangScheduling.enabled",
+                    "message": "gangScheduling.enabled cannot be changed on a running job: a Pod's "
+                    "scheduling group is fixed when it is created; create a new job instead",
                 },
             ]
         },

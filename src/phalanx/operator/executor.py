@@ -14,6 +14,7 @@ from typing import Any
 from phalanx.api.errors import ConfigError, KubernetesError
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import names
+from phalanx.operator.builders import POD_GROUP_GROUP, POD_GROUP_PLURAL, POD_GROUP_VERSION
 from phalanx.operator.crd import GROUP, KIND, PLURAL, VERSION
 from phalanx.operator.reconcile import (
     Action,
@@ -23,10 +24,12 @@ from phalanx.operator.reconcile import (
     DeletePod,
     Event,
     Observed,
+    PatchPodGroup,
     PatchStatus,
     PodView,
     reconcile,
 )
+from phalanx.operator.spec import gang_enabled
 
 log = logging.getLogger("phalanx.operator")
 
@@ -84,6 +87,7 @@ class Executor:
         self.core: Any = client.CoreV1Api(api)
         self.rbac: Any = client.RbacAuthorizationV1Api(api)
         self.custom: Any = client.CustomObjectsApi(api)
+        self._pod_group_api = False
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._dirty: set[tuple[str, str]] = set()
         self._guard = threading.Lock()
@@ -138,7 +142,50 @@ class Executor:
         selector = f"{names.JOB_LABEL}={name}"
         pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
         owned = [p for p in pods if _owned_by(p.metadata.owner_references, job["metadata"]["uid"])]
-        return Observed(job=job, pods=[pod_view(p) for p in owned], existing=self._existing(namespace, name))
+        group, serves = None, True
+        if gang_enabled(job.get("spec") or {}):
+            serves = self._serves_pod_groups()
+            group = self._pod_group(namespace, name) if serves else None
+        return Observed(
+            job=job,
+            pods=[pod_view(p) for p in owned],
+            existing=self._existing(namespace, name),
+            pod_group=group,
+            pod_group_api=serves,
+        )
+
+    def _serves_pod_groups(self) -> bool:
+        """Whether the API server serves PodGroups (API discovery). A yes is kept for the life of the
+        process; a no is asked again, so a cluster whose administrator is enabling the API is not judged by
+        a stale answer."""
+        from kubernetes.client.exceptions import ApiException
+
+        if self._pod_group_api:
+            return True
+        try:
+            found = self.custom.get_api_resources(POD_GROUP_GROUP, POD_GROUP_VERSION)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise KubernetesError(
+                f"cannot discover the {POD_GROUP_GROUP}/{POD_GROUP_VERSION} API: {exc.reason}"
+            ) from exc
+        self._pod_group_api = any(r.name == POD_GROUP_PLURAL for r in found.resources or [])
+        return self._pod_group_api
+
+    def _pod_group(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        from kubernetes.client.exceptions import ApiException
+
+        group = names.pod_group(name)
+        try:
+            found: Mapping[str, Any] = self.custom.get_namespaced_custom_object(
+                POD_GROUP_GROUP, POD_GROUP_VERSION, namespace, POD_GROUP_PLURAL, group
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise KubernetesError(f"cannot read PodGroup {namespace}/{group}: {exc.reason}") from exc
+        return found
 
     def _existing(self, namespace: str, name: str) -> frozenset[tuple[str, str]]:
         from kubernetes.client.exceptions import ApiException
@@ -199,6 +246,11 @@ class Executor:
             except ApiException as exc:
                 if exc.status != 404:
                     raise
+        elif isinstance(action, PatchPodGroup):
+            body = {"spec": {"schedulingPolicy": {"gang": {"minCount": action.min_count}}}}
+            self.custom.patch_namespaced_custom_object(
+                POD_GROUP_GROUP, POD_GROUP_VERSION, ns, POD_GROUP_PLURAL, action.name, body
+            )
         elif isinstance(action, PatchStatus):
             self.custom.patch_namespaced_custom_object_status(
                 GROUP, VERSION, ns, PLURAL, job["metadata"]["name"], {"status": action.status}
@@ -226,6 +278,10 @@ class Executor:
             self.rbac.create_namespaced_role(ns, obj)
         elif kind == "RoleBinding":
             self.rbac.create_namespaced_role_binding(ns, obj)
+        elif kind == "PodGroup":
+            self.custom.create_namespaced_custom_object(
+                POD_GROUP_GROUP, POD_GROUP_VERSION, ns, POD_GROUP_PLURAL, obj
+            )
         else:
             raise KubernetesError(f"the operator does not create {kind} objects")
 

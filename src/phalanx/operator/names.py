@@ -34,6 +34,11 @@ def state_config_map(job: str) -> str:
     return f"{job}-master-state"
 
 
+def pod_group(job: str) -> str:
+    """Name of the PodGroup that gang-schedules the worker Pods (``spec.gangScheduling``)."""
+    return f"{job}-workers"
+
+
 def worker(job: str, *, slot: int, incarnation: int) -> str:
     return f"{job}-worker-{slot}-{incarnation}"
 

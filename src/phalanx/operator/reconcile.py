@@ -28,6 +28,10 @@ Rules, per pass:
 * ``spec.activeDeadline`` fails a job active for longer (reason DeadlineExceeded), counted from
   ``status.startTime``: set when the job starts and again at each resume, so suspended time never counts
   and a suspended job is never failed by it;
+* ``spec.gangScheduling`` keeps a PodGroup (scheduling.k8s.io/v1beta1) that every worker Pod names as its
+  scheduling group, so the Kubernetes scheduler binds none of them until minNodes fit at once; its verdict is
+  mirrored as the GangScheduled condition. A cluster without that API fails the job at once
+  (GangSchedulingUnavailable) rather than placing its Pods one by one unannounced;
 * ``spec.ttlAfterFinished`` deletes the ElasticJob itself once it has been Succeeded or Failed that long
   (its Pods and supporting objects are owned by it and go with it).
 """
@@ -46,6 +50,14 @@ from phalanx.operator.crd import format_duration
 from phalanx.operator.spec import JobSpec, parse_spec, ttl_after_finished
 
 LIVE_PHASES = ("Pending", "Running", "Unknown")
+GANG_VERDICT = "PodGroupInitiallyScheduled"
+"""The condition the Kubernetes scheduler sets on a PodGroup: whether it placed the gang (it stays True)."""
+NO_POD_GROUP_API = (
+    "spec.gangScheduling needs the PodGroup API (scheduling.k8s.io/v1beta1), which this cluster does not "
+    "serve: it comes with Kubernetes 1.37 or later, with the GenericWorkload feature gate on in "
+    "kube-apiserver and kube-scheduler and --runtime-config=scheduling.k8s.io/v1beta1=true on "
+    "kube-apiserver. Enable it, or create the job without spec.gangScheduling"
+)
 SUSPENDING_REASONS = ("Suspending", "Resuming")
 """Reasons of a False ``Suspended`` condition while a suspension (or the resume after one) is under way."""
 
@@ -87,6 +99,10 @@ class Observed:
     pods: Sequence[PodView] = ()
     existing: frozenset[tuple[str, str]] = frozenset()
     """(kind, name) of the supporting objects that exist."""
+    pod_group: Mapping[str, Any] | None = None
+    """The job's PodGroup as read (``spec.gangScheduling`` only); None when it does not exist."""
+    pod_group_api: bool = True
+    """Whether the API server serves PodGroups (read only for jobs that ask for gang scheduling)."""
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -110,6 +126,14 @@ class PatchStatus:
 
 
 @dataclass(frozen=True)
+class PatchPodGroup:
+    """Sets the gang's minCount of the job's PodGroup (it follows nodes.min unless the spec fixes it)."""
+
+    name: str
+    min_count: int
+
+
+@dataclass(frozen=True)
 class Event:
     type: str  # Normal or Warning
     reason: str
@@ -130,7 +154,7 @@ class DeleteJob:
     message: str
 
 
-Action = Create | DeletePod | PatchStatus | Event | CordonNode | DeleteJob
+Action = Create | DeletePod | PatchStatus | PatchPodGroup | Event | CordonNode | DeleteJob
 
 
 SetCondition = Callable[[str, bool, str, str], None]
@@ -188,6 +212,9 @@ def reconcile(
     except ConfigError as exc:
         return _fail(p, status, condition, reason="InvalidSpec", message=str(exc), job=job,
                      pods=observed.pods, settings=settings)  # fmt: skip
+    if spec.gang_min_nodes is not None and not observed.pod_group_api:
+        return _fail(p, status, condition, reason="GangSchedulingUnavailable", message=NO_POD_GROUP_API,
+                     job=job, pods=observed.pods, spec=spec, settings=settings)  # fmt: skip
 
     # --- supporting objects ------------------------------------------------------------------------
     for obj in supporting_objects(job, settings=settings, token=new_token, metrics_token=metrics_token):
@@ -280,6 +307,10 @@ def reconcile(
     p.status["nodes"] = running
     p.status["masterEndpoint"] = builders.master_address(job, settings=settings)
 
+    # --- gang scheduling (before the first worker Pod: its group must be there to place it) ----------
+    if spec.gang_min_nodes is not None:
+        _gang(p, job, spec, observed.pod_group, condition)
+
     # --- suspension --------------------------------------------------------------------------------
     if spec.suspend:
         # The master's Suspended is an acknowledgement only if it follows this spec: one published before a
@@ -341,6 +372,45 @@ def reconcile(
               "replacing lost nodes" if restarting else "no node is being replaced")  # fmt: skip
     p.status["observedGeneration"] = generation
     return _finish(p, status)
+
+
+def _gang(
+    p: _Pass,
+    job: Mapping[str, Any],
+    spec: JobSpec,
+    group: Mapping[str, Any] | None,
+    condition: SetCondition,
+) -> None:
+    """Keeps the job's PodGroup (created once, its minCount following the spec) and mirrors the
+    scheduler's verdict on it, PodGroupInitiallyScheduled, as the GangScheduled condition, with an Event
+    when it changes: a job whose gang does not fit says so instead of sitting Pending without a word."""
+    assert spec.gang_min_nodes is not None
+    if group is None:
+        p.actions.append(Create(builders.pod_group(job, spec)))
+        return
+    gang = ((group.get("spec") or {}).get("schedulingPolicy") or {}).get("gang") or {}
+    if gang.get("minCount") != spec.gang_min_nodes:
+        name = names.pod_group(job["metadata"]["name"])
+        p.actions.append(PatchPodGroup(name, spec.gang_min_nodes))
+    verdict = get_condition((group.get("status") or {}).get("conditions") or [], GANG_VERDICT)
+    if verdict is None:  # the scheduler has not looked at it yet
+        return
+    placed = verdict.get("status") == "True"
+    detail = str(verdict.get("message") or "")
+    if placed:
+        message = f"the scheduler placed at least {gang.get('minCount')} worker Pods at once"
+    else:
+        message = f"the scheduler cannot place {gang.get('minCount')} worker Pods at once" + (
+            f": {detail}" if detail else ""
+        )
+    before = get_condition(p.status["conditions"], "GangScheduled")
+    condition("GangScheduled", placed, str(verdict.get("reason") or ("Scheduled" if placed else "Unknown")),
+              message)  # fmt: skip
+    if before is None or before.get("status") != ("True" if placed else "False"):
+        if placed:
+            p.actions.append(Event("Normal", "GangScheduled", message))
+        else:
+            p.actions.append(Event("Warning", "GangUnschedulable", message))
 
 
 def _exit(pod: PodView) -> str:
@@ -484,7 +554,10 @@ def _suspend(
     Nothing here is a replacement; the incarnations are kept so that resumed Pods get new names.
     """
     p.status["workerIncarnations"] = _incarnations(status, workers, slots=spec.max_nodes)
-    if not acked:  # a failing worker is not replaced either: the job is about to stop anyway
+    # A job already Suspended with no worker Pod left stays so while the master catches up with a spec edit
+    # (a new generation): there is nothing left to delete, hence nothing to wait for.
+    settled = not workers and _suspension(status) == "suspended"
+    if not acked and not settled:  # a failing worker is not replaced either: the job is about to stop anyway
         message = "waiting for the master to acknowledge the suspension before deleting worker Pods"
         condition("Suspended", False, "Suspending", message)
         p.status["phase"] = phase or "Created"

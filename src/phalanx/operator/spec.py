@@ -50,6 +50,8 @@ class JobSpec:
     """``spec.activeDeadline``: seconds the job may be active (from its start or last resume); None: none."""
     ttl_after_finished_s: float | None = None
     """``spec.ttlAfterFinished``: seconds a finished job is kept, then the operator deletes it; None: kept."""
+    gang_min_nodes: int | None = None
+    """``spec.gangScheduling``: worker Pods the scheduler must place at once; None: no gang scheduling."""
 
     @property
     def min_nodes(self) -> int:
@@ -95,6 +97,29 @@ def ttl_after_finished(spec: Mapping[str, Any]) -> float | None:
     """``spec.ttlAfterFinished`` in seconds (None: keep the finished job); a ConfigError naming the field
     unless it is a duration. Read on its own as well: a job that failed for an invalid spec still has one."""
     return _optional_dur(spec, "ttlAfterFinished")
+
+
+def gang_enabled(spec: Mapping[str, Any]) -> bool:
+    """Whether ``spec.gangScheduling`` is on; read on its own by the executor, before the spec is parsed."""
+    gang = spec.get("gangScheduling")
+    return isinstance(gang, Mapping) and gang.get("enabled") is True
+
+
+def _gang_min_nodes(spec: Mapping[str, Any], rendezvous: RendezvousSettings) -> int | None:
+    """``spec.gangScheduling`` -> the gang's minimum (nodes.min unless minNodes is given), None when off."""
+    gang = _group(spec, "gangScheduling")
+    enabled = gang.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"expected true or false, got {enabled!r}", field="spec.gangScheduling.enabled")
+    if not enabled:
+        return None
+    count = gang.get("minNodes", rendezvous.min_nodes)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= rendezvous.max_nodes:
+        raise ConfigError(
+            f"must be a whole number from 1 to nodes.max ({rendezvous.max_nodes}), got {count!r}",
+            field="spec.gangScheduling.minNodes",
+        )
+    return count
 
 
 def _probes(health: Mapping[str, Any]) -> ProbeSettings:
@@ -178,6 +203,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         raise ConfigError(f"expected true or false, got {suspend!r}", field="spec.suspend")
     deadline = active_deadline(spec)
     ttl = ttl_after_finished(spec)
+    gang = _gang_min_nodes(spec, rendezvous)
     template = spec.get("template") or {}
     containers = (template.get("spec") or {}).get("containers") or []
     if not containers:
@@ -199,4 +225,5 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         master_resources=(_group(spec, "master").get("resources") or {}),
         active_deadline_s=deadline,
         ttl_after_finished_s=ttl,
+        gang_min_nodes=gang,
     )

@@ -22,6 +22,11 @@ from pathlib import Path
 
 from k8s_harness import certs
 
+GATES = "GenericWorkload=true"
+"""Feature gates of every component: GenericWorkload serves the scheduling.k8s.io/v1beta1 PodGroup API (beta,
+off by default in Kubernetes 1.37) and turns on the scheduler's GangScheduling plugin and the controller
+manager's PodGroup protection, for ElasticJobs with ``spec.gangScheduling``."""
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -142,6 +147,9 @@ class ControlPlane:
                 "--endpoint-reconciler-type=none",  # loopback is not a valid Endpoints address
                 "--enable-priority-and-fairness=false",  # one client mix, 2 cores: APF only adds work
                 "--event-ttl=1h",
+                # Gang scheduling (spec.gangScheduling): the PodGroup API, beta and off by default in 1.37.
+                f"--feature-gates={GATES}",
+                "--runtime-config=scheduling.k8s.io/v1beta1=true",
             ],
         )
         self.kubeconfig = write_kubeconfig(
@@ -170,7 +178,9 @@ class ControlPlane:
                 "--controllers=garbage-collector-controller,serviceaccount-controller,"
                 "serviceaccount-token-controller,root-ca-certificate-publisher-controller,"
                 "namespace-controller,node-lifecycle-controller,endpointslice-controller,"
-                "deployment-controller,replicaset-controller",  # the e2e suite installs the Helm chart
+                "deployment-controller,replicaset-controller,"  # the e2e suite installs the Helm chart
+                "podgroup-protection-controller",
+                f"--feature-gates={GATES}",
             ],
         )
         self._start(
@@ -182,6 +192,7 @@ class ControlPlane:
                 "--bind-address=127.0.0.1",
                 f"--secure-port={free_port()}",
                 "--leader-elect=false",
+                f"--feature-gates={GATES}",
             ],
         )
         (d / "server").write_text(self.server)
