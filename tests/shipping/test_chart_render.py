@@ -264,3 +264,15 @@ def test_notes_render(helm: Helm, tmp_path: Path) -> None:
     )
     assert "namespace ml" in scoped
     assert "Secret\nt;" in scoped
+
+
+def test_prometheus_rule_is_optional_and_carries_the_alert_file(helm: Helm) -> None:
+    assert not [o for o in helm.render() if o["kind"] == "PrometheusRule"]
+    rule = _one(
+        helm.render("prometheusRule.enabled=true", "prometheusRule.labels.release=kps"), "PrometheusRule"
+    )
+    assert rule["metadata"]["labels"]["release"] == "kps", "what a Prometheus' ruleSelector matches"
+    assert rule["metadata"]["namespace"] == NAMESPACE
+    shipped = yaml.safe_load((CHART / "alerts" / "phalanx.rules.yaml").read_text())
+    assert rule["spec"] == shipped, "the rules promtool tests are the rules the chart ships"
+    assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} >= {"PhalanxJobFailed"}

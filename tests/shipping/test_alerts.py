@@ -1,0 +1,345 @@
+"""The alerting rules (charts/phalanx/alerts/phalanx.rules.yaml) and the dashboards, against the real thing.
+
+* ``promtool check rules`` accepts the file;
+* ``promtool test rules``: each alert fires on the situation it names, with its labels and rendered
+  annotations, and stays quiet on the healthy case next to it (synthetic series, Prometheus' own evaluator);
+* a real Prometheus scrapes a real ``phalanx master`` with the metrics bearer token, evaluates every rule
+  without error (and fires the one the master's state calls for), and answers every dashboard query.
+
+prometheus and promtool are built from the Go module proxy by scripts/prometheus-binary (cached). Without Go
+and without a cached build the tests skip with a loud reason, except under CI=true, where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.shipping.grafana import DASHBOARDS, exprs, load
+from tests.shipping.promql import metric_names
+from tests.shipping.realmaster import TOKEN, node_reports, persist_fails, running_master
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "charts" / "phalanx" / "alerts" / "phalanx.rules.yaml"
+LABELS = {"namespace": "ml", "job": "gpt", "instance": "10.0.0.7:8080"}
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a cold build of Prometheus is slow
+
+
+@pytest.fixture(scope="module")
+def prometheus_bin() -> Path:
+    script = ROOT / "scripts" / "prometheus-binary"
+    has_go = shutil.which("go") or Path("/usr/local/go/bin/go").exists()
+    tools = Path(os.environ.get("PHALANX_TOOLS_CACHE", Path.home() / ".cache/phalanx/tools"))
+    if not has_go and not list(tools.glob("prometheus-*/promtool")):
+        message = "no Go toolchain and no cached Prometheus: alerts unchecked (run scripts/prometheus-binary)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message + " (CI=true: a skipped alert check is a failure)")
+        pytest.skip(message)
+    result = subprocess.run([str(script)], capture_output=True, text=True, timeout=880, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def _rules() -> dict[str, dict[str, Any]]:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return {rule["alert"]: rule for group in groups for rule in group["rules"]}
+
+
+def test_promtool_accepts_the_rules(prometheus_bin: Path) -> None:
+    result = subprocess.run(
+        [str(prometheus_bin / "promtool"), "check", "rules", "--lint-fatal", str(RULES)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
+
+
+def _series(name: str, values: str, **labels: str) -> dict[str, str]:
+    pairs = ", ".join(f'{k}="{v}"' for k, v in {**LABELS, **labels}.items())
+    return {"series": f"{name}{{{pairs}}}", "values": values}
+
+
+def _firing(alert: str, value: str = "", **labels: str) -> dict[str, Any]:
+    """The alert as promtool must see it: the rule's labels plus the series', and its annotations rendered
+    for those labels (``$value | humanize`` as ``value``)."""
+    rule = _rules()[alert]
+    seen = {k: v for k, v in {**LABELS, **labels}.items() if k != "instance" or alert == "PhalanxMasterDown"}
+
+    def render(text: str) -> str:
+        text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: seen[m[1]], text)
+        text = text.replace("{{ $value | humanize }}", value)
+        assert "{{" not in text, f"{alert}: a template the test does not render: {text}"
+        return text
+
+    return {
+        "exp_labels": {**rule["labels"], **seen},
+        "exp_annotations": {k: render(v) for k, v in rule["annotations"].items()},
+    }
+
+
+# (alert, input series, [(eval time, expected firing alerts)]): each fires on its case and not on the
+# healthy or resolved one next to it.
+CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str, Any]]]]]] = [
+    (
+        "PhalanxJobFailed",
+        [
+            _series("phalanx_job_phase", "0 0 1", phase="Failed"),
+            _series("phalanx_job_phase", "1 1 0", phase="Running"),
+        ],
+        # Held 10 minutes after the last scrape that showed it (the master Pod is cleaned up), then resolved.
+        [("3m", [_firing("PhalanxJobFailed")]), ("11m", [_firing("PhalanxJobFailed")]), ("13m", [])],
+    ),
+    (
+        "PhalanxJobStuckRestarting",
+        [
+            _series("phalanx_job_phase", "1x14", phase="Restarting"),
+            _series("phalanx_job_phase", "0 1 1 0x12", phase="Restarting", job="brief"),
+        ],
+        [("5m", []), ("12m", [_firing("PhalanxJobStuckRestarting")])],
+    ),
+    (
+        "PhalanxJobRestartingOften",
+        [
+            _series("phalanx_restarts_total", "0+1x40"),
+            _series("phalanx_restarts_total", "0+0.05x40", job="steady"),
+        ],
+        [("40m", [_firing("PhalanxJobRestartingOften", "30")])],
+    ),
+    (
+        "PhalanxNodesEvicted",
+        [
+            _series("phalanx_evictions_total", "0 1 2 3 3 3", reason="probe_failed"),
+            _series("phalanx_evictions_total", "0 1 1 1 1 1", reason="heartbeat_timeout", job="one-bad-node"),
+        ],
+        [("5m", [_firing("PhalanxNodesEvicted", "3")])],
+    ),
+    (
+        "PhalanxTrainingStalled",
+        [
+            _series("phalanx_job_phase", "1x40", phase="Running"),
+            _series("phalanx_training_step", "0+1x10 10x30"),
+            _series("phalanx_job_phase", "1x40", phase="Running", job="healthy"),
+            _series("phalanx_training_step", "0+1x40", job="healthy"),
+            _series("phalanx_job_phase", "1x40", phase="Running", job="silent"),
+            _series("phalanx_training_step", "-1x40", job="silent"),  # its script never reports steps
+        ],
+        [("20m", []), ("30m", [_firing("PhalanxTrainingStalled")])],
+    ),
+    (
+        "PhalanxCheckpointPersistFailing",
+        [_series("phalanx_checkpoint_failures_total", "0 0 0 1x25")],
+        [("5m", [_firing("PhalanxCheckpointPersistFailing")]), ("25m", [])],
+    ),
+    (
+        "PhalanxMasterDown",
+        [
+            _series("up", "1 1 1 0x10"),
+            _series("phalanx_job_phase", "1 1 1", phase="Running"),
+            _series("up", "0x10", job="some-exporter"),  # never exported phalanx series: not a master
+        ],
+        [("4m", []), ("6m", [_firing("PhalanxMasterDown")])],
+    ),
+    (
+        "PhalanxMasterSlow",
+        [
+            _series("phalanx_event_loop_lag_seconds", "2x10"),
+            _series("phalanx_event_loop_lag_seconds", "0.5x10", job="ok"),
+        ],
+        [("4m", []), ("6m", [_firing("PhalanxMasterSlow")])],
+    ),
+    (
+        "PhalanxLogLinesDropped",
+        [
+            _series("phalanx_log_lines_dropped_total", "0+10x30"),
+            _series("phalanx_log_lines_dropped_total", "0x30", job="ok"),
+        ],
+        [("5m", []), ("15m", [_firing("PhalanxLogLinesDropped")])],
+    ),
+]
+
+
+def test_every_alert_has_a_case() -> None:
+    assert sorted(c[0] for c in CASES) == sorted(_rules())
+
+
+@pytest.mark.parametrize(("alert", "series", "evals"), CASES, ids=[c[0] for c in CASES])
+def test_the_alert_fires_on_its_case_and_not_on_the_healthy_one(
+    prometheus_bin: Path,
+    tmp_path: Path,
+    alert: str,
+    series: list[dict[str, str]],
+    evals: list[tuple[str, list[dict[str, Any]]]],
+) -> None:
+    unit = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {"eval_time": at, "alertname": alert, "exp_alerts": expected} for at, expected in evals
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "test.yaml"
+    path.write_text(yaml.safe_dump(unit, sort_keys=False))
+    result = subprocess.run(
+        [str(prometheus_bin / "promtool"), "test", "rules", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def prometheus(prometheus_bin: Path, tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A real Prometheus (1 s scrape and rule intervals) with phalanx's rules; the test writes the scrape
+    config into the returned path before reloading it through :func:`_reload`."""
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}}))
+    port = _free_port()
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            str(prometheus_bin / "prometheus"),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--web.enable-lifecycle",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _until("Prometheus ready", lambda: _ok(f"{url}/-/ready"), timeout=60)
+        yield config, url
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _until(what: str, predicate: Any, *, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := predicate():
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _api(url: str, path: str, **params: str) -> Any:
+    response = httpx.get(f"{url}/api/v1/{path}", params=params, timeout=10)
+    body = response.json()
+    assert body["status"] == "success", f"{path} {params}: {body}"
+    return body["data"]
+
+
+@pytest.mark.timeout(120)
+def test_a_real_prometheus_scrapes_the_master_evaluates_the_rules_and_answers_the_dashboards(
+    prometheus: tuple[Path, str], tmp_path: Path
+) -> None:
+    config, url = prometheus
+    with running_master(tmp_path, job_id="gpt") as (grpc_addr, http_addr):
+        node_reports(grpc_addr, job_id="gpt", step=5)
+        token = tmp_path / "metrics-token"
+        token.write_text(TOKEN)
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(RULES)],
+                    # As the chart's PodMonitor labels a master: job = the ElasticJob, and its namespace.
+                    "scrape_configs": [
+                        {
+                            "job_name": "gpt",
+                            "authorization": {"type": "Bearer", "credentials_file": str(token)},
+                            "static_configs": [{"targets": [http_addr], "labels": {"namespace": "ml"}}],
+                        }
+                    ],
+                }
+            )
+        )
+        assert httpx.post(f"{url}/-/reload", timeout=10).status_code == 200
+        _until(
+            "the master scraped with the token",
+            lambda: any(t["health"] == "up" for t in _api(url, "targets")["activeTargets"]),
+            timeout=30,
+        )
+        # A persist fails once Prometheus has seen the counter at 0: PhalanxCheckpointPersistFailing is then
+        # what the job's state calls for, and nothing else.
+        _until(
+            "a scrape of the counter at 0",
+            lambda: _api(url, "query", query='phalanx_checkpoint_failures_total{job="gpt"} == 0')["result"],
+            timeout=30,
+        )
+        persist_fails(grpc_addr, step=5)
+        _until(
+            "its increase seen",
+            lambda: _api(
+                url, "query", query='increase(phalanx_checkpoint_failures_total{job="gpt"}[1m]) > 0'
+            )["result"],
+            timeout=30,
+        )
+        firing = _until(
+            "the checkpoint alert",
+            lambda: [
+                a
+                for a in _api(url, "alerts")["alerts"]
+                if a["labels"]["alertname"] == "PhalanxCheckpointPersistFailing" and a["state"] == "firing"
+            ],
+            timeout=30,
+        )
+        assert firing[0]["labels"].items() >= {"job": "gpt", "namespace": "ml", "severity": "warning"}.items()
+        rules = [r for g in _api(url, "rules")["groups"] for r in g["rules"]]
+        assert len(rules) == len(_rules())
+        bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
+        assert not bad, f"rules that fail on the real master's series: {bad}"
+        others = {a["labels"]["alertname"] for a in _api(url, "alerts")["alerts"]} - {
+            "PhalanxCheckpointPersistFailing"
+        }
+        assert not others, f"alerts a healthy job should not raise: {others}"
+
+        exposition = httpx.get(
+            f"http://{http_addr}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+        ).text
+        with_samples = {
+            line.split("{")[0].split(" ")[0] for line in exposition.splitlines() if line and line[0] != "#"
+        }
+        empty = []
+        for path in DASHBOARDS:
+            for expr in exprs(load(path)):
+                query = expr.replace("$namespace", "ml").replace("$job", "gpt")
+                query = query.replace("$__rate_interval", "1m").replace("$__range", "5m")
+                result = _api(url, "query", query=query)["result"]
+                # A query of series the master exports with samples must show something.
+                if metric_names(expr) <= with_samples and not result:
+                    empty.append(f"{path.name}: {query}")
+        assert not empty, "dashboard queries with no data on a live master:\n" + "\n".join(empty)
