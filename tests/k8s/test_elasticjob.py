@@ -17,6 +17,7 @@ import pytest
 import yaml
 from k8s_harness.cluster import METRICS_TOKEN, Cluster
 from k8s_harness.controlplane import ControlPlane
+from k8s_harness.kubelet import IMAGE_USER
 from kubernetes import config as k8s_config
 
 from phalanx.api.settings import OperatorSettings
@@ -388,9 +389,16 @@ def test_spec_change_scales_the_job(cluster: Cluster) -> None:
     cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
 
 
-def _suspendable_job(storage: Path, step_log: Path) -> dict[str, Any]:
+SHARED = "/var/run/phalanx-test/shared"
+"""Where a job's Pods mount the test's shared directory (a hostPath volume, as a real job mounts a volume)."""
+
+
+def _suspendable_job(shared: Path) -> dict[str, Any]:
     """2 nodes x 1 process of examples/ddp_mlp.py saving every step to shared memory, persisting only at
-    step 0 on its own: whatever newer step is on storage after a suspension, the agents persisted."""
+    step 0 on its own: whatever newer step is on storage after a suspension, the agents persisted. Storage
+    and the step log are in ``shared``, a host directory the image's user may write, mounted at SHARED."""
+    shared.mkdir()
+    os.chown(shared, *IMAGE_USER)
     return {
         "apiVersion": "phalanx.dev/v1alpha1",
         "kind": "ElasticJob",
@@ -399,7 +407,7 @@ def _suspendable_job(storage: Path, step_log: Path) -> dict[str, Any]:
             "nodes": {"min": 2, "max": 2},
             "heartbeat": {"interval": "1s", "timeout": "6s"},
             "restart": {"gracePeriod": "3s", "maxEvictions": 0},
-            "checkpoint": {"storagePath": str(storage)},
+            "checkpoint": {"storagePath": f"{SHARED}/ckpt"},
             "template": {
                 "spec": {
                     "containers": [
@@ -409,10 +417,12 @@ def _suspendable_job(storage: Path, step_log: Path) -> dict[str, Any]:
                             "command": [
                                 "python", str(ROOT / "examples" / "ddp_mlp.py"), "--flash",
                                 "--persist-every", "100000", "--steps", "90", "--step-time", "0.1",
-                                "--step-log", str(step_log),
+                                "--step-log", f"{SHARED}/steps.jsonl",
                             ],
+                            "volumeMounts": [{"name": "shared", "mountPath": SHARED}],
                         }
-                    ]
+                    ],
+                    "volumes": [{"name": "shared", "hostPath": {"path": str(shared)}}],
                 }
             },
         },
@@ -437,11 +447,10 @@ def test_suspended_job_frees_its_workers_and_resumes_from_the_step_they_persiste
 ) -> None:
     from phalanx.checkpoint import storage as storage_lib
 
-    ns, storage, step_log = "pausing", tmp_path / "ckpt", tmp_path / "steps.jsonl"
+    ns, shared = "pausing", tmp_path / "shared"
+    storage, step_log = shared / "ckpt", shared / "steps.jsonl"
     cluster.cp.kubectl("create", "namespace", ns)
-    cluster.cp.kubectl(
-        "create", "-n", ns, "-f", "-", input_text=json.dumps(_suspendable_job(storage, step_log))
-    )
+    cluster.cp.kubectl("create", "-n", ns, "-f", "-", input_text=json.dumps(_suspendable_job(shared)))
     cluster.wait_for(
         "training progress",
         lambda: _phase(cluster, ns, "pausable") == "Running" and step_log.exists() and

@@ -38,6 +38,7 @@ def settings_from(args: argparse.Namespace) -> OperatorSettings:
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
+    import socket
 
     import kopf
     from kubernetes import client, config
@@ -56,9 +57,13 @@ def run(args: argparse.Namespace) -> int:
     executor = Executor(api=client.ApiClient(), settings=settings)
     registry = install(executor=executor, settings=settings)
     namespaces = [settings.namespace] if settings.namespace else []
+    # kopf would name itself after the login name, which a container run as a uid without a passwd entry
+    # (any runAsUser, OpenShift's random ones) does not have: getpwuid() fails and the operator dies.
+    identity: Any = f"phalanx-operator@{socket.gethostname()}/{os.getpid()}"  # kopf's Identity is a str
     asyncio.run(
         kopf.operator(
             registry=registry,
+            identity=identity,
             standalone=True,  # one operator per cluster; no kopf peering objects needed
             clusterwide=not namespaces,
             namespaces=namespaces,

@@ -19,6 +19,14 @@ Run as its own process: ``python -m k8s_harness.kubelet --kubeconfig K --state-d
 * Lifecycle: Running with container state on start; exit code -> Succeeded/Failed with the terminated
   state; deletion -> SIGTERM to the process group, SIGKILL after the grace period, then the Pod object is
   removed. Nodes renew their Lease every few seconds.
+* Users: every "image" is this checkout as the project's Dockerfile builds it, which runs as ``USER
+  10001:10001``; a container runs as that user unless its (or its Pod's) securityContext says
+  ``runAsUser``/``runAsGroup``, with ``fsGroup`` and ``supplementalGroups`` as extra groups. Secret,
+  configMap and projected files are root's with their ``defaultMode``/``mode`` (0644 by default); with an
+  fsGroup they are re-owned to that group and made group-readable, emptyDirs group-writable, as the real
+  kubelet's volume ownership does. So a file the image's user cannot read fails here as on a real cluster.
+  The interpreter may live under a directory other users cannot enter (/root): ``podexec.py`` re-exposes
+  it (and the checkout) inside the Pod's mount namespace before dropping root.
 * Simulated nodes: Pods bound to them are marked Running (with an IP) without a process, for scale tests.
 """
 
@@ -34,6 +42,7 @@ import os
 import queue
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -50,6 +59,12 @@ log = logging.getLogger("test-kubelet")
 ROOT = Path(__file__).resolve().parents[3]
 PODEXEC = Path(__file__).with_name("podexec.py")
 SIM_TAINT = "phalanx.dev/simulated"
+IMAGE_USER = (10001, 10001)
+"""uid and gid the Dockerfile's images run as (``USER 10001:10001``): every container's default user."""
+DEFAULT_MODE = 0o644
+"""Mode of secret, configMap and projected files without a defaultMode or mode, as in Kubernetes."""
+RO_MASK, RW_MASK = 0o440, 0o660
+"""Added by an fsGroup to the mode of read-only (secret, configMap, projected) or writable volumes' files."""
 _SVC = re.compile(
     r"\b([a-z0-9](?:[-a-z0-9]*[a-z0-9])?)\.([a-z0-9](?:[-a-z0-9]*[a-z0-9])?)\.svc(?:\.cluster\.local)?\b"
 )
@@ -360,12 +375,16 @@ class Kubelet:
         argv = [self._rewrite_services(ns, a) for a in argv]
         if not argv:
             raise RuntimeError("the test kubelet needs an explicit command (there is no image entrypoint)")
-        mounts = self._volumes(pod, sandbox)
+        uid, gid, groups = _identity(pod, container)
+        mounts = self._volumes(pod, sandbox, fs_group=_fs_group(pod))
+        os.chown(sandbox, uid, gid)  # the container's HOME, as the image's home directory is its user's
         spec = {
             "mounts": mounts,
             "argv": argv,
             "env": env,
             "cwd": container.working_dir or str(ROOT),
+            "user": {"uid": uid, "gid": gid, "groups": groups},
+            "expose": [sys.base_prefix, str(ROOT)],
         }
         spec_file = sandbox / "podexec.json"
         spec_file.write_text(json.dumps(spec))
@@ -444,25 +463,31 @@ class Kubelet:
 
         return _SVC.sub(resolve, text)
 
-    def _volumes(self, pod: Any, sandbox: Path) -> list[list[Any]]:
+    def _volumes(self, pod: Any, sandbox: Path, *, fs_group: int | None) -> list[list[Any]]:
         ns = pod.metadata.namespace
         vol_dirs: dict[str, Path] = {}
         for vol in pod.spec.volumes or []:
             d = sandbox / "volumes" / vol.name
             d.mkdir(parents=True, exist_ok=True)
+            read_only = True
             if vol.secret is not None:
                 secret = self.core.read_namespaced_secret(vol.secret.secret_name, ns)
-                for k, v in (secret.data or {}).items():
-                    _write(d / k, base64.b64decode(v))
+                data = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+                _write_items(d, data, vol.secret.items, vol.secret.default_mode)
             elif vol.config_map is not None:
                 cm = self.core.read_namespaced_config_map(vol.config_map.name, ns)
-                for k, v in (cm.data or {}).items():
-                    _write(d / k, v.encode())
+                data = {k: v.encode() for k, v in (cm.data or {}).items()}
+                _write_items(d, data, vol.config_map.items, vol.config_map.default_mode)
             elif vol.host_path is not None:
                 vol_dirs[vol.name] = Path(vol.host_path.path)
                 continue
             elif vol.projected is not None:
                 self._projected(pod, vol.projected, d)
+            else:  # emptyDir: writable by anyone, as Kubernetes makes it
+                d.chmod(0o777)
+                read_only = False
+            if fs_group is not None:
+                _own_by_group(d, fs_group, mask=RO_MASK if read_only else RW_MASK)
             vol_dirs[vol.name] = d
         mounts: list[list[Any]] = []
         container = pod.spec.containers[0]
@@ -477,6 +502,7 @@ class Kubelet:
 
     def _projected(self, pod: Any, projected: Any, d: Path) -> None:
         ns = pod.metadata.namespace
+        default = projected.default_mode
         for source in projected.sources or []:
             if source.service_account_token is not None:
                 req = client.AuthenticationV1TokenRequest(
@@ -490,18 +516,21 @@ class Kubelet:
                 )
                 sa = pod.spec.service_account_name or "default"
                 token = self.core.create_namespaced_service_account_token(sa, ns, req)
-                _write(d / source.service_account_token.path, token.status.token.encode())
+                _write(d / source.service_account_token.path, token.status.token.encode(), default)
             elif source.config_map is not None:
                 cm = self.core.read_namespaced_config_map(source.config_map.name, ns)
-                items = source.config_map.items or [client.V1KeyToPath(key=k, path=k) for k in cm.data or {}]
-                for item in items:
-                    _write(d / item.path, str((cm.data or {}).get(item.key, "")).encode())
+                data = {k: v.encode() for k, v in (cm.data or {}).items()}
+                _write_items(d, data, source.config_map.items, default)
+            elif source.secret is not None:
+                secret = self.core.read_namespaced_secret(source.secret.name, ns)
+                data = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+                _write_items(d, data, source.secret.items, default)
             elif source.downward_api is not None:
                 for item in source.downward_api.items or []:
                     if item.field_ref and item.field_ref.field_path == "metadata.namespace":
-                        _write(d / item.path, ns.encode())
+                        _write(d / item.path, ns.encode(), item.mode or default)
                     elif item.field_ref and item.field_ref.field_path == "metadata.name":
-                        _write(d / item.path, pod.metadata.name.encode())
+                        _write(d / item.path, pod.metadata.name.encode(), item.mode or default)
 
     # --- main loop ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -534,10 +563,55 @@ def _expand(text: str, env: dict[str, str]) -> str:
     return _VAR.sub(lambda m: env.get(m[1], m[0]), text)
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, data: bytes, mode: int | None) -> None:
+    """A volume file, root's (the kubelet's), with its Kubernetes mode (0644 unless the spec says)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
-    path.chmod(0o600)
+    path.chmod(DEFAULT_MODE if mode is None else mode)
+
+
+def _write_items(d: Path, data: dict[str, bytes], items: list[Any] | None, default_mode: int | None) -> None:
+    """A Secret's or ConfigMap's keys as files: all of them, or the listed ``items`` (key -> path, mode)."""
+    if items:
+        for item in items:
+            _write(d / item.path, data.get(item.key, b""), item.mode or default_mode)
+    else:
+        for key, value in data.items():
+            _write(d / key, value, default_mode)
+
+
+def _own_by_group(root: Path, gid: int, *, mask: int) -> None:
+    """The real kubelet's volume ownership for an fsGroup: every file and directory goes to that group and
+    gets ``mask`` (directories also setgid and group-searchable)."""
+    for path in [root, *root.rglob("*")]:
+        os.lchown(path, -1, gid)
+        mode = path.stat().st_mode & 0o7777
+        if path.is_dir():
+            path.chmod(mode | mask | stat.S_ISGID | 0o110)
+        else:
+            path.chmod(mode | mask)
+
+
+def _security(pod: Any, container: Any, field: str) -> Any:
+    """A securityContext field: the container's, else the Pod's (None if neither sets it)."""
+    value = getattr(container.security_context, field, None) if container.security_context else None
+    if value is None and pod.spec.security_context is not None:
+        value = getattr(pod.spec.security_context, field, None)
+    return value
+
+
+def _fs_group(pod: Any) -> int | None:
+    return pod.spec.security_context.fs_group if pod.spec.security_context else None
+
+
+def _identity(pod: Any, container: Any) -> tuple[int, int, list[int]]:
+    """(uid, gid, supplementary groups) the container runs as: its securityContext's, else the image's."""
+    uid = _security(pod, container, "run_as_user")
+    gid = _security(pod, container, "run_as_group")
+    groups = list(pod.spec.security_context.supplemental_groups or []) if pod.spec.security_context else []
+    if (fs_group := _fs_group(pod)) is not None:
+        groups.append(fs_group)
+    return (IMAGE_USER[0] if uid is None else uid), (IMAGE_USER[1] if gid is None else gid), groups
 
 
 def _micro_now() -> str:
