@@ -12,9 +12,7 @@ and without a cached build the tests skip with a loud reason, except under CI=tr
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -29,6 +27,7 @@ import yaml
 from tests.shipping.grafana import DASHBOARDS, exprs, load
 from tests.shipping.promql import metric_names
 from tests.shipping.realmaster import TOKEN, node_reports, persist_fails, running_master
+from tests.shipping.tools import go_built
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "charts" / "phalanx" / "alerts" / "phalanx.rules.yaml"
@@ -39,17 +38,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a cold build
 
 @pytest.fixture(scope="module")
 def prometheus_bin() -> Path:
-    script = ROOT / "scripts" / "prometheus-binary"
-    has_go = shutil.which("go") or Path("/usr/local/go/bin/go").exists()
-    tools = Path(os.environ.get("PHALANX_TOOLS_CACHE", Path.home() / ".cache/phalanx/tools"))
-    if not has_go and not list(tools.glob("prometheus-*/promtool")):
-        message = "no Go toolchain and no cached Prometheus: alerts unchecked (run scripts/prometheus-binary)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message + " (CI=true: a skipped alert check is a failure)")
-        pytest.skip(message)
-    result = subprocess.run([str(script)], capture_output=True, text=True, timeout=880, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return Path(result.stdout.strip().splitlines()[-1])
+    return Path(go_built("prometheus-binary", cached="prometheus-*/promtool", unchecked="alerts unchecked"))
 
 
 def _rules() -> dict[str, dict[str, Any]]:
