@@ -352,7 +352,7 @@ def test_failed_job_reports_the_root_cause(cluster: Cluster) -> None:
     cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
 
 
-def test_spec_change_scales_the_job(cluster: Cluster) -> None:
+def test_kubectl_scale_scales_the_job(cluster: Cluster) -> None:
     ns = "scaling"
     cluster.cp.kubectl("create", "namespace", ns)
     text = EXAMPLE.read_text().replace('value: "30"', 'value: "2000"')
@@ -368,7 +368,13 @@ def test_spec_change_scales_the_job(cluster: Cluster) -> None:
         timeout=120,
     )
     master_uid = _pods(cluster, ns, "master")[0]["metadata"]["uid"]
-    cluster.cp.kubectl("patch", "ej", "tiny", "-n", ns, "--type=merge", "-p", '{"spec":{"nodes":{"max":1}}}')
+    # The scale subresource (kubectl scale, autoscalers): replicas are nodes.max, the running worker Pods.
+    scale = cluster.get_json("ej", "tiny", "-n", ns, "--subresource=scale")
+    assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (2, 2)
+    assert scale["status"]["selector"] == "phalanx.dev/job=tiny,phalanx.dev/role=worker"
+    out = cluster.cp.kubectl("scale", "ej", "tiny", "-n", ns, "--replicas=0", check=False)
+    assert "nodes.min must not be greater than nodes.max" in out, out
+    cluster.cp.kubectl("scale", "ej", "tiny", "-n", ns, "--replicas=1")
     cluster.wait_for("slot 1 removed", lambda: len(_live(_pods(cluster, ns))) == 1, timeout=60)
     assert "ScaledDown" in _events(cluster, ns)
     assert "MasterReconfigured" in _events(cluster, ns)

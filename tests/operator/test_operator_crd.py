@@ -47,7 +47,15 @@ def test_names_scope_and_subresources() -> None:
     assert (names["kind"], names["plural"], names["shortNames"]) == ("ElasticJob", "elasticjobs", ["ej"])
     version = crd["spec"]["versions"][0]
     assert version["name"] == "v1alpha1"
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {
+        "status": {},
+        # kubectl scale and autoscalers set the number of worker Pods and see how many run.
+        "scale": {
+            "specReplicasPath": ".spec.nodes.max",
+            "statusReplicasPath": ".status.nodes",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns == ["Phase", "Nodes", "World", "Step", "Age", "Suspend"]
     wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) > 0]

@@ -912,3 +912,9 @@ def test_a_suspended_job_stays_suspended_while_the_master_catches_up_with_a_spec
     assert c.job["status"]["phase"] == "Suspended"
     assert c.reasons().count("Suspended") == 1
     assert c.reasons().count("Suspending") == 1
+
+
+def test_the_status_names_the_worker_pods_for_the_scale_subresource() -> None:
+    c = started()
+    assert c.job["status"]["selector"] == "phalanx.dev/job=j,phalanx.dev/role=worker"
+    assert c.job["status"]["nodes"] == 2

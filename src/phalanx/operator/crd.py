@@ -464,6 +464,10 @@ def _status_schema() -> dict[str, Any]:
                 "of spec.activeDeadline.",
             },
             "nodes": _int("Worker Pods running."),
+            "selector": {
+                "type": "string",
+                "description": "Label selector of the worker Pods (scale subresource, autoscalers).",
+            },
             "worldSize": _int("Training processes in the current rendezvous round."),
             "round": {"type": "integer", "format": "int64", "description": "Current rendezvous round."},
             "step": {
@@ -563,7 +567,16 @@ def build_crd() -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    # `kubectl scale ej NAME --replicas N` (and a HorizontalPodAutoscaler) sets nodes.max: the
+                    # number of worker Pods; the CEL rules still hold (a scale below nodes.min is refused).
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.nodes.max",
+                            "statusReplicasPath": ".status.nodes",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
                     "additionalPrinterColumns": columns,
                     "schema": {"openAPIV3Schema": schema},
                 }

@@ -305,6 +305,7 @@ def reconcile(
     )
     running = sum(1 for w in workers if w.phase == "Running" and not w.terminating)
     p.status["nodes"] = running
+    p.status["selector"] = names.label_selector(job["metadata"]["name"], component="worker")
     p.status["masterEndpoint"] = builders.master_address(job, settings=settings)
 
     # --- gang scheduling (before the first worker Pod: its group must be there to place it) ----------
