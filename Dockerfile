@@ -59,9 +59,9 @@ USER root
 RUN set -eux; \
     wheel="$(ls /opt/phalanx-*.whl)"; \
     if [ -n "${TORCH_INDEX_URL}" ]; then \
-        pip install --extra-index-url "${TORCH_INDEX_URL}" "${wheel}[train]"; \
+        pip install --extra-index-url "${TORCH_INDEX_URL}" "${wheel}[train,s3]"; \
     else \
-        pip install "${wheel}[train]"; \
+        pip install "${wheel}[train,s3]"; \
     fi
 # Same entrypoint as base: worker Pods name `phalanx-run` in their command, and `phalanx local` (which
 # starts workers itself) needs torch, so this image is also the one to try phalanx on one machine.

@@ -35,13 +35,15 @@ fmt: setup
 	$(BIN)/ruff format $(PY_SOURCES)
 	$(BIN)/ruff check --fix $(PY_SOURCES)
 
-# The Kubernetes, Helm and Prometheus tests run against binaries built from the official Go modules; the first
-# build takes ~20-30 minutes on 2 cores, a warm cache returns at once. Without Go they skip loudly (fail under CI).
+# The Kubernetes, Helm, Prometheus and MinIO tests run against binaries built from the official Go modules; the
+# first build takes ~30-40 minutes on 2 cores, a warm cache returns at once. Without Go they skip loudly (fail
+# under CI).
 # pytest exits 5 when it collected nothing; that is a failure here, as is any other non-zero code.
 test: setup lint
 	@if command -v go >/dev/null 2>&1 || [ -x /usr/local/go/bin/go ]; then \
-		scripts/k8s-binaries >/dev/null && scripts/helm-binary >/dev/null && scripts/prometheus-binary >/dev/null; \
-	else echo "WARNING: Go not found; the Kubernetes, Helm and Prometheus tests will be skipped (a failure under CI=true)"; fi
+		scripts/k8s-binaries >/dev/null && scripts/helm-binary >/dev/null \
+			&& scripts/prometheus-binary >/dev/null && scripts/minio-binary >/dev/null; \
+	else echo "WARNING: Go not found; the Kubernetes, Helm, Prometheus and S3 tests will be skipped (a failure under CI=true)"; fi
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: setup

@@ -24,10 +24,10 @@ import httpx
 import pytest
 import yaml
 
+from tests.gotools import go_built
 from tests.shipping.grafana import DASHBOARDS, exprs, load
 from tests.shipping.promql import metric_names
 from tests.shipping.realmaster import TOKEN, node_reports, persist_fails, running_master
-from tests.shipping.tools import go_built
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "charts" / "phalanx" / "alerts" / "phalanx.rules.yaml"

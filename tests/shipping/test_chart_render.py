@@ -20,7 +20,7 @@ import yaml
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import names
 from phalanx.operator.builders import master_service
-from tests.shipping.tools import go_built
+from tests.gotools import go_built
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "phalanx"

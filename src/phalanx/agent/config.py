@@ -93,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hang-startup", default=None, help="Time allowed before the first reported step.")
     add("--no-hang-detection", action="store_true", help="Do not detect hung workers.")
     add("--no-warm-spares", action="store_true", help="Start workers cold instead of from pre-warmed spares.")
-    add("--checkpoint-dir", default=None, help="Where the node's checkpoint host persists flash checkpoints.")
+    add(
+        "--checkpoint-dir",
+        default=None,
+        help="Where the node's checkpoint host persists flash checkpoints: a directory or s3://BUCKET/PREFIX.",
+    )
     add("--checkpoint-keep-last", type=int, default=None, help="Committed checkpoint steps kept on storage.")
     add("--no-checkpoint-host", action="store_true", help="Do not run a flash-checkpoint host on this node.")
     add("training_script", help="Script (or module with -m, executable with --no-python) to run.")

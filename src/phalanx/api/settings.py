@@ -348,7 +348,11 @@ class CheckpointSettings:
 
     memory_interval_steps: int = setting(1, doc="Save to shared memory every this many steps.")
     persist_interval_steps: int = setting(100, doc="Persist to storage every this many steps (0: never).")
-    storage_path: str = setting("", doc="Directory (or URL) the checkpoints are persisted to; empty: none.")
+    storage_path: str = setting(
+        "",
+        doc="Where checkpoints are persisted: a directory, or s3://BUCKET/PREFIX (S3 or an S3-compatible "
+        "store, configured by the standard AWS_* variables); empty: none.",
+    )
     keep_last: int = setting(2, doc="Committed steps kept on storage.")
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import codec, copier, protocol, shm
-from phalanx.checkpoint.storage import LocalStorage, open_storage
+from phalanx.checkpoint.storage import Storage, open_storage
 
 _GROWTH = 1.1  # headroom when a slot is (re)allocated, so a slightly bigger state does not reallocate
 
@@ -165,7 +165,7 @@ class Checkpointer:
         self.shm_dir = Path(shm_dir or env.get(protocol.ENV_SHM_DIR) or "/dev/shm")
         location = storage if storage is not None else env.get(protocol.ENV_STORAGE, "")
         self.storage_location = location
-        self.storage: LocalStorage | None = open_storage(location) if location else None
+        self.storage: Storage | None = open_storage(location) if location else None
         self.keep_last = keep_last
         self.host_socket = host_socket or env.get(protocol.ENV_SOCKET) or self._default_socket()
         self.host_idle_exit_s = host_idle_exit_s

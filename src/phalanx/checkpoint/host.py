@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import protocol, shm
 from phalanx.checkpoint.persister import PersistResult, choose_slot, persist_shard
-from phalanx.checkpoint.storage import LocalStorage, open_storage
+from phalanx.checkpoint.storage import Storage, open_storage
 
 if TYPE_CHECKING:
     from phalanx.checkpoint.report import MasterReporter
@@ -76,7 +76,7 @@ class HostServer:
         job_id: str,
         socket_path: Path,
         shm_dir: Path,
-        storage: LocalStorage | None,
+        storage: Storage | None,
         keep_last: int,
         reporter: MasterReporter | None = None,
         idle_exit_s: float = 0.0,

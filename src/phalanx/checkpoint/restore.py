@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from phalanx.api.errors import CheckpointCorruptError
+from phalanx.api.errors import CheckpointCorruptError, CheckpointError
 from phalanx.checkpoint import codec, shm, storage
 from phalanx.checkpoint.persister import safetensors_header
 
@@ -31,7 +31,8 @@ log = logging.getLogger("phalanx.checkpoint")
 
 
 class CheckpointWarning(UserWarning):
-    """A snapshot was skipped because it failed its checksum or structure check."""
+    """A snapshot was skipped because it failed its checksum or structure check, or storage could not be
+    listed and the memory snapshots were used without it."""
 
 
 def _warn(message: str) -> None:
@@ -156,7 +157,7 @@ def _fill(
     return out
 
 
-def stored_shard(store: storage.LocalStorage, step: int, rank: int) -> int:
+def stored_shard(store: storage.Storage, step: int, rank: int) -> int:
     """The persisted shard ``rank`` reads: its own, or, when the job has grown since ``step`` was saved by
     fewer ranks, ``rank % saved ranks``: the ranks that can change with membership are data-parallel
     replicas of the same state (model-parallel shards are keyed by mesh coordinate, not rank)."""
@@ -175,9 +176,7 @@ def stored_shard(store: storage.LocalStorage, step: int, rank: int) -> int:
     return rank
 
 
-def read_storage(
-    store: storage.LocalStorage, step: int, rank: int
-) -> tuple[dict[str, Any], list[torch.Tensor]]:
+def read_storage(store: storage.Storage, step: int, rank: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Reads a persisted shard and checks its size and crc32 against the manifest."""
     manifest_path = storage.manifest_file(step, rank)
     file = storage.shard_file(step, rank)
@@ -288,6 +287,23 @@ def _read_step(
     return _broadcast_shard(got, src=src, group=replica_group), source
 
 
+def _stored_steps(store: storage.Storage | None, *, memory: Mapping[int, Any]) -> set[int]:
+    """The committed steps on storage. Storage that cannot be listed (a bucket gone, an outage) is done
+    without when the node's memory holds snapshots, with a warning; without them it is an error: a job must
+    not silently start from scratch because its checkpoints were out of reach for a moment."""
+    if store is None:
+        return set()
+    try:
+        return set(storage.committed_steps(store))
+    except OSError as exc:
+        if not memory:
+            raise CheckpointError(
+                f"cannot list the checkpoints on {store.url('')}: {exc}; not starting from scratch"
+            ) from exc
+        _warn(f"cannot list the checkpoints on {store.url('')} ({exc}); loading from memory only")
+        return set()
+
+
 def load(
     ckpt: Checkpointer, *, shard_rank: int, replica_group: Any = None, into: Any = None
 ) -> tuple[int, Any] | None:
@@ -299,7 +315,7 @@ def load(
         targets = {entry["name"]: t for entry, t in zip(flat.table, flat.tensors, strict=True)}
     reads_before = ckpt.storage.reads if ckpt.storage else 0
     memory = _memory_steps(ckpt.memory_slots(shard_rank))
-    on_storage = set(storage.committed_steps(ckpt.storage)) if ckpt.storage else set()
+    on_storage = _stored_steps(ckpt.storage, memory=memory)
     candidates = set(memory) | on_storage
     bad: list[int] = []
     while True:

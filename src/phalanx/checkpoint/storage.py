@@ -8,15 +8,16 @@ Layout under the storage root (one directory per step)::
         ...
         COMMIT.json              written once every rank's manifest of the step is present
 
-Every file is written to a temporary name, fsynced, renamed, and the directory fsynced, so a reader
-never sees a half-written file under its final name. A step without ``COMMIT.json`` is not a
-checkpoint. :class:`Storage` is the interface an object-store backend would implement; only
-:class:`LocalStorage` (a POSIX path) exists today.
+A reader never sees a half-written file under its final name: on a POSIX path (:class:`LocalStorage`)
+every file is written to a temporary name, fsynced, renamed, and the directory fsynced; in an S3 bucket
+(:class:`S3Storage`, ``s3://bucket/prefix``) an object appears whole or not at all. A step without
+``COMMIT.json`` is not a checkpoint. :class:`Storage` is the interface both implement.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -65,7 +66,11 @@ def manifest_file(step: int, rank: int) -> str:
 
 
 class Storage(Protocol):
-    """Where persisted checkpoints live. Paths are relative, '/'-separated."""
+    """Where persisted checkpoints live. Paths are relative, '/'-separated. Errors are OSErrors (a missing
+    file: FileNotFoundError)."""
+
+    reads: int
+    """Files read so far (tests prove where a load came from)."""
 
     def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview]) -> int:
         """Writes a whole file so that it appears complete or not at all; returns its size."""
@@ -155,10 +160,155 @@ class LocalStorage:
         return str(self.root / path)
 
 
-def open_storage(location: str) -> LocalStorage:
-    """Opens the storage a location string names (a directory path or ``file://`` URL)."""
+class S3Storage:
+    """A prefix of an S3 bucket, or of any S3-compatible store (MinIO, Ceph RGW, GCS's XML API, ...).
+
+    boto3 is configured the standard way, so a Pod needs nothing phalanx-specific: credentials from the
+    environment (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``), a web identity (EKS IRSA, Pod Identity) or
+    a profile; ``AWS_ENDPOINT_URL`` for a store other than AWS; ``AWS_REGION``. Atomicity is the store's: a
+    PUT, or the completion of a multipart upload (files above :data:`PART_BYTES`, sent in parts by several
+    threads), makes an object appear whole; a failed upload is aborted and leaves nothing. "Directories"
+    are key prefixes.
+    """
+
+    PART_BYTES = 64 << 20
+
+    def __init__(self, bucket: str, prefix: str = "", *, client: Any = None) -> None:
+        if client is None:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError as exc:
+                raise ValueError("s3:// checkpoint storage needs boto3: pip install 'phalanx[s3]'") from exc
+            client = boto3.client("s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}))
+        self.client: Any = client
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.reads = 0
+        self.read_bytes = 0
+        self._lock = threading.Lock()
+
+    def _key(self, path: str) -> str:
+        return "/".join(p for p in (self.prefix, path.strip("/")) if p)
+
+    def _error(self, exc: Exception, path: str) -> OSError:
+        """An OSError for a boto3 error, FileNotFoundError for a missing key."""
+        code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+        message = f"{self.url(path)}: {exc}"
+        return FileNotFoundError(message) if code in ("404", "NoSuchKey", "NotFound") else OSError(message)
+
+    def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview]) -> int:
+        """Uploads the chunks as one object (in parts when large), streaming them: nothing is staged."""
+        from boto3.s3.transfer import TransferConfig
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        reader = _ChunkReader(chunks)
+        config = TransferConfig(
+            multipart_threshold=self.PART_BYTES, multipart_chunksize=self.PART_BYTES, max_concurrency=4
+        )
+        try:
+            # Buffered: boto3 takes one read() of the threshold's size as "all there is" when it comes short,
+            # and would send the whole file in one PUT (which S3 refuses above 5 GiB).
+            stream = io.BufferedReader(reader, buffer_size=1 << 20)
+            self.client.upload_fileobj(stream, self.bucket, self._key(path), Config=config)
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error(exc, path) from exc
+        return reader.size
+
+    def read(self, path: str) -> bytes:
+        """Downloads a whole object and counts the read."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            data: bytes = self.client.get_object(Bucket=self.bucket, Key=self._key(path))["Body"].read()
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error(exc, path) from exc
+        with self._lock:
+            self.reads += 1
+            self.read_bytes += len(data)
+        return data
+
+    def exists(self, path: str) -> bool:
+        """Whether an object exists (a HEAD, not counted as a read)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(path))
+        except (BotoCoreError, ClientError) as exc:
+            error = self._error(exc, path)
+            if isinstance(error, FileNotFoundError):
+                return False
+            raise error from exc
+        return True
+
+    def _objects(self, path: str, *, delimiter: str = "") -> Iterable[dict[str, Any]]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        prefix = self._key(path)
+        prefix = f"{prefix}/" if prefix else ""
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix, Delimiter=delimiter
+        )
+        try:
+            yield from pages
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error(exc, path) from exc
+
+    def list(self, path: str) -> list[str]:
+        """Names directly under a prefix: objects and "subdirectories"."""
+        names: set[str] = set()
+        for page in self._objects(path, delimiter="/"):
+            names.update(p["Prefix"].rstrip("/").rsplit("/", 1)[-1] for p in page.get("CommonPrefixes", []))
+            names.update(o["Key"].rsplit("/", 1)[-1] for o in page.get("Contents", []))
+        return sorted(names)
+
+    def remove_dir(self, path: str) -> None:
+        """Deletes every object under a prefix, a thousand per request."""
+        keys = [o["Key"] for page in self._objects(path) for o in page.get("Contents", [])]
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": k} for k in keys[start : start + 1000]]
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+
+    def url(self, path: str) -> str:
+        """The object's ``s3://`` URL."""
+        return f"s3://{self.bucket}/{self._key(path)}"
+
+
+class _ChunkReader(io.RawIOBase):
+    """A readable stream over an iterable of byte chunks (boto3 uploads file objects), counting bytes."""
+
+    def __init__(self, chunks: Iterable[bytes | memoryview]) -> None:
+        self._chunks = iter(chunks)
+        self._current = memoryview(b"")
+        self.size = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._current.nbytes:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._current = memoryview(chunk).cast("B")
+        n = min(len(buffer), self._current.nbytes)
+        buffer[:n] = self._current[:n]
+        self._current = self._current[n:]
+        self.size += n
+        return n
+
+
+def open_storage(location: str) -> Storage:
+    """Opens the storage a location names: a directory path, a ``file://`` URL or ``s3://bucket/prefix``."""
+    if location.startswith("s3://"):
+        bucket, _, prefix = location.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise ValueError(f"checkpoint storage {location!r} names no bucket (s3://BUCKET/PREFIX)")
+        return S3Storage(bucket, prefix)
     if "://" in location and not location.startswith("file://"):
-        raise ValueError(f"unsupported checkpoint storage {location!r}; only local paths are implemented")
+        raise ValueError(
+            f"unsupported checkpoint storage {location!r}: a directory, file:// or s3://BUCKET/PREFIX"
+        )
     return LocalStorage(location.removeprefix("file://"))
 
 

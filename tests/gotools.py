@@ -1,4 +1,4 @@
-"""Tools the shipping tests run for real (helm, prometheus, promtool), built from the Go module proxy by
+"""Tools tests run for real (helm, prometheus, promtool, minio), built from the Go module proxy by
 ``scripts/<name>`` and cached under ~/.cache/phalanx/tools."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def go_built(script: str, *, cached: str, unchecked: str) -> str:
