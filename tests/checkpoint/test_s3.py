@@ -1,20 +1,16 @@
-"""Checkpoint storage in an S3 bucket (``s3://bucket/prefix``), against a real MinIO server (built from the Go
-module proxy by scripts/minio-binary): the storage contract, multipart uploads that appear whole or not at
+"""Checkpoint storage in an S3 bucket (``s3://bucket/prefix``), against a real MinIO server (the ``minio``
+fixture of tests/conftest.py): the storage contract, multipart uploads that appear whole or not at
 all, the commit protocol and retention, and the flash checkpoint persisting to and loading from the bucket,
 including a corrupt object and a bucket that does not exist."""
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
@@ -23,65 +19,8 @@ from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import Checkpointer, CheckpointWarning, storage
 from phalanx.checkpoint import host as host_mod
 from tests.checkpoint.test_roundtrip import assert_same, training_state
-from tests.gotools import go_built
-
-USER, PASSWORD = "phalanx-test", "phalanx-test-secret"
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a cold build of MinIO is slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def minio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A MinIO server on loopback; yields its endpoint URL. boto3 finds it through the standard variables,
-    as a Pod would (set for the module's tests, and inherited by the processes they start)."""
-    binary = go_built("minio-binary", cached="minio-*/minio", unchecked="S3 checkpoint storage unchecked")
-    data = tmp_path_factory.mktemp("minio")
-    port = _free_port()
-    env = {**os.environ, "MINIO_ROOT_USER": USER, "MINIO_ROOT_PASSWORD": PASSWORD, "MINIO_BROWSER": "off"}
-    with (data.parent / "minio.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [binary, "server", str(data), "--address", f"127.0.0.1:{port}", "--quiet"],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    endpoint = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in _AWS}
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID=USER,
-        AWS_SECRET_ACCESS_KEY=PASSWORD,
-        AWS_REGION="us-east-1",
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not _live(endpoint):
-            assert proc.poll() is None, (data.parent / "minio.log").read_text()
-            assert time.monotonic() < deadline, "MinIO did not start"
-            time.sleep(0.2)
-        yield endpoint
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        proc.terminate()
-        proc.wait(20)
-
-
-_AWS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
-
-
-def _live(endpoint: str) -> bool:
-    try:
-        return httpx.get(f"{endpoint}/minio/health/live", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture

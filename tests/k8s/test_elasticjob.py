@@ -399,12 +399,17 @@ SHARED = "/var/run/phalanx-test/shared"
 """Where a job's Pods mount the test's shared directory (a hostPath volume, as a real job mounts a volume)."""
 
 
-def _suspendable_job(shared: Path) -> dict[str, Any]:
+def _suspendable_job(shared: Path, *, storage: str, s3: dict[str, str]) -> dict[str, Any]:
     """2 nodes x 1 process of examples/ddp_mlp.py saving every step to shared memory, persisting only at
-    step 0 on its own: whatever newer step is on storage after a suspension, the agents persisted. Storage
-    and the step log are in ``shared``, a host directory the image's user may write, mounted at SHARED."""
+    step 0 on its own: whatever newer step is on storage after a suspension, the agents persisted. The step
+    log is in ``shared``, a host directory the image's user may write, mounted at SHARED; checkpoints go to
+    ``storage`` (an S3 URL), with ``s3``'s AWS_* variables (the credentials from the Secret ``s3``)."""
     shared.mkdir()
     os.chown(shared, *IMAGE_USER)
+    secret = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    env = [{"name": k, "value": v} for k, v in s3.items() if k not in secret] + [
+        {"name": k, "valueFrom": {"secretKeyRef": {"name": "s3", "key": k}}} for k in sorted(secret)
+    ]
     return {
         "apiVersion": "phalanx.dev/v1alpha1",
         "kind": "ElasticJob",
@@ -413,7 +418,7 @@ def _suspendable_job(shared: Path) -> dict[str, Any]:
             "nodes": {"min": 2, "max": 2},
             "heartbeat": {"interval": "1s", "timeout": "6s"},
             "restart": {"gracePeriod": "3s", "maxEvictions": 0},
-            "checkpoint": {"storagePath": f"{SHARED}/ckpt"},
+            "checkpoint": {"storagePath": storage},
             "template": {
                 "spec": {
                     "containers": [
@@ -425,6 +430,7 @@ def _suspendable_job(shared: Path) -> dict[str, Any]:
                                 "--persist-every", "100000", "--steps", "90", "--step-time", "0.1",
                                 "--step-log", f"{SHARED}/steps.jsonl",
                             ],
+                            "env": env,
                             "volumeMounts": [{"name": "shared", "mountPath": SHARED}],
                         }
                     ],
@@ -449,14 +455,24 @@ def _logged_steps(step_log: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(360)
 def test_suspended_job_frees_its_workers_and_resumes_from_the_step_they_persisted(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, minio: str
 ) -> None:
+    """The agents persist to an S3 bucket (MinIO) when their Pods are deleted, and the resumed Pods, on new
+    nodes' memory, load from it."""
     from phalanx.checkpoint import storage as storage_lib
 
     ns, shared = "pausing", tmp_path / "shared"
-    storage, step_log = shared / "ckpt", shared / "steps.jsonl"
+    step_log, storage = shared / "steps.jsonl", "s3://pausing/ckpt"
+    storage_lib.S3Storage("pausing").client.create_bucket(Bucket="pausing")
+    s3 = {
+        k: os.environ[k]
+        for k in ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    }
     cluster.cp.kubectl("create", "namespace", ns)
-    cluster.cp.kubectl("create", "-n", ns, "-f", "-", input_text=json.dumps(_suspendable_job(shared)))
+    keys = [f"--from-literal={k}={s3[k]}" for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
+    cluster.cp.kubectl("create", "secret", "generic", "s3", "-n", ns, *keys)
+    job = _suspendable_job(shared, storage=storage, s3=s3)
+    cluster.cp.kubectl("create", "-n", ns, "-f", "-", input_text=json.dumps(job))
     cluster.wait_for(
         "training progress",
         lambda: _phase(cluster, ns, "pausable") == "Running" and step_log.exists() and
@@ -477,7 +493,7 @@ def test_suspended_job_frees_its_workers_and_resumes_from_the_step_they_persiste
     assert job["status"].get("replacements", 0) == 0
     assert job["status"].get("evictions", []) == [], "deleted Pods must not count as lost nodes"
     reached = _logged_steps(step_log)[-1]["step"]
-    committed = storage_lib.committed_steps(storage_lib.open_storage(str(storage)))
+    committed = storage_lib.committed_steps(storage_lib.open_storage(storage))
     # Every step was in shared memory; on SIGTERM the agents agreed on and persisted the newest.
     assert max(committed) >= reached - 1, (committed, reached)
     for reason in ("Suspending", "Suspended"):
