@@ -206,9 +206,14 @@ def d2h_limit(state: Any, repeats: int) -> dict[str, float]:
     }
 
 
-def bench_phalanx(state: Any, repeats: int, workdir: Path, *, first_runs: int) -> dict[str, Any]:
+def bench_phalanx(
+    state: Any, repeats: int, workdir: Path, *, first_runs: int, storage: str = ""
+) -> dict[str, Any]:
+    """phalanx's saves, persists and loads; ``storage``: where to persist (default: a directory in
+    ``workdir``; e.g. ``s3://bucket/prefix`` with the AWS_* variables set), one location per job."""
     from phalanx.checkpoint import Checkpointer
     from phalanx.checkpoint import host as host_mod
+    from phalanx.checkpoint.storage import open_storage
 
     results: dict[str, Any] = {}
     firsts: dict[bool, list[float]] = {False: [], True: []}
@@ -216,11 +221,11 @@ def bench_phalanx(state: Any, repeats: int, workdir: Path, *, first_runs: int) -
     # prepared job goes on to the steady-state saves, persistence and loads.
     for prepared in [False] * first_runs + [True] * first_runs:
         job = f"bench-{uuid.uuid4().hex[:8]}"
-        store = workdir / f"phalanx-{job}"
-        handle = host_mod.start(job_id=job, storage=str(store), socket_path=workdir / f"{job}.sock")
+        store = f"{storage.rstrip('/')}/{job}" if storage else str(workdir / f"phalanx-{job}")
+        handle = host_mod.start(job_id=job, storage=store, socket_path=workdir / f"{job}.sock")
         try:
             ckpt = Checkpointer(
-                job_id=job, storage=str(store), host_socket=str(handle.socket_path), rank=0, world_size=1
+                job_id=job, storage=store, host_socket=str(handle.socket_path), rank=0, world_size=1
             )
             if prepared:
                 ckpt.prepare(state)  # what a training script does once its state exists
@@ -262,9 +267,15 @@ def bench_phalanx(state: Any, repeats: int, workdir: Path, *, first_runs: int) -
             ckpt.load(into=state)  # a restarted process whose model and optimizer exist already
             results["load_from_memory_in_place_s"] = time.perf_counter() - started
             ckpt.close()
+            handle.stop()  # the node goes, with its memory: a new one loads the newest step from storage
+            fresh = Checkpointer(job_id=job, storage=store, shm_dir=str(workdir), rank=0, world_size=1)
+            started = time.perf_counter()
+            fresh.load(into=state)
+            results["load_from_storage_s"] = time.perf_counter() - started
+            assert fresh.last_load["source"] == "storage", fresh.last_load
         finally:
             handle.stop()
-            shutil.rmtree(store, ignore_errors=True)
+            open_storage(store).remove_dir("")
     return results
 
 
@@ -520,6 +531,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--first-runs", type=int, default=5, help="fresh jobs for the medians of first saves")
     parser.add_argument("--workdir", default="")
+    parser.add_argument(
+        "--storage", default="", help="where phalanx persists, e.g. s3://bucket/prefix (default: the workdir)"
+    )
     parser.add_argument("--dlrover-python", default=str(DLROVER_VENV / "bin" / "python"))
     parser.add_argument(
         "--only", default="", help="comma-separated subset: memcpy,phalanx,training,disk,shm,dcp,dlrover"
@@ -571,7 +585,9 @@ def main() -> int:
             out["memcpy_limit_s"] = min(limits["memcpy_one_thread_s"], limits["torch_copy_one_thread_s"])
             out["memcpy"] = limits
         if "phalanx" in only:
-            results["phalanx"] = bench_phalanx(state, args.repeats, workdir, first_runs=args.first_runs)
+            results["phalanx"] = bench_phalanx(
+                state, args.repeats, workdir, first_runs=args.first_runs, storage=args.storage
+            )
         if "training" in only:
             results["phalanx"] = {
                 **results.get("phalanx", {}),
