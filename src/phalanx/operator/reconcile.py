@@ -397,21 +397,17 @@ def _gang(
     if verdict is None:  # the scheduler has not looked at it yet
         return
     placed = verdict.get("status") == "True"
-    detail = str(verdict.get("message") or "")
+    count, detail = gang.get("minCount"), str(verdict.get("message") or "")
     if placed:
-        message = f"the scheduler placed at least {gang.get('minCount')} worker Pods at once"
+        message = f"the scheduler placed at least {count} worker Pods at once"
     else:
-        message = f"the scheduler cannot place {gang.get('minCount')} worker Pods at once" + (
-            f": {detail}" if detail else ""
-        )
+        message = f"the scheduler cannot place {count} worker Pods at once{': ' if detail else ''}{detail}"
+    reason = str(verdict.get("reason") or ("Scheduled" if placed else "Unknown"))
     before = get_condition(p.status["conditions"], "GangScheduled")
-    condition("GangScheduled", placed, str(verdict.get("reason") or ("Scheduled" if placed else "Unknown")),
-              message)  # fmt: skip
-    if before is None or before.get("status") != ("True" if placed else "False"):
-        if placed:
-            p.actions.append(Event("Normal", "GangScheduled", message))
-        else:
-            p.actions.append(Event("Warning", "GangUnschedulable", message))
+    condition("GangScheduled", placed, reason, message)
+    if before is None or before.get("status") != str(placed):  # an Event per change, not per pass
+        kind, event = ("Normal", "GangScheduled") if placed else ("Warning", "GangUnschedulable")
+        p.actions.append(Event(kind, event, message))
 
 
 def _exit(pod: PodView) -> str:
