@@ -263,11 +263,20 @@ class S3Storage:
         return sorted(names)
 
     def remove_dir(self, path: str) -> None:
-        """Deletes every object under a prefix, a thousand per request."""
+        """Deletes every object under a prefix, a thousand per request; an OSError names what stayed."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         keys = [o["Key"] for page in self._objects(path) for o in page.get("Contents", [])]
         for start in range(0, len(keys), 1000):
-            batch = [{"Key": k} for k in keys[start : start + 1000]]
-            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            delete = {"Objects": [{"Key": k} for k in keys[start : start + 1000]], "Quiet": True}
+            try:
+                done = self.client.delete_objects(Bucket=self.bucket, Delete=delete)
+            except (BotoCoreError, ClientError) as exc:
+                raise self._error(exc, path) from exc
+            if errors := done.get("Errors"):  # a quiet delete answers with the keys it could not delete
+                first = errors[0]
+                detail = f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}"
+                raise OSError(f"{self.url(path)}: {len(errors)} objects not deleted, e.g. {detail}")
 
     def url(self, path: str) -> str:
         """The object's ``s3://`` URL."""
