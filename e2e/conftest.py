@@ -37,6 +37,8 @@ class Target:
     """The operator's and masters' image."""
     train_image: str
     """The workers' image."""
+    chart_values: tuple[str, ...] = ()
+    """Extra ``--set`` values of the chart for this cluster."""
 
 
 def _missing(reason: str) -> None:
@@ -74,7 +76,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         return
     sys.path.insert(0, str(ROOT / "tests" / "k8s"))
     from k8s_harness.cluster import Cluster
-    from k8s_harness.controlplane import ControlPlane, find_binaries
+    from k8s_harness.controlplane import ControlPlane, find_binaries, free_port
 
     bin_dir = find_binaries()
     if bin_dir is None:
@@ -89,7 +91,11 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         cluster.start_kubelet()
         # The test kubelet runs this checkout whatever the image says; the names only have to be valid.
         kube = Kube(str(bin_dir / "kubectl"), cp.kubeconfig)
-        yield Target(kube, Helm(helm, home, cp.kubeconfig), "phalanx:checkout", "phalanx-train:checkout")
+        # Its Pods share this machine's network: the operator's port must not clash with another cluster's.
+        values = (f"operator.httpPort={free_port()}",)
+        yield Target(
+            kube, Helm(helm, home, cp.kubeconfig), "phalanx:checkout", "phalanx-train:checkout", values
+        )
     finally:
         cluster.stop()
         cp.stop()
@@ -107,6 +113,7 @@ def phalanx(target: Target) -> Iterator[Target]:
         "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--create-namespace",
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
         "--set", "operator.reconcileIntervalSeconds=1",
+        *(arg for value in target.chart_values for arg in ("--set", value)),
     )  # fmt: skip
     try:
         target.kube(

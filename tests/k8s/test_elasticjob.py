@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -72,6 +73,12 @@ def _events(cluster: Cluster, namespace: str) -> list[str]:
     return [e["reason"] for e in items]
 
 
+def _read(url: str, token: str) -> str:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return str(resp.read().decode())
+
+
 def _get(url: str, token: str) -> int:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     try:
@@ -116,6 +123,14 @@ def test_example_runs_to_success(cluster: Cluster) -> None:
         timeout=30,
     )
     assert any(p["status"]["phase"] == "Succeeded" for p in _pods(cluster, ns))
+    # The operator's own health and metrics (the chart probes /healthz and scrapes /metrics with the token).
+    operator = f"http://{cluster.operator_http}"
+    assert _get(f"{operator}/healthz", "") == 200
+    assert _get(f"{operator}/metrics", "not-the-token") == 401
+    metrics = _read(f"{operator}/metrics", METRICS_TOKEN)
+    assert re.search(r'^phalanx_operator_reconcile_passes_total\{result="ok"\} [1-9]', metrics, re.M), metrics
+    assert re.search(r'^phalanx_operator_actions_total\{action="Create"\} [1-9]', metrics, re.M), metrics
+    assert re.search(r'^phalanx_operator_jobs\{phase="Succeeded"\} [1-9]', metrics, re.M), metrics
 
     # Everything the operator made is owned by the job: deleting it garbage-collects the lot.
     cluster.cp.kubectl("delete", "ej", "tiny", "-n", ns, "--wait=false")

@@ -61,10 +61,14 @@ def _series(name: str, values: str, **labels: str) -> dict[str, str]:
 
 
 def _firing(alert: str, value: str = "", **labels: str) -> dict[str, Any]:
-    """The alert as promtool must see it: the rule's labels plus the series', and its annotations rendered
-    for those labels (``$value | humanize`` as ``value``)."""
+    """The alert as promtool must see it: the rule's labels plus the series' that its aggregation keeps (the
+    first ``by (...)`` of its expression), and its annotations rendered for them (``$value | humanize`` as
+    ``value``)."""
     rule = _rules()[alert]
-    seen = {k: v for k, v in {**LABELS, **labels}.items() if k != "instance" or alert == "PhalanxMasterDown"}
+    by = re.search(r"\bby \(([^)]*)\)", rule["expr"])
+    assert by, f"{alert}: every rule aggregates by its labels"
+    kept = {name.strip() for name in by[1].split(",")}
+    seen = {k: v for k, v in {**LABELS, **labels}.items() if k in kept}
 
     def render(text: str) -> str:
         text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: seen[m[1]], text)
@@ -147,6 +151,23 @@ CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str, Any]
             _series("phalanx_event_loop_lag_seconds", "0.5x10", job="ok"),
         ],
         [("4m", []), ("6m", [_firing("PhalanxMasterSlow")])],
+    ),
+    (
+        "PhalanxOperatorReconcileFailing",
+        [
+            _series("phalanx_operator_reconcile_passes_total", "0+6x30", result="error", namespace="ops"),
+            _series("phalanx_operator_reconcile_passes_total", "0+60x30", result="ok", namespace="ops"),
+            _series("phalanx_operator_reconcile_passes_total", "0+60x30", result="ok", namespace="fine"),
+        ],
+        [("5m", []), ("20m", [_firing("PhalanxOperatorReconcileFailing", namespace="ops")])],
+    ),
+    (
+        "PhalanxOperatorActionsRefused",
+        [
+            _series("phalanx_operator_action_failures_total", "0+1x40", action="Create", namespace="ops"),
+            _series("phalanx_operator_action_failures_total", "0 1 1x38", action="Event", namespace="ops"),
+        ],
+        [("5m", []), ("30m", [_firing("PhalanxOperatorActionsRefused", namespace="ops", action="Create")])],
     ),
     (
         "PhalanxLogLinesDropped",

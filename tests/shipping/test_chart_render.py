@@ -72,9 +72,9 @@ def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
     return Helm(binary, tmp_path_factory.mktemp("helm-home"))
 
 
-def _one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    found = [o for o in objs if o["kind"] == kind]
-    assert len(found) == 1, f"{len(found)} objects of kind {kind}"
+def _one(objs: list[dict[str, Any]], kind: str, name: str = "") -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind and (not name or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"{len(found)} objects of kind {kind} {name}"
     return found[0]
 
 
@@ -183,7 +183,7 @@ def test_pod_monitor_is_optional_and_selects_the_masters(helm: Helm) -> None:
     assert not [o for o in helm.render() if o["kind"] in ("PodMonitor", "Secret")]
     objs = helm.render("podMonitor.enabled=true", "podMonitor.authorization.secretName=metrics-token")
     assert not [o for o in objs if o["kind"] == "Secret"], "a named Secret is the user's, not the chart's"
-    monitor = _one(objs, "PodMonitor")
+    monitor = _one(objs, "PodMonitor", "rel-phalanx-masters")
     spec = monitor["spec"]
     # The dashboards' `job` variable is the ElasticJob name: the master Pod's phalanx.dev/job label.
     assert spec["jobLabel"] == names.JOB_LABEL
@@ -208,9 +208,12 @@ def test_the_pod_monitor_and_the_operator_share_one_metrics_token(helm: Helm) ->
     secret = _one(objs, "Secret")
     assert secret["metadata"]["name"] == "rel-phalanx-metrics-token"
     assert len(base64.b64decode(secret["data"]["token"])) == 48
-    monitor = _one(objs, "PodMonitor")
-    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert endpoint["authorization"]["credentials"] == {"name": "rel-phalanx-metrics-token", "key": "token"}
+    for name in ("rel-phalanx-masters", "rel-phalanx-operator"):
+        (endpoint,) = _one(objs, "PodMonitor", name)["spec"]["podMetricsEndpoints"]
+        assert endpoint["authorization"]["credentials"] == {
+            "name": "rel-phalanx-metrics-token",
+            "key": "token",
+        }
     pod = _one(objs, "Deployment")["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -268,3 +271,18 @@ def test_prometheus_rule_is_optional_and_carries_the_alert_file(helm: Helm) -> N
     shipped = yaml.safe_load((CHART / "alerts" / "phalanx.rules.yaml").read_text())
     assert rule["spec"] == shipped, "the rules promtool tests are the rules the chart ships"
     assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} >= {"PhalanxJobFailed"}
+
+
+def test_the_operator_has_a_liveness_probe_and_its_own_pod_monitor(helm: Helm) -> None:
+    objs = helm.render("podMonitor.enabled=true", "operator.httpPort=9000")
+    deployment = _one(objs, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["ports"] == [{"name": "http", "containerPort": 9000}]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PHALANX_OPERATOR_HTTP_PORT"] == "9000", "the operator serves where the probe looks"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    monitor = _one(objs, "PodMonitor", "rel-phalanx-operator")["spec"]
+    assert monitor["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert monitor["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")

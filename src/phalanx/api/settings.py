@@ -548,6 +548,11 @@ class OperatorSettings:
     reconcile_interval_s: float = setting(
         2.0, doc="How often each job is reconciled against its Pods, whatever the events.", unit="s"
     )
+    http_port: int = setting(
+        8081,
+        doc="Port of the operator's own /healthz (liveness: kopf's event loop answers) and /metrics (needs "
+        "the metrics token; served only with one); 0: none.",
+    )
     finish_grace_s: float = setting(
         10.0,
         doc="How long Pods still running when a job finished get to exit by themselves before cleanup.",
@@ -562,3 +567,5 @@ class OperatorSettings:
             port = getattr(self, name)
             if not 0 < port <= 65535:
                 raise ConfigError(f"must be a port number between 1 and 65535, got {port}", field=name)
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"must be a port number or 0 (none), got {self.http_port}", field="http_port")

@@ -17,7 +17,7 @@ def register(subparsers: Any) -> None:
         "$KUBECONFIG. Settings also come from PHALANX_OPERATOR_* environment variables.",
     )
     fields = {f.name: f for f in OperatorSettings.__dataclass_fields__.values()}
-    for name in ("namespace", "image", "command_prefix", "master_grpc_port", "master_http_port"):
+    for name in ("namespace", "image", "command_prefix", "master_grpc_port", "master_http_port", "http_port"):
         parser.add_argument(f"--{name.replace('_', '-')}", default=None, help=describe(fields[name]))
     parser.add_argument("--reconcile-interval", default=None, help=describe(fields["reconcile_interval_s"]))
     parser.add_argument("--verbose", action="store_true", help="Log every handler call.")
@@ -27,7 +27,7 @@ def register(subparsers: Any) -> None:
 def settings_from(args: argparse.Namespace) -> OperatorSettings:
     base = from_env(OperatorSettings, os.environ, prefix="PHALANX_OPERATOR_")
     values: dict[str, Any] = {k: getattr(base, k) for k in OperatorSettings.__dataclass_fields__}
-    for name in ("namespace", "image", "command_prefix", "master_grpc_port", "master_http_port"):
+    for name in ("namespace", "image", "command_prefix", "master_grpc_port", "master_http_port", "http_port"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.reconcile_interval is not None:
@@ -43,8 +43,9 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     from kubernetes import client, config
 
-    from phalanx.operator.executor import Executor
+    from phalanx.operator.executor import Executor, read_metrics_token
     from phalanx.operator.handlers import install
+    from phalanx.operator.telemetry import loop_answers, serve
 
     settings = settings_from(args)
     logging.basicConfig(
@@ -60,13 +61,28 @@ def run(args: argparse.Namespace) -> int:
     # kopf would name itself after the login name, which a container run as a uid without a passwd entry
     # (any runAsUser, OpenShift's random ones) does not have: getpwuid() fails and the operator dies.
     identity: Any = f"phalanx-operator@{socket.gethostname()}/{os.getpid()}"  # kopf's Identity is a str
-    asyncio.run(
-        kopf.operator(
-            registry=registry,
-            identity=identity,
-            standalone=True,  # one operator per cluster; no kopf peering objects needed
-            clusterwide=not namespaces,
-            namespaces=namespaces,
-        )
-    )
+
+    async def operate() -> None:
+        loop = asyncio.get_running_loop()
+        server = None
+        if settings.http_port:
+            server = serve(
+                port=settings.http_port,
+                metrics=executor.metrics,
+                healthy=lambda: loop_answers(loop),
+                token=read_metrics_token(settings.metrics_token_file),
+            )
+        try:
+            await kopf.operator(
+                registry=registry,
+                identity=identity,
+                standalone=True,  # one operator per cluster; no kopf peering objects needed
+                clusterwide=not namespaces,
+                namespaces=namespaces,
+            )
+        finally:
+            if server is not None:
+                server.shutdown()
+
+    asyncio.run(operate())
     return 0

@@ -30,6 +30,7 @@ from phalanx.operator.reconcile import (
     reconcile,
 )
 from phalanx.operator.spec import gang_enabled
+from phalanx.operator.telemetry import OperatorMetrics
 
 log = logging.getLogger("phalanx.operator")
 
@@ -78,10 +79,13 @@ class Executor:
     """Observes and acts for one operator process. Passes of the same job never overlap (a lock per
     job), so an edge-triggered pass and the timer's pass never act on the same observation twice."""
 
-    def __init__(self, *, api: Any, settings: OperatorSettings) -> None:
+    def __init__(
+        self, *, api: Any, settings: OperatorSettings, metrics: OperatorMetrics | None = None
+    ) -> None:
         from kubernetes import client
 
         self.settings = settings
+        self.metrics = metrics or OperatorMetrics()
         self._metrics_token = read_metrics_token(settings.metrics_token_file)
         # Typed as Any: the operator passes plain dicts (the builders' output), which the client accepts.
         self.core: Any = client.CoreV1Api(api)
@@ -114,17 +118,30 @@ class Executor:
 
     def run_pass(self, *, namespace: str, name: str) -> list[Action]:
         """One reconciliation pass: observe, decide, act. Returns the actions carried out."""
-        observed = self.observe(namespace=namespace, name=name)
-        if observed is None:
-            return []
-        actions = reconcile(
-            observed,
-            now=time.time(),
-            settings=self.settings,
-            new_token=secrets.token_urlsafe(32),
-            metrics_token=self._metrics_token,
+        started = time.perf_counter()
+        try:
+            observed = self.observe(namespace=namespace, name=name)
+            if observed is None:
+                self.metrics.job_phase(namespace, name, None)
+                return []
+            actions = reconcile(
+                observed,
+                now=time.time(),
+                settings=self.settings,
+                new_token=secrets.token_urlsafe(32),
+                metrics_token=self._metrics_token,
+            )
+            self.apply(observed.job, actions)
+        except Exception:
+            self.metrics.passes.labels(result="error").inc()
+            raise
+        finally:
+            self.metrics.duration.observe(time.perf_counter() - started)
+        self.metrics.passes.labels(result="ok").inc()
+        phases = [a.status["phase"] for a in actions if isinstance(a, PatchStatus) and "phase" in a.status]
+        self.metrics.job_phase(
+            namespace, name, phases[-1] if phases else (observed.job.get("status") or {}).get("phase")
         )
-        self.apply(observed.job, actions)
         return actions
 
     def observe(self, *, namespace: str, name: str) -> Observed | None:
@@ -215,15 +232,16 @@ class Executor:
 
         ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
         for action in actions:
+            kind = type(action).__name__
+            self.metrics.actions.labels(action=kind).inc()
             try:
                 self._apply_one(job, action)
             except ApiException as exc:
-                log.warning(
-                    "%s/%s: %s failed: %s %s", ns, name, type(action).__name__, exc.status, exc.reason
-                )
+                self.metrics.action_failures.labels(action=kind).inc()
+                log.warning("%s/%s: %s failed: %s %s", ns, name, kind, exc.status, exc.reason)
                 if isinstance(action, Create):
-                    kind = action.obj["kind"]
-                    self._event(job, Event("Warning", "CreateFailed", f"cannot create {kind}: {exc.reason}"))
+                    what = action.obj["kind"]
+                    self._event(job, Event("Warning", "CreateFailed", f"cannot create {what}: {exc.reason}"))
 
     def _apply_one(self, job: Mapping[str, Any], action: Action) -> None:
         from kubernetes.client.exceptions import ApiException

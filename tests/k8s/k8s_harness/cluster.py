@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k8s_harness.controlplane import ControlPlane, write_kubeconfig
+from k8s_harness.controlplane import ControlPlane, free_port, write_kubeconfig
 
 ROOT = Path(__file__).resolve().parents[3]
 HARNESS = Path(__file__).resolve().parent
@@ -50,6 +50,8 @@ class Cluster:
     operator: subprocess.Popen[bytes] | None = None
     operator_kubeconfig: Path = Path()
     operator_starts: int = 0
+    operator_http: str = ""
+    """host:port of the operator's /healthz and /metrics."""
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -95,10 +97,14 @@ class Cluster:
         )
 
     def start_operator(self) -> None:
+        if not self.operator_http:  # kept across restarts: tests scrape the same address
+            self.operator_http = f"127.0.0.1:{free_port()}"
         env = {
             **os.environ,
             "KUBECONFIG": str(self.operator_kubeconfig),
             "PHALANX_OPERATOR_RECONCILE_INTERVAL_S": "1",
+            # Its /healthz and /metrics; a fixed port would clash with a second cluster on this machine.
+            "PHALANX_OPERATOR_HTTP_PORT": self.operator_http.rsplit(":", 1)[1],
             **self.extra_env,
         }
         env.pop("KUBERNETES_SERVICE_HOST", None)

@@ -1,0 +1,123 @@
+"""The operator's /healthz and /metrics server (phalanx.operator.telemetry), over real HTTP on loopback, and
+the executor's bookkeeping of passes, actions and phases behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from phalanx.api.settings import OperatorSettings
+from phalanx.operator import executor as executor_module
+from phalanx.operator.executor import Executor
+from phalanx.operator.reconcile import DeleteJob, Event, Observed, PatchStatus
+from phalanx.operator.telemetry import OperatorMetrics, loop_answers, serve
+
+TOKEN = "operator-metrics-token-0123456789"
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop running in a thread, as kopf's runs beside the server."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    if loop.is_running():
+        loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+
+
+def _server(metrics: OperatorMetrics, healthy: Any, token: str = TOKEN) -> str:
+    server = serve(port=0, metrics=metrics, healthy=healthy, token=token, host="127.0.0.1")
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_healthz_says_whether_the_event_loop_answers(loop: asyncio.AbstractEventLoop) -> None:
+    url = _server(OperatorMetrics(), lambda: loop_answers(loop, timeout_s=1))
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    blocked = threading.Event()
+    loop.call_soon_threadsafe(blocked.wait, 10)  # a handler that never yields: the loop is wedged
+    try:
+        response = httpx.get(f"{url}/healthz", timeout=5)
+        assert response.status_code == 503
+        assert "does not answer" in response.text
+    finally:
+        blocked.set()
+    assert httpx.get(f"{url}/healthz").status_code == 200, "answers again once the loop runs"
+    loop.call_soon_threadsafe(loop.stop)
+    threading.Event().wait(0.2)
+    assert httpx.get(f"{url}/healthz").status_code == 503, "a stopped loop is not healthy"
+
+
+def test_metrics_need_the_token_and_count_passes_actions_and_phases() -> None:
+    metrics = OperatorMetrics()
+    url = _server(metrics, lambda: True)
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+    metrics.passes.labels(result="ok").inc()
+    metrics.job_phase("ml", "gpt", "Running")
+    metrics.job_phase("ml", "bert", "Running")
+    metrics.job_phase("ml", "old", "Failed")
+    metrics.job_phase("ml", "old", None)  # deleted
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+    assert 'phalanx_operator_reconcile_passes_total{result="ok"} 1.0' in text
+    assert 'phalanx_operator_jobs{phase="Running"} 2.0' in text
+    assert 'phalanx_operator_jobs{phase="Failed"} 0.0' in text
+    assert "gpt" not in text, "no job names in labels"
+    assert httpx.get(f"{url}/nothing").status_code == 404
+
+
+def test_without_a_metrics_token_there_is_no_metrics_endpoint() -> None:
+    url = _server(OperatorMetrics(), lambda: True, token="")
+    assert httpx.get(f"{url}/metrics").status_code == 404
+    assert httpx.get(f"{url}/healthz").status_code == 200
+
+
+class _Refusing:
+    """The custom-objects API, refusing every write (the executor's only dependency in ``apply`` here)."""
+
+    def patch_namespaced_custom_object_status(self, *args: Any, **kwargs: Any) -> None:
+        raise ApiException(status=403, reason="Forbidden")
+
+    def delete_namespaced_custom_object(self, *args: Any, **kwargs: Any) -> None:
+        raise ApiException(status=403, reason="Forbidden")
+
+
+class _Events:
+    def create_namespaced_event(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def test_the_executor_counts_its_passes_actions_failures_and_the_jobs_phase(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    executor = Executor(api=client.ApiClient(), settings=OperatorSettings())
+    executor.custom, executor.core = _Refusing(), _Events()
+    job = {"metadata": {"name": "j", "namespace": "ns", "uid": "u"}, "spec": {}, "status": {}}
+    actions = [PatchStatus({"phase": "Running"}), Event("Normal", "Running", "x"), DeleteJob("x")]
+    monkeypatch.setattr(executor, "observe", lambda **_: Observed(job=job))
+    monkeypatch.setattr(executor_module, "reconcile", lambda *_, **__: actions)
+    executor.run_pass(namespace="ns", name="j")
+    m = executor.metrics
+    assert m.passes.labels(result="ok")._value.get() == 1
+    assert m.actions.labels(action="PatchStatus")._value.get() == 1
+    assert m.action_failures.labels(action="PatchStatus")._value.get() == 1
+    assert m.action_failures.labels(action="DeleteJob")._value.get() == 1
+    assert m.action_failures.labels(action="Event")._value.get() == 0
+    assert m.phase_counts()["Running"] == 1
+
+    def unreachable(**_: Any) -> Observed:
+        raise RuntimeError("apiserver down")
+
+    monkeypatch.setattr(executor, "observe", unreachable)
+    with pytest.raises(RuntimeError):
+        executor.run_pass(namespace="ns", name="j")
+    assert m.passes.labels(result="error")._value.get() == 1
