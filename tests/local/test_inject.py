@@ -21,6 +21,12 @@ def test_parse_forms() -> None:
     assert (slow.kind, slow.node, slow.latency_s, slow.for_s) == ("delay-node", 1, 1.2, None)
     cut = parse("partition-node@step=15,node=1,for=6s")
     assert (cut.kind, cut.step, cut.for_s) == ("partition-node", 15, 6.0)
+    assert parse("slow-network@after=5s,node=2,rate=20mbit").rate_bit_s == 20_000_000
+    assert parse("slow-network@after=5s,rate=1.5gbit,for=10s").rate_bit_s == 1_500_000_000
+    assert parse("slow-network@after=5s,rate=64kbit").rate_bit_s == 64_000
+    assert parse("slow-cpu@step=10,node=1,cpu=200m").cpus == 0.2
+    cpu = parse("slow-cpu@step=10,cpu=1.5,for=3s")
+    assert (cpu.kind, cpu.cpus, cpu.for_s) == ("slow-cpu", 1.5, 3.0)
 
 
 def test_due() -> None:
@@ -50,6 +56,16 @@ def test_due() -> None:
         ("partition-node@after=1s,for=0s", "for= must be above 0"),
         ("partition-node@after=1s,rank=1", "partition-node does not take rank="),
         ("kill-node@after=1s,for=2s", "kill-node does not take for="),
+        ("slow-network@after=1s", "needs rate=, e.g. slow-network@after=10s,rate=20mbit"),
+        ("slow-network@after=1s,rate=20", "rate= takes a number and one of bit, kbit, mbit, gbit"),
+        ("slow-network@after=1s,rate=20mbps", "rate= takes a number"),
+        ("slow-network@after=1s,rate=4kbit", "at least 8kbit"),
+        ("slow-network@after=1s,rate=1mbit,rank=0", "slow-network does not take rank="),
+        ("slow-cpu@after=1s", "needs cpu=, e.g. slow-cpu@after=10s,cpu=200m"),
+        ("slow-cpu@after=1s,cpu=fast", "cpu= takes CPUs as Kubernetes writes them"),
+        ("slow-cpu@after=1s,cpu=5m", "at least 10m"),
+        ("slow-cpu@after=1s,cpu=nan", "at least 10m"),
+        ("slow-cpu@after=1s,rate=1mbit", "slow-cpu does not take rate="),
     ],
 )
 def test_errors_say_what_is_wrong(spec: str, message: str) -> None:

@@ -378,6 +378,11 @@ class StragglerSettings:
     link_threshold: float = setting(
         0.8, doc="A probe pair whose all-gather bandwidth is below this fraction of the median is slow."
     )
+    confirm_rounds: int = setting(
+        2,
+        doc="Probe rounds in a row that must find a node slow before it is evicted (a failed probe needs no "
+        "confirmation); the confirming rounds start at once. 1: the first verdict evicts.",
+    )
     step_factor: float = setting(
         1.5, doc="A rank whose median step interval exceeds this multiple of the ranks' median lags."
     )
@@ -402,7 +407,7 @@ class StragglerSettings:
             )
         if self.step_factor <= 1:
             raise ConfigError(f"must be greater than 1, got {self.step_factor}", field="step_factor")
-        for name in ("step_window", "step_min_samples"):
+        for name in ("step_window", "step_min_samples", "confirm_rounds"):
             _positive(getattr(self, name), name)
         if self.step_min_samples > self.step_window:
             raise ConfigError(

@@ -27,9 +27,16 @@ def register(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="KIND@key=value,...",
-        help="Fault to inject: kill-worker, kill-node, hang-worker, kill-master, delay-node (latency=) or "
-        "partition-node, with step=, after=, node=, rank=, for= (e.g. kill-worker@step=20,node=1,rank=0, "
-        "partition-node@after=10s,node=1,for=5s). Repeatable.",
+        help="Fault to inject: kill-worker, kill-node, hang-worker, kill-master, delay-node (latency=), "
+        "partition-node, slow-network (rate=) or slow-cpu (cpu=), with step=, after=, node=, rank=, for= "
+        "(e.g. kill-worker@step=20,node=1,rank=0, partition-node@after=10s,node=1,for=5s, "
+        "slow-network@after=5s,node=2,rate=20mbit, slow-cpu@step=10,node=1,cpu=200m). Repeatable.",
+    )
+    p.add_argument(
+        "--private-network",
+        action="store_true",
+        help="Run each node in a network namespace of its own, joined by a private switch, as Pods are "
+        "(slow-network implies it; needs root).",
     )
     p.add_argument("--summary-json", type=Path, default=None, help="Write the run summary here as JSON.")
     p.add_argument("--max-replacements", type=int, default=3, help="Evicted nodes that get a replacement.")
@@ -94,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             timeout_s=parse_duration(args.timeout, name="timeout"),
             job_id=args.job_id,
             replace_delay_s=parse_duration(args.replace_delay, name="replace-delay"),
+            private_network=args.private_network,
         )
         return LocalCluster(options).run()
 

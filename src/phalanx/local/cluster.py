@@ -12,9 +12,11 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +26,9 @@ import httpx
 
 from phalanx.agent.env import beacon_path
 from phalanx.agent.supervisor import SHM_DIR
-from phalanx.local import procs
-from phalanx.local.inject import NETWORK_KINDS, Injection
+from phalanx.local import fabric, procs
+from phalanx.local.cpulimit import CpuGroup
+from phalanx.local.inject import LASTING_KINDS, NETWORK_KINDS, SLOW_KINDS, Injection
 from phalanx.local.relay import Relay
 from phalanx.local.report import FailureRecord, Summary, table
 
@@ -54,6 +57,8 @@ class LocalOptions:
     """Time between an eviction and the start of its replacement (a Kubernetes Pod takes a while too)."""
     show_output: bool = False
     job_id: str = ""
+    private_network: bool = False
+    """Each node in a network namespace of its own (:mod:`phalanx.local.fabric`); slow-network implies it."""
 
 
 class LocalCluster:
@@ -83,7 +88,13 @@ class LocalCluster:
         self.due_replacements: list[tuple[float, str]] = []
         self.pending: list[Injection] = list(options.injections)
         self.relays: dict[str, Relay] = {}
-        """The nodes with network faults to come reach the master through a relay (node id -> relay)."""
+        """The nodes with network faults to come reach the master through a relay (node id -> relay), and so
+        do all nodes on a private network."""
+        self.fabric: fabric.Fabric | None = None
+        self.nets: dict[str, fabric.NodeNet] = {}
+        self.sockets: Path | None = None
+        """Where the relays' Unix sockets are: a short path (a socket's path has at most 107 bytes)."""
+        self.cpu_groups: dict[str, CpuGroup] = {}
         self.due_heals: list[tuple[float, Injection]] = []
         self.summary = Summary(job_id=self.job_id)
         self.t0 = 0.0
@@ -109,12 +120,14 @@ class LocalCluster:
         o = self.o
         relay = self.relays.get(node_id)
         endpoint = relay.address if relay is not None else self.master.grpc_addr
+        net = self.nets.get(node_id)
         return [
             sys.executable, "-m", "phalanx.cli.run",
             "--nnodes", f"{o.min_nodes}:{o.max_nodes}", "--nproc-per-node", str(o.nproc_per_node),
             "--rdzv-endpoint", endpoint, "--rdzv-id", self.job_id, "--node-id", node_id,
             "--token-file", str(self.token_file), "--log-dir", str(self.workdir / node_id),
-            "--max-restarts", str(o.max_restarts), "--local-addr", "127.0.0.1", *o.agent_args,
+            "--max-restarts", str(o.max_restarts), "--local-addr", net.address if net else "127.0.0.1",
+            *o.agent_args,
             o.script, *o.script_args,
         ]  # fmt: skip
 
@@ -122,15 +135,26 @@ class LocalCluster:
         index = self.next_index
         self.next_index += 1
         node_id = f"node-{index}"
-        if any(inj.kind in NETWORK_KINDS and inj.node == index for inj in self.pending):
-            self.relays[node_id] = relay = Relay(self.master.grpc_addr)
-            relay.start()
+        targeted = {inj.kind for inj in self.pending if inj.node == index}
         env = dict(os.environ)
         env.pop("PHALANX_TOKEN_FILE", None)
+        if self.fabric is not None:
+            self.nets[node_id] = self.fabric.add_node(index)
+            env["GLOO_SOCKET_IFNAME"] = fabric.IFNAME  # the host name resolves to loopback in there
+        if self.fabric is not None or targeted & set(NETWORK_KINDS):
+            unix_path = self.sockets / f"{node_id}.sock" if self.sockets is not None else None
+            self.relays[node_id] = relay = Relay(self.master.grpc_addr, unix_path=unix_path)
+            relay.start()
+        argv = self._agent_argv(node_id)
+        if "slow-cpu" in targeted:
+            self.cpu_groups[node_id] = group = CpuGroup(f"phalanx-{self.job_id}-{node_id}")
+            argv = group.wrap(argv)
+        if node_id in self.nets:
+            argv = self.nets[node_id].enter(argv)
         node = procs.start_node(
             index=index,
             node_id=node_id,
-            argv=self._agent_argv(node_id),
+            argv=argv,
             log=self.workdir / f"{node_id}.log",
             env=env,
             now=self.elapsed(),
@@ -142,6 +166,15 @@ class LocalCluster:
         procs.kill_tree(node.proc.pid)
         node.proc.wait()
         node.killed = True
+        self._release(node)
+
+    def _release(self, node: procs.NodeProc) -> None:
+        """Gives back what the node ran in: its network namespace and its cgroup (its processes are gone)."""
+        if self.fabric is not None and self.nets.pop(node.node_id, None) is not None:
+            self.fabric.remove_node(node.index)
+        group = self.cpu_groups.pop(node.node_id, None)
+        if group is not None:
+            group.remove()
 
     def stop_nodes(self) -> None:
         """Ends the nodes still running as Kubernetes ends Pods: SIGTERM, on which each agent persists its
@@ -197,7 +230,7 @@ class LocalCluster:
         kind, node = ev.get("kind", ""), ev.get("node", "")
         text = f"{kind:<18} {node:<8} {ev.get('message', '')}".rstrip()
         self.say(f"event {text}")
-        if kind in ("failure", "node_disconnected", "node_lost", "hang", "eviction_requested"):
+        if kind in ("failure", "node_disconnected", "node_lost", "hang", "eviction_requested", "slow_steps"):
             for f in self.summary.failures:
                 if f.detected_at is None and (not node or node == f.node) and f.kind != "kill-master":
                     f.detected_at = ev["at"]
@@ -223,7 +256,7 @@ class LocalCluster:
         for f in self.summary.failures:
             if f.recovered_at is not None:
                 continue
-            if f.kind in NETWORK_KINDS and f.detected_at is None:
+            if f.kind in LASTING_KINDS and f.detected_at is None:
                 continue  # the job did not notice the network fault: there is nothing to recover from
             # Recovery means a step completed by the recovered job: after a new round formed (workers
             # restarted), or, for a master kill, after the master answers again (workers never stopped).
@@ -288,6 +321,8 @@ class LocalCluster:
                 what = "SIGKILL agent and workers"
             elif inj.kind in NETWORK_KINDS:
                 what = self._net_fault(inj, target)
+            elif inj.kind in SLOW_KINDS:
+                what = self._slow_fault(inj, target)
             else:
                 self.master.kill()
                 what = "SIGKILL master"
@@ -311,17 +346,39 @@ class LocalCluster:
         self.due_heals.append((self.elapsed() + inj.for_s, inj))
         return f"{what} for {inj.for_s:g}s"
 
+    def _slow_fault(self, inj: Injection, node_id: str) -> str:
+        if inj.kind == "slow-network":
+            assert self.fabric is not None
+            self.fabric.throttle(inj.node, rate_bit_s=inj.rate_bit_s)
+            what = f"its network limited to {inj.rate_bit_s / 1e6:g} Mbit/s each way"
+        else:
+            self.cpu_groups[node_id].limit(inj.cpus)
+            what = f"its processes capped at {inj.cpus:g} CPUs"
+        if inj.for_s is None:
+            return what
+        self.due_heals.append((self.elapsed() + inj.for_s, inj))
+        return f"{what} for {inj.for_s:g}s"
+
     def _heal(self) -> None:
         for due, inj in list(self.due_heals):
             if self.elapsed() < due:
                 continue
             self.due_heals.remove((due, inj))
-            relay = self.relays[f"node-{inj.node}"]
+            node_id = f"node-{inj.node}"
+            if inj.kind in SLOW_KINDS and node_id not in (
+                self.nets if inj.kind == "slow-network" else self.cpu_groups
+            ):
+                continue  # the node was evicted meanwhile: there is nothing left to heal
             if inj.kind == "delay-node":
-                relay.latency_s = 0.0
+                self.relays[node_id].latency_s = 0.0
+            elif inj.kind == "partition-node":
+                self.relays[node_id].heal()
+            elif inj.kind == "slow-network":
+                assert self.fabric is not None
+                self.fabric.unthrottle(inj.node)
             else:
-                relay.heal()
-            self.say(f"HEAL {inj.kind} on node-{inj.node}")
+                self.cpu_groups[node_id].unlimit()
+            self.say(f"HEAL {inj.kind} on {node_id}")
 
     def _carry_out_evictions(self) -> None:
         for ev in self.job.get("evictions", []) or []:
@@ -376,6 +433,10 @@ class LocalCluster:
     def run(self) -> int:
         self.t0 = time.monotonic()
         self.t0_unix_ns = time.time_ns()
+        if self.o.private_network or any(inj.kind == "slow-network" for inj in self.pending):
+            fabric.check_privileges()
+            self.sockets = Path(tempfile.mkdtemp(prefix="phx-"))
+            self.fabric = fabric.Fabric()
         self.master.start()
         self.http = httpx.Client(
             base_url=f"http://{self.master.http_addr}",
@@ -395,6 +456,12 @@ class LocalCluster:
             self.master.kill()
             for relay in self.relays.values():
                 relay.close()
+            for node in self.nodes.values():
+                self._release(node)
+            if self.fabric is not None:
+                self.fabric.close()
+            if self.sockets is not None:
+                shutil.rmtree(self.sockets, ignore_errors=True)
             self.http.close()
             # Killed agents could not remove their beacons.
             for stale in SHM_DIR.glob(f"phalanx-{self.job_id}-*.beacon"):

@@ -3,10 +3,13 @@
 Form: ``KIND@key=value,...``. Kinds: ``kill-worker`` (SIGKILL one rank), ``kill-node`` (SIGKILL an agent
 and its workers), ``hang-worker`` (SIGSTOP one rank), ``kill-master`` (SIGKILL the master and restart it
 on the same state), ``delay-node`` (add ``latency=`` each way to the node's link to the master) and
-``partition-node`` (cut that link: silence, no error; see :mod:`phalanx.local.relay`). Keys: ``step=``
-(fire when the rank's beacon reaches that step), ``after=`` (seconds since the job started), ``node=``
-(node index, default 0), ``rank=`` (local rank, default 0), ``for=`` (the network faults: heal after
-this long; default never). A spec needs ``step`` or ``after``; with both, both must hold.
+``partition-node`` (cut that link: silence, no error; see :mod:`phalanx.local.relay`), ``slow-network``
+(limit all of the node's traffic with the other nodes to ``rate=``, e.g. ``rate=20mbit``; see
+:mod:`phalanx.local.fabric`) and ``slow-cpu`` (cap the node's processes at ``cpu=`` CPUs, e.g. ``cpu=200m``;
+see :mod:`phalanx.local.cpulimit`). Keys: ``step=`` (fire when the rank's beacon reaches that step),
+``after=`` (seconds since the job started), ``node=`` (node index, default 0), ``rank=`` (local rank,
+default 0), ``for=`` (the lasting faults: heal after this long; default never). A spec needs ``step`` or
+``after``; with both, both must hold.
 """
 
 from __future__ import annotations
@@ -16,9 +19,17 @@ from dataclasses import dataclass
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import parse_duration
 
-KINDS = ("kill-worker", "kill-node", "hang-worker", "kill-master", "delay-node", "partition-node")
+KINDS = (
+    "kill-worker", "kill-node", "hang-worker", "kill-master", "delay-node", "partition-node", "slow-network",
+    "slow-cpu",
+)  # fmt: skip
 NETWORK_KINDS = ("delay-node", "partition-node")
 """Faults of a node's link to the master: the node reaches the master through a relay."""
+SLOW_KINDS = ("slow-network", "slow-cpu")
+"""Faults that leave the node working, only slower: the job may notice them or not."""
+LASTING_KINDS = NETWORK_KINDS + SLOW_KINDS
+"""Faults that last until healed (``for=``) or until the end."""
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _KEYS = {
     "kill-worker": {"step", "after", "node", "rank"},
     "hang-worker": {"step", "after", "node", "rank"},
@@ -26,6 +37,8 @@ _KEYS = {
     "kill-master": {"step", "after"},
     "delay-node": {"step", "after", "node", "latency", "for"},
     "partition-node": {"step", "after", "node", "for"},
+    "slow-network": {"step", "after", "node", "rate", "for"},
+    "slow-cpu": {"step", "after", "node", "cpu", "for"},
 }
 
 
@@ -37,8 +50,12 @@ class Injection:
     node: int = 0
     rank: int = 0
     latency_s: float = 0.0
+    rate_bit_s: int = 0
+    """slow-network: the node's bandwidth, bits per second, each way."""
+    cpus: float = 0.0
+    """slow-cpu: CPU-seconds per second the node's processes may use together."""
     for_s: float | None = None
-    """How long a network fault lasts (None: until the end)."""
+    """How long a lasting fault lasts (None: until the end)."""
     spec: str = ""
 
     def due(self, *, step: int, elapsed_s: float) -> bool:
@@ -56,6 +73,36 @@ def _int(value: str, *, key: str, spec: str) -> int:
     if number < 0:
         raise ConfigError(f"{key}= cannot be negative in {spec!r}", field="inject")
     return number
+
+
+def _rate(value: str, *, spec: str) -> int:
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = value[len(number) :]
+    try:
+        rate = float(number) * _RATE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(
+            f"rate= takes a number and one of {', '.join(_RATE_UNITS)}, e.g. rate=20mbit; "
+            f"got {value!r} in {spec!r}",
+            field="inject",
+        ) from None
+    if rate < 8000:  # below one 1 KiB packet a second TCP gives up on everything
+        raise ConfigError(f"rate= must be at least 8kbit, got {value!r} in {spec!r}", field="inject")
+    return round(rate)
+
+
+def _cpus(value: str, *, spec: str) -> float:
+    """A Kubernetes CPU quantity: ``250m`` or ``0.25``."""
+    try:
+        cpus = float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+    except ValueError:
+        raise ConfigError(
+            f"cpu= takes CPUs as Kubernetes writes them, e.g. cpu=200m or cpu=0.2; got {value!r} in {spec!r}",
+            field="inject",
+        ) from None
+    if not cpus >= 0.01:
+        raise ConfigError(f"cpu= must be at least 10m, got {value!r} in {spec!r}", field="inject")
+    return cpus
 
 
 def parse(spec: str) -> Injection:
@@ -87,6 +134,10 @@ def parse(spec: str) -> Injection:
     latency = parse_duration(values["latency"], name="inject latency") if "latency" in values else 0.0
     if kind == "delay-node" and latency <= 0:
         raise ConfigError(f"{spec!r} needs latency= above 0, e.g. latency=300ms", field="inject")
+    for key, kind_needing in (("rate", "slow-network"), ("cpu", "slow-cpu")):
+        if kind == kind_needing and key not in values:
+            example = "rate=20mbit" if key == "rate" else "cpu=200m"
+            raise ConfigError(f"{spec!r} needs {key}=, e.g. {kind}@after=10s,{example}", field="inject")
     for_s = parse_duration(values["for"], name="inject for") if "for" in values else None
     if for_s is not None and for_s <= 0:
         raise ConfigError(
@@ -99,6 +150,8 @@ def parse(spec: str) -> Injection:
         node=_int(values.get("node", "0"), key="node", spec=spec),
         rank=_int(values.get("rank", "0"), key="rank", spec=spec),
         latency_s=latency,
+        rate_bit_s=_rate(values["rate"], spec=spec) if "rate" in values else 0,
+        cpus=_cpus(values["cpu"], spec=spec) if "cpu" in values else 0.0,
         for_s=for_s,
         spec=spec,
     )

@@ -12,7 +12,8 @@ relay's address). The relay behaves as TCP does over a bad network:
   reaches the master only when the link heals.
 
 It runs in user space because ``phalanx local`` needs no privileges; only the agent's traffic with the
-master goes through it, not the workers' collectives.
+master goes through it, not the workers' collectives. A node in a network namespace of its own (see
+:mod:`phalanx.local.fabric`) reaches its relay at a Unix socket, which every namespace can open.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import collections
 import contextlib
 import threading
+from pathlib import Path
 
 __all__ = ["Relay"]
 
@@ -28,9 +30,11 @@ _CHUNK = 64 * 1024
 
 
 class Relay:
-    """Relays ``127.0.0.1:<port>`` to ``target`` (``host:port``) on a thread of its own."""
+    """Relays ``127.0.0.1:<port>`` (or the Unix socket ``unix_path``) to ``target`` (``host:port``) on a
+    thread of its own."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, *, unix_path: Path | None = None) -> None:
+        self._unix_path = unix_path
         host, _, port = target.rpartition(":")
         self._target = (host, int(port))
         self._loop = asyncio.new_event_loop()
@@ -46,7 +50,7 @@ class Relay:
         """Starts listening; returns the address to give the agent instead of the master's."""
         self._thread.start()
         port = asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=10)
-        self.address = f"127.0.0.1:{port}"
+        self.address = f"unix:{self._unix_path}" if self._unix_path is not None else f"127.0.0.1:{port}"
         return self.address
 
     def cut(self) -> None:
@@ -70,6 +74,9 @@ class Relay:
 
     async def _serve(self) -> int:
         self._up.set()
+        if self._unix_path is not None:
+            self._server = await asyncio.start_unix_server(self._accept, self._unix_path)
+            return 0
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         return int(self._server.sockets[0].getsockname()[1])
 

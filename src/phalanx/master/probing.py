@@ -24,7 +24,11 @@ every kind or ``probes.timeout_s`` passed; a missing report is a failed measurem
 
 * high-confidence suspects are evicted through the normal eviction path (event ``probe_failed`` or
   ``straggler`` with the reason sentence, ``eviction_requested``, failure-channel log line,
-  ``phalanx_evictions_total{reason="probe_failed"|"straggler"}``), and the rendezvous round reopens;
+  ``phalanx_evictions_total{reason="probe_failed"|"straggler"}``), and the rendezvous round reopens. A
+  failed probe (an error, a wrong result, no report) evicts at once. A slow node (a straggler) is evicted
+  only when ``probes.stragglers.confirm_rounds`` rounds in a row find it slow: a measurement on a busy
+  host can be slow once, and an eviction costs the job a restart. The confirming rounds start as soon as
+  the previous one ends (trigger ``confirming ...``); a round that finds the node fast again clears it;
 * low-confidence verdicts only produce the event;
 * when more than half of the members would be evicted, or no member reported at all, the round is
   ``inconclusive`` and evicts nobody: a broken probe setup must not empty the job;
@@ -169,6 +173,8 @@ class ProbeCore(JobCore):
     probed_round: int = 0
     """Rendezvous round of the latest probe round (for ``on_round_complete``)."""
     last_probe_at: float | None = None
+    slow_streaks: dict[str, int]
+    """node -> probe rounds in a row that found it slow (a high-confidence straggler), while unconfirmed."""
 
     def __init__(
         self, *, settings: MasterSettings, now: float, saved: Mapping[str, Any] | None = None
@@ -178,6 +184,7 @@ class ProbeCore(JobCore):
         self.slow_ranks: dict[int, dict[str, Any]] = {}
         """Ranks of the running round whose step intervals lag the others' (``slow_ranks`` of /v1/job)."""
         self._step_checked_at = now
+        self.slow_streaks = {}
         if saved is not None:
             # Probe ids stay unique across master restarts, so a report to the old master stays stale.
             self.next_probe = int(saved.get("next_probe", 1))
@@ -188,6 +195,7 @@ class ProbeCore(JobCore):
             **super().status(),
             "probe": self.probe.view() if self.probe else None,
             "slow_ranks": [self.slow_ranks[r] for r in sorted(self.slow_ranks)],
+            "unconfirmed_stragglers": dict(sorted(self.slow_streaks.items())),
         }
 
     def durable(self) -> dict[str, Any]:
@@ -315,7 +323,14 @@ class ProbeCore(JobCore):
         if self._cannot_probe() or self.round is None:
             return
         trigger = ""
-        if cfg.on_round_complete and self.round_number > self.probed_round:
+        members = self._probe_members()
+        self.slow_streaks = {n: c for n, c in self.slow_streaks.items() if n in members}
+        if self.slow_streaks:
+            need = cfg.stragglers.confirm_rounds
+            trigger = "confirming " + ", ".join(
+                f"{n} (slow in {c} of {need} rounds)" for n, c in sorted(self.slow_streaks.items())
+            )
+        elif cfg.on_round_complete and self.round_number > self.probed_round:
             trigger = f"rendezvous round {self.round_number} completed"
         elif cfg.interval_s > 0 and now - (self.last_probe_at or self.round.completed_at) >= cfg.interval_s:
             trigger = f"every {cfg.interval_s:g}s"
@@ -379,8 +394,15 @@ class ProbeCore(JobCore):
             failure_log.warning("probe round %d: %s", probe.id, why, extra={"round": probe.rendezvous_round})
             self._end_probe(probe, "inconclusive", now=now, why=why)
             return
+        failed = {v.node_id for v in probe.verdicts if v.confidence == "high" and v.kind == "probe_failed"}
+        slow = set(high) - failed
+        # A node found fast (or not measured) in this round starts over.
+        self.slow_streaks = {n: self.slow_streaks.get(n, 0) + 1 for n in sorted(slow)}
+        confirmed = {n for n, c in self.slow_streaks.items() if c >= cfg.stragglers.confirm_rounds}
         for node_id in high:
-            self._evict_suspect(probe, node_id, now=now)
+            if node_id in failed or node_id in confirmed:
+                self.slow_streaks.pop(node_id, None)
+                self._evict_suspect(probe, node_id, now=now)
         if probe.evicted:
             result = "evicted"
         elif probe.verdicts:
@@ -390,6 +412,8 @@ class ProbeCore(JobCore):
         summary = (
             f"evicted {', '.join(probe.evicted)}" if probe.evicted else f"{len(probe.verdicts)} verdict(s)"
         )
+        if self.slow_streaks:
+            summary += f"; {', '.join(sorted(self.slow_streaks))} slow, to be confirmed"
         self._end_probe(probe, result, now=now, why=summary)
 
     def _evict_suspect(self, probe: ProbeRound, node_id: str, *, now: float) -> None:

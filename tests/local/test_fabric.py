@@ -1,0 +1,136 @@
+"""The private network and the CPU cap of ``phalanx local``'s slow faults, on the real kernel: network
+namespaces joined by a bridge, a ``tbf`` token bucket on a node's port, a cgroup's CFS quota."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from phalanx.local.cpulimit import CpuGroup
+from phalanx.local.fabric import Fabric
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+PORT = 5000
+RECEIVE = f"""
+import socket, sys, time
+srv = socket.create_server(("0.0.0.0", {PORT}))
+print("listening", flush=True)
+conn, _ = srv.accept()
+total = 0
+start = None
+while data := conn.recv(1 << 16):
+    start = start or time.monotonic()
+    total += len(data)
+print(total, time.monotonic() - start, flush=True)
+"""
+SEND = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20) as s:
+    s.sendall(b"x" * int(sys.argv[3]))
+"""
+
+
+@pytest.fixture
+def fab(namespaces: None) -> Iterator[Fabric]:
+    f = Fabric()
+    f.add_node(0)
+    f.add_node(1)
+    yield f
+    f.close()
+
+
+def transfer(fab: Fabric, *, sender: int, receiver: int, nbytes: int) -> float:
+    """Seconds from the first byte received to the last, ``nbytes`` sent from one node to the other."""
+    recv = subprocess.Popen(
+        fab.nodes[receiver].enter([sys.executable, "-c", RECEIVE]), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert recv.stdout is not None
+        assert recv.stdout.readline() == "listening\n"
+        subprocess.run(
+            fab.nodes[sender].enter(
+                [sys.executable, "-c", SEND, fab.nodes[receiver].address, str(PORT), str(nbytes)]
+            ),
+            check=True,
+            timeout=30,
+        )
+        got, seconds = recv.stdout.readline().split()
+        assert int(got) == nbytes
+        return float(seconds)
+    finally:
+        recv.kill()
+        recv.communicate()
+
+
+def test_nodes_reach_each_other_over_the_switch_and_not_the_host(fab: Fabric) -> None:
+    assert transfer(fab, sender=1, receiver=0, nbytes=1000) < 5
+    with socket.create_server(("127.0.0.1", 0)) as host_listener:  # on the host's loopback
+        port = host_listener.getsockname()[1]
+        probe = subprocess.run(
+            fab.nodes[1].enter([sys.executable, "-c", SEND, "127.0.0.1", str(port), "1"]),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    assert probe.returncode != 0
+    assert "ConnectionRefusedError" in probe.stderr  # the node's loopback is its own
+
+
+def test_a_throttled_node_sends_and_receives_at_its_rate(fab: Fabric) -> None:
+    nbytes = 1 << 20  # 1 MiB: 1.05 s at 8 Mbit/s
+    assert transfer(fab, sender=1, receiver=0, nbytes=nbytes) < 0.3
+    fab.throttle(1, rate_bit_s=8_000_000)
+    for sender, receiver in ((1, 0), (0, 1)):  # both directions of node-1's port
+        seconds = transfer(fab, sender=sender, receiver=receiver, nbytes=nbytes)
+        assert 0.7 < seconds < 3.0, (sender, receiver, seconds)
+    fab.unthrottle(1)
+    assert transfer(fab, sender=0, receiver=1, nbytes=nbytes) < 0.3
+
+
+def test_closing_the_fabric_ends_its_namespaces(namespaces: None) -> None:
+    fab = Fabric()
+    node = fab.add_node(3)
+    assert node.address == "10.250.0.5"
+    holders = [node.holder, fab._switch]
+    netns = Path(f"/proc/{node.holder.pid}/ns/net").readlink()
+    assert netns != Path("/proc/self/ns/net").readlink()
+    fab.close()
+    assert all(h.poll() is not None for h in holders)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks of 10 ms
+
+
+def _cpu_share(pid: int, *, over_s: float) -> float:
+    before, start = _cpu_seconds(pid), time.monotonic()
+    time.sleep(over_s)
+    return (_cpu_seconds(pid) - before) / (time.monotonic() - start)
+
+
+def test_a_capped_group_gets_its_share_of_cpu_and_no_more(cgroups: None) -> None:
+    group = CpuGroup(f"phalanx-test-{time.time_ns()}")
+    busy = subprocess.Popen(group.wrap([sys.executable, "-c", "while True: pass"]))
+    try:
+        time.sleep(0.3)
+        assert str(busy.pid) in (group.path / "cgroup.procs").read_text().split()
+        group.limit(0.2)
+        assert _cpu_share(busy.pid, over_s=2.0) < 0.3
+        assert group.throttled_s() > 0.5
+        group.unlimit()
+        time.sleep(0.2)  # the period the quota ran out in
+        held = group.throttled_s()
+        time.sleep(1.0)  # the loop runs as the load of the machine lets it, and the kernel no longer holds it
+        assert group.throttled_s() == held
+    finally:
+        group.remove()  # kills what is left in it
+        busy.wait(timeout=5)
+    assert not group.path.exists()

@@ -1,0 +1,89 @@
+"""A node that still works, only slower, is found by the master's health probes and replaced, MegaScale's
+order, with the fault made for real: a node whose network the kernel limits (a token bucket on its port of
+a private switch, phalanx.local.fabric) and a node whose CPU time a cgroup caps (phalanx.local.cpulimit).
+The job is examples/ddp_mlp.py: gloo all-reduces over that network, a checkpoint every step."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.agent.helpers import phalanx_local
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp_mlp.py"
+
+
+def run(tmp: Path, *args: str, steps: int) -> tuple[int, dict[str, Any], str]:
+    summary = tmp / "summary.json"
+    proc = phalanx_local(
+        [
+            "--nodes", "2:3", "--nproc-per-node", "1", "--agent-arg=--no-warm-spares",
+            "--workdir", str(tmp / "wd"), "--summary-json", str(summary),
+            "--master-arg=--probes-enabled=true", "--master-arg=--probes-interval-s=4", *args,
+            "--", str(EXAMPLE), "--steps", str(steps), "--step-time", "0.05", "--ckpt", str(tmp / "ckpt.pt"),
+        ],
+        cwd=tmp,
+        timeout=220,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert summary.exists(), out
+    return proc.returncode, json.loads(summary.read_text()), out
+
+
+def probe_verdicts(out: str) -> list[str]:
+    return re.findall(r"event straggler\s+(node-\d+)", out)
+
+
+def test_a_node_on_a_slow_network_is_found_by_the_all_gather_probes_and_replaced(
+    tmp_path: Path, namespaces: None
+) -> None:
+    code, s, out = run(
+        tmp_path,
+        "--master-arg=--probes-kinds=allgather",
+        "--inject", "slow-network@after=8s,node=2,rate=100mbit",
+        steps=600,
+    )  # fmt: skip
+    assert code == 0, out
+    assert s["exit"] == "succeeded"
+    assert "host 10.250.0.2" in out  # each node registered with its address on the private switch
+    # Only node-2 is judged, from its two pairs, and only after its network was limited.
+    assert set(probe_verdicts(out)) == {"node-2"}, out
+    [eviction] = s["evictions"]
+    assert eviction["node_id"] == "node-2"
+    assert eviction["kind"] == "straggler"
+    assert "node-2 is in 2 bad all-gather pairs" in eviction["reason"]
+    assert eviction["replacement"] == "node-3"
+    [fault] = s["failures"]
+    assert fault["detected_at"] is not None, out
+    assert fault["recovered_at"] is not None, out
+    assert fault["steps_lost"] <= 1  # a checkpoint every step: at most the step in flight
+    assert s["steps_completed"] == 600
+
+
+def test_a_node_with_a_capped_cpu_is_found_by_the_matmul_probe_and_replaced(
+    tmp_path: Path, cgroups: None
+) -> None:
+    code, s, out = run(
+        tmp_path,
+        "--master-arg=--probes-kinds=matmul",
+        "--inject", "slow-cpu@after=8s,node=1,cpu=150m",
+        steps=500,
+    )  # fmt: skip
+    assert code == 0, out
+    assert s["exit"] == "succeeded"
+    assert set(probe_verdicts(out)) == {"node-1"}, out
+    [eviction] = s["evictions"]
+    assert eviction["node_id"] == "node-1"
+    assert "node-1's slowest device reached" in eviction["reason"]
+    assert eviction["replacement"] == "node-3"
+    [fault] = s["failures"]
+    assert fault["recovered_at"] is not None, out
+    assert s["steps_completed"] == 500
+    # The node's cgroup went with it.
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/phalanx-{s['job_id']}-*")), "a cgroup was left behind"
