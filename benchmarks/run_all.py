@@ -20,6 +20,7 @@ BENCHMARKS = {
     "checkpoint": ["--size-gb", "1"],
     "regroup": ["--runs", "5"],
     "master_capacity": [],
+    "isolation": ["--runs", "3"],
 }
 
 

@@ -72,6 +72,11 @@ INVALID = [
     ("unknown-probe", _with("spec.healthChecks", {"probes": ["ping"]}), 'supported values: "matmul"'),
     ("no-probes", _with("spec.healthChecks", {"probes": []}), "should have at least 1 items"),
     (
+        "no-confirm",
+        _with("spec.healthChecks", {"confirmRounds": 0}),
+        "healthChecks.confirmRounds in body should be greater than or equal to 1",
+    ),
+    (
         "bad-probe-interval",
         _with("spec.healthChecks", {"enabled": True, "interval": "hourly"}),
         "must be a duration such as 500ms",
@@ -125,6 +130,7 @@ def test_valid_job_gets_defaults_and_immutable_fields(control_plane: ControlPlan
         assert spec["restart"]["maxEvictions"] == 3
         assert spec["healthChecks"] == {
             "enabled": False, "probes": ["matmul", "allgather"], "interval": "0s", "timeout": "2m",
+            "confirmRounds": 2,
         }  # fmt: skip
         assert spec["gangScheduling"] == {"enabled": False}
         changed = copy.deepcopy(got)

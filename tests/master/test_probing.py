@@ -189,6 +189,18 @@ def test_a_node_slow_in_one_round_only_is_not_evicted() -> None:
     assert sim.job.probe is second  # nothing left to confirm: no third round
 
 
+def test_an_inconclusive_round_confirms_nothing_and_starts_no_other() -> None:
+    sim = make()
+    first = sim.job.start_probe(now=sim.now, trigger="test")
+    good_round(sim, first.id, slow_matmul="b")
+    second = next_probe(sim)
+    sim.at(sim.now + 11.0)  # nobody reports: the probe setup broke
+    assert second.result == "inconclusive"
+    assert sim.job.status()["unconfirmed_stragglers"] == {}
+    sim.at(sim.now + 0.1)
+    assert sim.job.probe is second
+
+
 def test_one_confirm_round_evicts_on_the_first_verdict() -> None:
     sim = make(stragglers={"confirm_rounds": 1})
     probe = sim.job.start_probe(now=sim.now, trigger="test")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from phalanx.api.errors import ConfigError
-from phalanx.api.settings import MasterSettings, OperatorSettings, ProbeSettings, from_env
+from phalanx.api.settings import MasterSettings, OperatorSettings, ProbeSettings, StragglerSettings, from_env
 from phalanx.cli.main import build_parser
 from phalanx.cli.master import build_settings
 from phalanx.operator import builders, names
@@ -145,6 +145,12 @@ def _master_env(pod: dict[str, Any]) -> dict[str, str]:
             ),
         ),
         ({"enabled": True}, ProbeSettings(enabled=True, on_round_complete=True)),
+        (
+            {"enabled": True, "confirmRounds": 1},
+            ProbeSettings(
+                enabled=True, on_round_complete=True, stragglers=StragglerSettings(confirm_rounds=1)
+            ),
+        ),
     ],
 )
 def test_master_pod_env_carries_health_checks_into_master_settings(

@@ -96,6 +96,7 @@ def test_health_checks_defaults_are_consistent_with_settings() -> None:
         "probes": list(probes.kind_names),
         "interval": format_duration(probes.interval_s),
         "timeout": format_duration(probes.timeout_s),
+        "confirmRounds": probes.stragglers.confirm_rounds,
     }
     assert health["properties"]["probes"]["items"]["enum"] == list(s.PROBE_KINDS)
 

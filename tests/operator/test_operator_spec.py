@@ -44,6 +44,12 @@ def test_enabled_probes_after_every_rendezvous_round_and_every_interval() -> Non
     assert probes.kind_names == ("allgather",)
 
 
+def test_confirm_rounds_reach_the_straggler_settings() -> None:
+    probes = parse_spec(spec(healthChecks={"enabled": True, "confirmRounds": 3})).probes
+    assert probes.stragglers.confirm_rounds == 3
+    assert parse_spec(spec()).probes.stragglers.confirm_rounds == 2
+
+
 def test_enabled_alone_keeps_every_other_default() -> None:
     probes = parse_spec(spec(healthChecks={"enabled": True})).probes
     assert probes == ProbeSettings(enabled=True, on_round_complete=True)
@@ -58,6 +64,8 @@ def test_enabled_alone_keeps_every_other_default() -> None:
         ({"probes": "matmul"}, r"spec\.healthChecks\.probes: expected a list"),
         ({"timeout": "0s"}, r"spec\.healthChecks\.timeout: must be greater than 0"),
         ({"interval": "often"}, r"spec\.healthChecks\.interval: expected a duration such as 500ms"),
+        ({"confirmRounds": 0}, r"spec\.healthChecks\.confirmRounds: must be greater than 0"),
+        ({"confirmRounds": "2"}, r"spec\.healthChecks\.confirmRounds: expected a whole number, got '2'"),
     ],
 )
 def test_invalid_health_checks_name_the_spec_field(health: dict[str, Any], message: str) -> None:

@@ -433,6 +433,7 @@ class LocalCluster:
     def run(self) -> int:
         self.t0 = time.monotonic()
         self.t0_unix_ns = time.time_ns()
+        self.summary.started_unix = self.t0_unix_ns / 1e9
         if self.o.private_network or any(inj.kind == "slow-network" for inj in self.pending):
             fabric.check_privileges()
             self.sockets = Path(tempfile.mkdtemp(prefix="phx-"))

@@ -40,6 +40,8 @@ class Summary:
     rounds: int = 0
     failures: list[FailureRecord] = field(default_factory=list)
     evictions: list[dict[str, Any]] = field(default_factory=list)
+    started_unix: float = 0.0
+    """When the run began (the "at" times are seconds after it)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -48,6 +50,7 @@ class Summary:
             "reason": self.reason,
             "steps_completed": self.steps_completed,
             "wall_seconds": round(self.wall_seconds, 3),
+            "started_unix": round(self.started_unix, 3),
             "rounds": self.rounds,
             "failures": [f.to_json() for f in self.failures],
             "evictions": self.evictions,

@@ -28,7 +28,8 @@ every kind or ``probes.timeout_s`` passed; a missing report is a failed measurem
   failed probe (an error, a wrong result, no report) evicts at once. A slow node (a straggler) is evicted
   only when ``probes.stragglers.confirm_rounds`` rounds in a row find it slow: a measurement on a busy
   host can be slow once, and an eviction costs the job a restart. The confirming rounds start as soon as
-  the previous one ends (trigger ``confirming ...``); a round that finds the node fast again clears it;
+  the previous one ends (trigger ``confirming ...``); a round that finds the node fast again, or an
+  inconclusive one, clears it;
 * low-confidence verdicts only produce the event;
 * when more than half of the members would be evicted, or no member reported at all, the round is
   ``inconclusive`` and evicts nobody: a broken probe setup must not empty the job;
@@ -384,6 +385,10 @@ class ProbeCore(JobCore):
             self._event(kind, now=now, node=v.node_id, message=f"{v.confidence} confidence: {v.reason}")
         high = sorted({v.node_id for v in probe.verdicts if v.confidence == "high"})
         reported = set().union(*(set(probe.reports.get(k, {})) for k in probe.kinds))
+        if not reported or (high and 2 * len(high) > len(probe.members)):
+            # A round that tells nothing confirms nothing either, and a broken probe setup must not keep
+            # confirming rounds running back to back.
+            self.slow_streaks = {}
         if not reported:
             self._end_probe(
                 probe, "inconclusive", now=now, why="no member reported; do the agents run probes?"

@@ -251,13 +251,14 @@ def _settings_env(spec: JobSpec, *, master: bool) -> list[Obj]:
 
 def _probe_env(probes: ProbeSettings) -> dict[str, str]:
     """``spec.healthChecks`` for the master (``MasterSettings.probes``); the straggler thresholds keep
-    their defaults, the CRD does not expose them."""
+    their defaults (they are relative to the job's own median), the CRD exposes only ``confirmRounds``."""
     return {
         "PHALANX_PROBES_ENABLED": str(probes.enabled).lower(),
         "PHALANX_PROBES_ON_ROUND_COMPLETE": str(probes.on_round_complete).lower(),
         "PHALANX_PROBES_INTERVAL_S": str(probes.interval_s),
         "PHALANX_PROBES_TIMEOUT_S": str(probes.timeout_s),
         "PHALANX_PROBES_KINDS": ",".join(probes.kind_names),
+        "PHALANX_PROBES_STRAGGLERS_CONFIRM_ROUNDS": str(probes.stragglers.confirm_rounds),
     }
 
 

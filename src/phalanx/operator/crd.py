@@ -60,6 +60,7 @@ SETTINGS_FIELDS: dict[tuple[str, ...], tuple[type, str]] = {
     ("checkpoint", "keepLast"): (s.CheckpointSettings, "keep_last"),
     ("healthChecks", "interval"): (s.ProbeSettings, "interval_s"),
     ("healthChecks", "timeout"): (s.ProbeSettings, "timeout_s"),
+    ("healthChecks", "confirmRounds"): (s.StragglerSettings, "confirm_rounds"),
 }
 """CRD spec path -> (settings class, field). The single mapping between the spec and the settings."""
 
@@ -257,6 +258,7 @@ def _spec_schema() -> dict[str, Any]:
             },
             "interval": _setting_prop(("healthChecks", "interval")),
             "timeout": _setting_prop(("healthChecks", "timeout")),
+            "confirmRounds": _setting_prop(("healthChecks", "confirmRounds"), minimum=1, maximum=10),
         },
         default={},
         **{

@@ -21,6 +21,7 @@ from phalanx.api.settings import (
     ProbeSettings,
     RendezvousSettings,
     RestartSettings,
+    StragglerSettings,
     parse_duration,
 )
 from phalanx.operator.crd import CLEAN_POD_POLICIES
@@ -135,6 +136,11 @@ def _probes(health: Mapping[str, Any]) -> ProbeSettings:
     if isinstance(kinds, str) or not isinstance(kinds, list | tuple) or not kinds:
         allowed = ", ".join(PROBE_KINDS)
         raise ConfigError(f"expected a list of one or more of {allowed}", field="spec.healthChecks.probes")
+    confirm = health.get("confirmRounds", default.stragglers.confirm_rounds)
+    if isinstance(confirm, bool) or not isinstance(confirm, int):
+        raise ConfigError(
+            f"expected a whole number, got {confirm!r}", field="spec.healthChecks.confirmRounds"
+        )
     try:
         return ProbeSettings(
             enabled=enabled,
@@ -142,10 +148,16 @@ def _probes(health: Mapping[str, Any]) -> ProbeSettings:
             interval_s=_dur(health, "interval", default.interval_s, "healthChecks"),
             timeout_s=_dur(health, "timeout", default.timeout_s, "healthChecks"),
             kinds=",".join(str(kind) for kind in kinds),
+            stragglers=StragglerSettings(confirm_rounds=confirm),
         )
     except ConfigError as exc:
         # The settings name their own field (kinds, timeout_s); the user wrote the spec's.
-        spec_name = {"kinds": "probes", "interval_s": "interval", "timeout_s": "timeout"}.get(exc.field or "")
+        spec_name = {
+            "kinds": "probes",
+            "interval_s": "interval",
+            "timeout_s": "timeout",
+            "confirm_rounds": "confirmRounds",
+        }.get(exc.field or "")
         if spec_name is None:
             raise
         message = str(exc).split(": ", 1)[-1]
