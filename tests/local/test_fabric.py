@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.local.cpulimit import CpuGroup
+from phalanx.api.errors import ConfigError
+from phalanx.local.cpulimit import CpuGroup, cpu_controller
 from phalanx.local.fabric import Fabric
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -134,3 +135,19 @@ def test_a_capped_group_gets_its_share_of_cpu_and_no_more(cgroups: None) -> None
         group.remove()  # kills what is left in it
         busy.wait(timeout=5)
     assert not group.path.exists()
+
+
+def test_the_cpu_controller_is_found_in_either_cgroup_version(tmp_path: Path) -> None:
+    v2, v1 = tmp_path / "unified", tmp_path / "cpu,cpuacct"
+    v2.mkdir()
+    v1.mkdir()
+    (v2 / "cgroup.controllers").write_text("memory pids\n")
+    (v2 / "cgroup.subtree_control").write_text("")
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    mounts = f"cgroup2 {v2} cgroup2 rw 0 0\ncgroup {v1} cgroup rw,cpu,cpuacct 0 0\n"
+    assert cpu_controller(mounts) == (v1, 1)  # v2 without its cpu controller: v1's hierarchy
+    (v2 / "cgroup.controllers").write_text("cpu memory pids\n")
+    assert cpu_controller(mounts) == (v2, 2)
+    assert (v2 / "cgroup.subtree_control").read_text() == "+cpu"  # enabled for the groups made below
+    with pytest.raises(ConfigError, match="slow-cpu needs a cgroup cpu controller"):
+        cpu_controller(f"cgroup {v1} cgroup rw,memory 0 0\n")

@@ -385,19 +385,21 @@ class ProbeCore(JobCore):
             self._event(kind, now=now, node=v.node_id, message=f"{v.confidence} confidence: {v.reason}")
         high = sorted({v.node_id for v in probe.verdicts if v.confidence == "high"})
         reported = set().union(*(set(probe.reports.get(k, {})) for k in probe.kinds))
-        if not reported or (high and 2 * len(high) > len(probe.members)):
+        inconclusive = ""
+        if not reported:
+            inconclusive = "no member reported; do the agents run probes?"
+        elif high and 2 * len(high) > len(probe.members):
+            inconclusive = (
+                f"{len(high)} of {len(probe.members)} members failed; evicting none (check the probe setup)"
+            )
+            failure_log.warning(
+                "probe round %d: %s", probe.id, inconclusive, extra={"round": probe.rendezvous_round}
+            )
+        if inconclusive:
             # A round that tells nothing confirms nothing either, and a broken probe setup must not keep
             # confirming rounds running back to back.
             self.slow_streaks = {}
-        if not reported:
-            self._end_probe(
-                probe, "inconclusive", now=now, why="no member reported; do the agents run probes?"
-            )
-            return
-        if high and 2 * len(high) > len(probe.members):
-            why = f"{len(high)} of {len(probe.members)} members failed; evicting none (check the probe setup)"
-            failure_log.warning("probe round %d: %s", probe.id, why, extra={"round": probe.rendezvous_round})
-            self._end_probe(probe, "inconclusive", now=now, why=why)
+            self._end_probe(probe, "inconclusive", now=now, why=inconclusive)
             return
         failed = {v.node_id for v in probe.verdicts if v.confidence == "high" and v.kind == "probe_failed"}
         slow = set(high) - failed
