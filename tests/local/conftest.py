@@ -29,4 +29,4 @@ def namespaces() -> None:
 @pytest.fixture
 def cgroups() -> None:
     """A cgroup cpu controller is at hand (slow-cpu)."""
-    _require(cpulimit.cpu_controller, "a slow CPU")
+    _require(cpulimit.check_privileges, "a slow CPU")

@@ -26,7 +26,7 @@ import httpx
 
 from phalanx.agent.env import beacon_path
 from phalanx.agent.supervisor import SHM_DIR
-from phalanx.local import fabric, procs
+from phalanx.local import cpulimit, fabric, procs
 from phalanx.local.cpulimit import CpuGroup
 from phalanx.local.inject import LASTING_KINDS, NETWORK_KINDS, SLOW_KINDS, Injection
 from phalanx.local.relay import Relay
@@ -434,6 +434,8 @@ class LocalCluster:
         self.t0 = time.monotonic()
         self.t0_unix_ns = time.time_ns()
         self.summary.started_unix = self.t0_unix_ns / 1e9
+        if any(inj.kind == "slow-cpu" for inj in self.pending):
+            cpulimit.check_privileges()
         if self.o.private_network or any(inj.kind == "slow-network" for inj in self.pending):
             fabric.check_privileges()
             self.sockets = Path(tempfile.mkdtemp(prefix="phx-"))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from phalanx.api.errors import ConfigError
 
-__all__ = ["CpuGroup", "cpu_controller"]
+__all__ = ["CpuGroup", "check_privileges", "cpu_controller"]
 
 PERIOD_US = 100_000
 
@@ -50,6 +50,11 @@ def cpu_controller(mounts: str | None = None) -> tuple[Path, int]:
         "create groups in; none was found in /proc/self/mounts",
         field="inject",
     )
+
+
+def check_privileges() -> None:
+    """Raises ConfigError when this process cannot create node groups (before anything starts)."""
+    CpuGroup(f"phalanx-check-{os.getpid()}").remove()
 
 
 class CpuGroup:
