@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -241,6 +242,46 @@ def test_run_probe_action_reports_matmul_measurements(tmp_path: Path) -> None:
             assert all(m["ok"] and m["rate"] > 0 and m["probe_round"] == 3 for m in matmul)
         finally:
             client.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_stop_kills_a_running_probe() -> None:
+    """An agent that leaves stops its probe: in a session of its own, it would outlive the agent, waiting
+    here 30 s for a peer that never comes (and on a real job in a collective with peers that left)."""
+    executor = probes.ProbeExecutor(
+        client=MasterClient(address="127.0.0.1:1", token="t"),  # nobody: the report is dropped
+        node_id="n0",
+        incarnation="inc-1",
+        env=dict(os.environ),
+        say=lambda _: None,
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    action = pb.Action(
+        kind=pb.ACTION_KIND_RUN_PROBE,
+        probe=pb.PROBE_KIND_ALLGATHER,
+        probe_group=["n0", "ghost"],
+        probe_store_addr="127.0.0.1",
+        probe_store_port=port,
+        probe_round=4,
+    )
+    thread = executor.start(action)
+    assert thread is not None
+    deadline = time.monotonic() + 10
+    while executor._proc is None:
+        assert time.monotonic() < deadline, "the probe did not start"
+        time.sleep(0.01)
+    proc = executor._proc
+    executor.stop()
+    executor.join(10)
+    assert not thread.is_alive()
+    assert proc.returncode == -9
+    report = executor.last_report
+    assert report is not None
+    assert [m.ok for m in report.measurements] == [False]
+    assert "killed by signal 9" in report.measurements[0].error
 
 
 # An agent's checkpoint-host lifecycle in a process of its own, so a test can SIGKILL it: it starts the

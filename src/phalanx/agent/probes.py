@@ -9,6 +9,7 @@ monitoring never wait for a probe, and sends the measurements with ``ReportProbe
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -81,6 +82,8 @@ class ProbeExecutor:
         self.say = say
         self.python = python
         self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        """The running probe's process, for :meth:`stop`."""
         self.last_report: pb.ReportProbeRequest | None = None
 
     def start(self, action: pb.Action) -> threading.Thread | None:
@@ -101,7 +104,12 @@ class ProbeExecutor:
         else:
             self.say(f"running the {p.kind} probe (probe round {action.probe_round})")
             measurements = probe_runner.run_probe(
-                kind=p.kind, python=self.python, args=p.args, timeout_s=p.timeout_s, env=self.env
+                kind=p.kind,
+                python=self.python,
+                args=p.args,
+                timeout_s=p.timeout_s,
+                env=self.env,
+                started=self._started,
             )
         request = pb.ReportProbeRequest(
             node_id=self.node_id,
@@ -119,6 +127,15 @@ class ProbeExecutor:
             self.client.report_probe(request)
         self.last_report = request
         return request
+
+    def _started(self, proc: subprocess.Popen[bytes]) -> None:
+        self._proc = proc
+
+    def stop(self) -> None:
+        """Kills a running probe (the agent is leaving): in a session of its own, it would outlive the agent
+        and, blocked in a collective with peers that left too, hold the node's resources for nothing."""
+        if self._proc is not None:
+            probe_runner.stop(self._proc)
 
     def join(self, timeout_s: float) -> None:
         """Waits for a running probe (for shutdown and tests)."""

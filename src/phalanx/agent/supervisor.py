@@ -653,6 +653,7 @@ class Supervisor:
             w.close_logs()
 
     def _shutdown(self) -> None:
+        self.probes.stop()
         for spare in self.spares.values():
             spare.discard()
         self.spares = {}

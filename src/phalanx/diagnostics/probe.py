@@ -302,8 +302,12 @@ def run_allgather(args: argparse.Namespace) -> None:
             for peer in peers
             if peer not in finished
         ]
-        _emit("allgather", [*done, *late])
-        os._exit(0)  # the main thread is stuck in a collective or store call; nothing to clean up
+        try:
+            _emit("allgather", [*done, *late])
+        finally:
+            # The main thread is stuck in a collective or store call; nothing to clean up. Exits even when
+            # the result cannot be written (the agent is gone and its pipe with it).
+            os._exit(0)
 
     # Presence wait, every pair's setup and the final hand-over may each take up to the timeout.
     budget = args.seconds + timeout_s * (3 + len(pairs))

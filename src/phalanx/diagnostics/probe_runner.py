@@ -28,7 +28,7 @@ import math
 import os
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -115,8 +115,10 @@ def run_probe(
     args: Sequence[str],
     timeout_s: float,
     env: Mapping[str, str] | None = None,
+    started: Callable[[subprocess.Popen[bytes]], None] | None = None,
 ) -> list[Measurement]:
-    """Runs one probe program to completion or timeout; see the module docstring for the contract."""
+    """Runs one probe program to completion or timeout; see the module docstring for the contract.
+    ``started`` gets the probe's process as soon as it runs (to stop it with :func:`stop`)."""
     command = [python, "-m", "phalanx.diagnostics.probe", kind, *args]
     try:
         proc = subprocess.Popen(
@@ -129,6 +131,8 @@ def run_probe(
         )
     except OSError as exc:
         return _failure(f"{kind} probe could not be started with {python}: {exc}")
+    if started is not None:
+        started(proc)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -149,6 +153,14 @@ def run_probe(
 def _short(text: str, limit: int = 200) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILLs a running probe's process group, from any thread; :func:`run_probe` then reports it failed.
+    For the agent's shutdown: a probe in its own session would otherwise outlive its agent."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -19,8 +19,11 @@ It needs the privileges to create network namespaces (root, CAP_SYS_ADMIN and CA
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from phalanx.api.errors import ConfigError
 
@@ -153,10 +156,22 @@ class Fabric:
         self._in_fabric("tc", "qdisc", "del", "dev", node.port, "root")
 
     def remove_node(self, index: int) -> None:
-        """Releases the node's namespace (it vanishes with the node's last process, and its veth with it)."""
+        """Ends the node's namespace: SIGKILLs every process still in it (its agent's tree was killed before,
+        but a probe orphaned earlier is no longer in that tree; it is still the node's), then releases the
+        holder. The namespace vanishes with its last process, and the veth pair with it."""
         node = self.nodes.pop(index, None)
-        if node is not None:
-            _release(node.holder)
+        if node is None:
+            return
+        try:
+            netns = os.readlink(f"/proc/{node.holder.pid}/ns/net")
+        except OSError:
+            netns = ""
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit() and int(proc.name) != node.holder.pid:
+                with contextlib.suppress(OSError):
+                    if netns and os.readlink(proc / "ns" / "net") == netns:
+                        os.kill(int(proc.name), signal.SIGKILL)
+        _release(node.holder)
 
     def close(self) -> None:
         for index in list(self.nodes):
