@@ -36,8 +36,12 @@ def run(tmp: Path, *args: str, steps: int) -> tuple[int, dict[str, Any], str]:
     return proc.returncode, json.loads(summary.read_text()), out
 
 
-def probe_verdicts(out: str) -> list[str]:
-    return re.findall(r"event straggler\s+(node-\d+)", out)
+def verdicts_until_the_eviction(out: str) -> list[str]:
+    """The nodes named by high-confidence straggler verdicts up to the first eviction. Later a healthy node
+    may be found slow once while the replacement starts on this busy machine: that is what the confirming
+    round is for, and ``evictions`` shows it was not evicted."""
+    before = out.split("event eviction_requested", 1)[0]
+    return re.findall(r"event straggler\s+(node-\d+)\s+high confidence", before)
 
 
 def test_a_node_on_a_slow_network_is_found_by_the_all_gather_probes_and_replaced(
@@ -52,8 +56,9 @@ def test_a_node_on_a_slow_network_is_found_by_the_all_gather_probes_and_replaced
     assert code == 0, out
     assert s["exit"] == "succeeded"
     assert "host 10.250.0.2" in out  # each node registered with its address on the private switch
-    # Only node-2 is judged, from its two pairs, and only after its network was limited.
-    assert set(probe_verdicts(out)) == {"node-2"}, out
+    # node-2 is judged from its two pairs in two rounds in a row: found, then confirmed.
+    assert verdicts_until_the_eviction(out)[-2:] == ["node-2", "node-2"], out
+    assert "confirming node-2 (slow in 1 of 2 rounds)" in out
     [eviction] = s["evictions"]
     assert eviction["node_id"] == "node-2"
     assert eviction["kind"] == "straggler"
@@ -77,7 +82,8 @@ def test_a_node_with_a_capped_cpu_is_found_by_the_matmul_probe_and_replaced(
     )  # fmt: skip
     assert code == 0, out
     assert s["exit"] == "succeeded"
-    assert set(probe_verdicts(out)) == {"node-1"}, out
+    assert verdicts_until_the_eviction(out)[-2:] == ["node-1", "node-1"], out
+    assert "confirming node-1 (slow in 1 of 2 rounds)" in out
     [eviction] = s["evictions"]
     assert eviction["node_id"] == "node-1"
     assert "node-1's slowest device reached" in eviction["reason"]
