@@ -100,12 +100,24 @@ def test_removing_a_node_kills_what_is_left_in_its_namespace(fab: Fabric) -> Non
     left = subprocess.Popen(fab.nodes[1].enter(["sleep", "100"]), start_new_session=True)
     other = subprocess.Popen(fab.nodes[0].enter(["sleep", "100"]), start_new_session=True)
     try:
+        # nsenter joins the namespace after Popen returns; the orphan of the real case is in it already.
+        wait_in_namespace(left.pid, fab.nodes[1].holder.pid)
+        wait_in_namespace(other.pid, fab.nodes[0].holder.pid)
         fab.remove_node(1)
         assert left.wait(timeout=5) == -9
         assert other.poll() is None  # another node's processes are not touched
     finally:
-        other.kill()
-        other.wait()
+        for proc in (left, other):
+            proc.kill()
+            proc.wait()
+
+
+def wait_in_namespace(pid: int, holder: int) -> None:
+    netns = Path(f"/proc/{holder}/ns/net").readlink()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/ns/net").readlink() != netns:
+        assert time.monotonic() < deadline, f"process {pid} never joined the namespace of {holder}"
+        time.sleep(0.01)
 
 
 def test_closing_the_fabric_ends_its_namespaces(namespaces: None) -> None:

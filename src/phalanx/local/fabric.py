@@ -22,6 +22,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ _SUBNET = "10.250.0.0/16"
 _BRIDGE = "switch"
 _TBF_BURST = "64kb"  # about one 64 KiB segment: the bucket smooths bursts, it does not let them through
 _TBF_LATENCY = "2s"  # how long a packet may wait in the bucket before it is dropped (TCP resends it)
+_KILL_SCANS = 20  # a killed process leaves its namespace within a scan or two; a zombie is in none
 
 
 def _address(index: int) -> str:
@@ -166,17 +168,34 @@ class Fabric:
             netns = os.readlink(f"/proc/{node.holder.pid}/ns/net")
         except OSError:
             netns = ""
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit() and int(proc.name) != node.holder.pid:
-                with contextlib.suppress(OSError):
-                    if netns and os.readlink(proc / "ns" / "net") == netns:
-                        os.kill(int(proc.name), signal.SIGKILL)
+        if netns:
+            # Until a scan finds nobody: a process may fork, or finish joining, while /proc is read.
+            for _ in range(_KILL_SCANS):
+                if not _kill_in_netns(netns, spare=node.holder.pid):
+                    break
+                time.sleep(0.05)
         _release(node.holder)
+        if netns:
+            _kill_in_netns(netns, spare=None)  # one that joined through the holder while it was exiting
 
     def close(self) -> None:
         for index in list(self.nodes):
             self.remove_node(index)
         _release(self._switch)
+
+
+def _kill_in_netns(netns: str, *, spare: int | None) -> int:
+    """SIGKILLs every process whose network namespace is ``netns`` (as ``readlink /proc/PID/ns/net``
+    names it), except ``spare``; returns how many it found."""
+    found = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == spare:
+            continue
+        with contextlib.suppress(OSError):
+            if os.readlink(proc / "ns" / "net") == netns:
+                os.kill(int(proc.name), signal.SIGKILL)
+                found += 1
+    return found
 
 
 def _release(holder: subprocess.Popen[bytes]) -> None:
