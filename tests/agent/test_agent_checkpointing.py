@@ -224,7 +224,7 @@ def test_run_probe_action_reports_matmul_measurements(tmp_path: Path) -> None:
             action = pb.Action(kind=pb.ACTION_KIND_RUN_PROBE, probe=pb.PROBE_KIND_MATMUL, probe_round=3)
             thread = executor.start(action)
             assert thread is not None
-            assert executor.start(action) is None  # one probe at a time
+            assert executor.start(action) is None  # a repeat of a queued or running probe is ignored
             executor.join(50)
             assert not thread.is_alive()
             report = executor.last_report
@@ -244,36 +244,48 @@ def test_run_probe_action_reports_matmul_measurements(tmp_path: Path) -> None:
             client.close()
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(60)
-def test_stop_kills_a_running_probe() -> None:
-    """An agent that leaves stops its probe: in a session of its own, it would outlive the agent, waiting
-    here 30 s for a peer that never comes (and on a real job in a collective with peers that left)."""
-    executor = probes.ProbeExecutor(
-        client=MasterClient(address="127.0.0.1:1", token="t"),  # nobody: the report is dropped
+def _offline_executor(said: list[str] | None = None) -> probes.ProbeExecutor:
+    return probes.ProbeExecutor(
+        client=MasterClient(address="127.0.0.1:1", token="t"),  # nobody: the reports are dropped
         node_id="n0",
         incarnation="inc-1",
         env=dict(os.environ),
-        say=lambda _: None,
+        say=(said.append if said is not None else lambda _: None),
     )
+
+
+def _lonely_allgather(probe_round: int) -> pb.Action:
+    """An all-gather probe with a peer that never comes: it waits 30 s for it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    action = pb.Action(
+    return pb.Action(
         kind=pb.ACTION_KIND_RUN_PROBE,
         probe=pb.PROBE_KIND_ALLGATHER,
         probe_group=["n0", "ghost"],
         probe_store_addr="127.0.0.1",
         probe_store_port=port,
-        probe_round=4,
+        probe_round=probe_round,
     )
-    thread = executor.start(action)
-    assert thread is not None
+
+
+def _running_probe(executor: probes.ProbeExecutor) -> subprocess.Popen[bytes]:
     deadline = time.monotonic() + 10
     while executor._proc is None:
         assert time.monotonic() < deadline, "the probe did not start"
         time.sleep(0.01)
-    proc = executor._proc
+    return executor._proc
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_stop_kills_a_running_probe() -> None:
+    """An agent that leaves stops its probe: in a session of its own, it would outlive the agent, waiting
+    here 30 s for a peer that never comes (and on a real job in a collective with peers that left)."""
+    executor = _offline_executor()
+    thread = executor.start(_lonely_allgather(4))
+    assert thread is not None
+    proc = _running_probe(executor)
     executor.stop()
     executor.join(10)
     assert not thread.is_alive()
@@ -282,6 +294,28 @@ def test_stop_kills_a_running_probe() -> None:
     assert report is not None
     assert [m.ok for m in report.measurements] == [False]
     assert "killed by signal 9" in report.measurements[0].error
+    assert executor.start(_lonely_allgather(5)) is None  # a stopped executor starts nothing
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_newer_round_ends_the_stale_probe_and_runs_its_own() -> None:
+    """The master closed round 4 (it timed out) and started round 5: the all-gather of round 4, still
+    waiting for its peer, is killed rather than keeping round 5's probes waiting for half a minute."""
+    said: list[str] = []
+    executor = _offline_executor(said)
+    executor.start(_lonely_allgather(4))
+    stale = _running_probe(executor)
+    started = time.monotonic()
+    executor.start(pb.Action(kind=pb.ACTION_KIND_RUN_PROBE, probe=pb.PROBE_KIND_MATMUL, probe_round=5))
+    executor.join(50)
+    assert stale.returncode == -9
+    assert time.monotonic() - started < 25, said  # not after the stale probe's 30 s wait for its peer
+    report = executor.last_report
+    assert report is not None
+    assert (report.probe_round, report.probe) == (5, pb.PROBE_KIND_MATMUL)
+    assert [m.ok for m in report.measurements] == [True], said
+    assert any("allgather of probe round 4 is stale" in line for line in said), said
 
 
 # An agent's checkpoint-host lifecycle in a process of its own, so a test can SIGKILL it: it starts the

@@ -218,3 +218,27 @@ def test_a_node_whose_steps_lag_is_flagged_and_probed(tmp_path: Path) -> None:
         "event probe_started" in line and "slow steps on node-1" in line for line in out.splitlines()
     ), out
     assert s["evictions"] == []
+
+
+def test_a_probe_round_runs_every_kind_on_every_node(tmp_path: Path) -> None:
+    """The default probe kinds, matmul and all-gather, reach every node in one heartbeat; each node runs
+    them one after the other and the round ends with every report in. The thresholds are lenient: this
+    machine's CPU rates are noise, and the point here is that every report arrives."""
+    code, s, out = run(
+        tmp_path,
+        "--nodes", "2",
+        "--master-arg=--probes-enabled=true", "--master-arg=--probes-on-round-complete=true",
+        "--master-arg=--probes-stragglers-compute-threshold=0.01",
+        "--master-arg=--probes-stragglers-link-threshold=0.01",
+        workload=["--steps", "150", "--step-time", "0.1"],
+    )  # fmt: skip
+    assert code == 0, out
+    assert s["exit"] == "succeeded"
+    finished = [line for line in out.splitlines() if "event probe_finished" in line]
+    assert finished, out
+    assert all(" ok:" in line for line in finished), out
+    for node in ("node-0", "node-1"):
+        log = (tmp_path / "wd" / f"{node}.log").read_text()
+        done = [line for line in log.splitlines() if "probe done:" in line]
+        assert len(done) == 2, log  # the matmul and the all-gather
+        assert all("failed: []" in line for line in done), log

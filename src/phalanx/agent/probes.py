@@ -12,6 +12,8 @@ import contextlib
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -63,7 +65,13 @@ def plan(action: pb.Action, *, node_id: str) -> ProbePlan:
 
 
 class ProbeExecutor:
-    """Runs probes one at a time in the background and reports their measurements to the master."""
+    """Runs probes in the background, one at a time, and reports their measurements to the master.
+
+    A probe round sends one RUN_PROBE per kind at once (the matmul, then the all-gather); they are queued and
+    run in that order, since two probes at once would each measure the other. A probe of a newer round
+    ends what is left of older ones, queued or running: the master has closed those rounds and ignores
+    their reports, and a stale all-gather may wait half a minute for a peer that is gone.
+    """
 
     def __init__(
         self,
@@ -81,20 +89,51 @@ class ProbeExecutor:
         self.env = dict(env)
         self.say = say
         self.python = python
+        self._lock = threading.Lock()
+        self._queue: deque[pb.Action] = deque()
+        self._running: pb.Action | None = None
         self._thread: threading.Thread | None = None
+        """The thread draining the queue; None once it has found the queue empty (under the lock)."""
         self._proc: subprocess.Popen[bytes] | None = None
         """The running probe's process, for :meth:`stop`."""
+        self._stopped = False
         self.last_report: pb.ReportProbeRequest | None = None
 
     def start(self, action: pb.Action) -> threading.Thread | None:
-        """Starts the probe of ``action`` on a background thread; None (logged) when one still runs: the
-        master repeats a probe it gets no answer to."""
-        if self._thread is not None and self._thread.is_alive():
-            self.say("probe requested while another probe runs; ignored")
-            return None
-        self._thread = threading.Thread(target=self.run, args=(action,), name="phalanx-probe", daemon=True)
-        self._thread.start()
-        return self._thread
+        """Queues the probe of ``action`` and returns the thread that runs the queue; None (logged) when
+        that probe is already queued or running, or the executor has stopped."""
+        with self._lock:
+            if self._stopped:
+                return None
+            pending = [*self._queue, *([self._running] if self._running is not None else [])]
+            if any(_same_probe(a, action) for a in pending):
+                self.say(f"probe {_describe(action)} requested again while queued or running; ignored")
+                return None
+            stale = [a for a in self._queue if a.probe_round < action.probe_round]
+            for a in stale:
+                self._queue.remove(a)
+            if self._running is not None and self._running.probe_round < action.probe_round:
+                self.say(f"probe {_describe(self._running)} is stale: {_describe(action)} was requested")
+                self._kill_running()
+            self._queue.append(action)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name="phalanx-probe", daemon=True)
+                self._thread.start()
+            return self._thread
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopped or not self._queue:
+                    self._thread = None
+                    return
+                self._running = action = self._queue.popleft()
+            try:
+                self.run(action)
+            finally:
+                with self._lock:
+                    self._running = None
+                    self._proc = None
 
     def run(self, action: pb.Action) -> pb.ReportProbeRequest:
         """Runs the probe of ``action`` to completion and reports it (blocking)."""
@@ -129,15 +168,40 @@ class ProbeExecutor:
         return request
 
     def _started(self, proc: subprocess.Popen[bytes]) -> None:
-        self._proc = proc
+        with self._lock:
+            self._proc = proc
+            if self._stopped or self._running is None:  # stopped, or made stale, while it was starting
+                probe_runner.stop(proc)
 
-    def stop(self) -> None:
-        """Kills a running probe (the agent is leaving): in a session of its own, it would outlive the agent
-        and, blocked in a collective with peers that left too, hold the node's resources for nothing."""
+    def _kill_running(self) -> None:
+        """Kills the running probe (under the lock); :meth:`run` then reports it failed."""
+        self._running = None
         if self._proc is not None:
             probe_runner.stop(self._proc)
 
+    def stop(self) -> None:
+        """Drops the queue and kills a running probe (the agent is leaving): in a session of its own, it
+        would outlive the agent and, blocked in a collective with peers that left too, hold the node's
+        resources for nothing."""
+        with self._lock:
+            self._stopped = True
+            self._queue.clear()
+            self._kill_running()
+
     def join(self, timeout_s: float) -> None:
-        """Waits for a running probe (for shutdown and tests)."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        """Waits until the queue has run (for shutdown and tests)."""
+        deadline = time.monotonic() + timeout_s
+        while (thread := self._thread) is not None and time.monotonic() < deadline:
+            thread.join(max(0.0, min(0.1, deadline - time.monotonic())))
+
+
+def _same_probe(a: pb.Action, b: pb.Action) -> bool:
+    return a.probe_round == b.probe_round and a.probe == b.probe
+
+
+def _describe(action: pb.Action) -> str:
+    try:
+        kind = pb.ProbeKind.Name(action.probe).removeprefix("PROBE_KIND_").lower()
+    except ValueError:  # a kind this agent does not know; plan() reports it
+        kind = f"kind {int(action.probe)}"
+    return f"{kind} of probe round {action.probe_round}"
