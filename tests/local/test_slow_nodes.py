@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp_mlp.py"
 
 
-def run(tmp: Path, *args: str, steps: int) -> tuple[int, dict[str, Any], str]:
+def run(tmp: Path, *args: str, steps: int, workload: tuple[str, ...] = ()) -> tuple[int, dict[str, Any], str]:
     summary = tmp / "summary.json"
     proc = phalanx_local(
         [
@@ -27,6 +27,7 @@ def run(tmp: Path, *args: str, steps: int) -> tuple[int, dict[str, Any], str]:
             "--workdir", str(tmp / "wd"), "--summary-json", str(summary),
             "--master-arg=--probes-enabled=true", "--master-arg=--probes-interval-s=4", *args,
             "--", str(EXAMPLE), "--steps", str(steps), "--step-time", "0.05", "--ckpt", str(tmp / "ckpt.pt"),
+            *workload,
         ],
         cwd=tmp,
         timeout=220,
@@ -79,6 +80,7 @@ def test_a_node_with_a_capped_cpu_is_found_by_the_matmul_probe_and_replaced(
         "--master-arg=--probes-kinds=matmul",
         "--inject", "slow-cpu@after=8s,node=1,cpu=150m",
         steps=500,
+        workload=("--flash",),  # in the node's shared memory, which must go with the node
     )  # fmt: skip
     assert code == 0, out
     assert s["exit"] == "succeeded"
@@ -91,5 +93,6 @@ def test_a_node_with_a_capped_cpu_is_found_by_the_matmul_probe_and_replaced(
     [fault] = s["failures"]
     assert fault["recovered_at"] is not None, out
     assert s["steps_completed"] == 500
-    # The node's cgroup went with it.
+    # The node's cgroup went with it, and so did its checkpoint memory (its host was killed in the group).
     assert not list(Path("/sys/fs/cgroup").glob(f"*/phalanx-{s['job_id']}-*")), "a cgroup was left behind"
+    assert not list(Path("/dev/shm").glob(f"phx-{s['job_id']}.*")), "checkpoint segments were left behind"

@@ -63,6 +63,20 @@ def node_socket_path(*, job_id: str, node_id: str) -> Path:
     return Path(tempfile.gettempdir()) / name
 
 
+def remove_node_segments(shm_dir: Path, *, job_id: str, node_id: str) -> list[Path]:
+    """Unlinks the shared-memory segments of a node whose host was killed with it, and returns them. A host
+    unlinks its segments when it exits, and a host whose agent was killed still does so
+    :data:`IDLE_EXIT_S` later; a host killed too cannot (``phalanx local`` kills whatever is left in the
+    cgroup or network namespace of a node it removes). The node's memory goes with the node."""
+    prefix = shm.job_prefix(node_job_id(job_id=job_id, node_id=node_id))
+    removed = []
+    for segment in shm_dir.glob(f"{prefix}*"):
+        with contextlib.suppress(FileNotFoundError):
+            segment.unlink()
+            removed.append(segment)
+    return removed
+
+
 def held_steps(shm_dir: Path, *, job_id: str, ranks: list[int]) -> dict[int, set[int]]:
     """The steps each of ``ranks`` holds complete in this node's shared memory (torch-free)."""
     slots = shm.list_job_slots(shm_dir, job_id)

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from phalanx.agent.checkpointing import remove_node_segments
 from phalanx.agent.env import beacon_path
 from phalanx.agent.supervisor import SHM_DIR
 from phalanx.local import cpulimit, fabric, procs
@@ -169,12 +170,18 @@ class LocalCluster:
         self._release(node)
 
     def _release(self, node: procs.NodeProc) -> None:
-        """Gives back what the node ran in: its network namespace and its cgroup (its processes are gone)."""
+        """Gives back what the node ran in: its network namespace and its cgroup (its processes are gone).
+        Removing either kills the node's checkpoint host too, so its shared memory is released here."""
+        confined = False
         if self.fabric is not None and self.nets.pop(node.node_id, None) is not None:
             self.fabric.remove_node(node.index)
+            confined = True
         group = self.cpu_groups.pop(node.node_id, None)
         if group is not None:
             group.remove()
+            confined = True
+        if confined:
+            remove_node_segments(SHM_DIR, job_id=self.job_id, node_id=node.node_id)
 
     def stop_nodes(self) -> None:
         """Ends the nodes still running as Kubernetes ends Pods: SIGTERM, on which each agent persists its
