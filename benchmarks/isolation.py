@@ -13,7 +13,9 @@ Each scenario runs in these modes:
 * ``none``: no probes, what a launcher without fault isolation does (torchrun, the Kubeflow operator): the
   slow node stays and every synchronous step waits for it;
 * ``confirm2`` (the default): probe rounds every 4 s, a straggler evicted when a second round confirms it;
-* ``confirm1``: the first verdict evicts.
+* ``confirm1``: the first verdict evicts;
+* ``confirm2_cold`` and ``confirm1_cold``: the same with every probe started cold (``--no-warm-probes``: a
+  fresh process that imports torch first, as before the warm probe server).
 
 Per run: seconds from the fault to the eviction and to the first step of the regrouped job, steps/s in
 the 10 s before the fault and from 5 s after the fault (or after recovery) to the end, evictions of nodes
@@ -43,11 +45,15 @@ FAULTS = {
     "slow-network": ("slow-network@after=10s,node=2,rate=100mbit", "node-2"),
     "healthy": ("", ""),
 }
+PROBES = ["--probes-enabled=true", "--probes-interval-s=4"]
 MODES = {
     "none": [],
-    "confirm2": ["--probes-enabled=true", "--probes-interval-s=4", "--probes-stragglers-confirm-rounds=2"],
-    "confirm1": ["--probes-enabled=true", "--probes-interval-s=4", "--probes-stragglers-confirm-rounds=1"],
+    "confirm2": [*PROBES, "--probes-stragglers-confirm-rounds=2"],
+    "confirm1": [*PROBES, "--probes-stragglers-confirm-rounds=1"],
+    "confirm2_cold": [*PROBES, "--probes-stragglers-confirm-rounds=2"],
+    "confirm1_cold": [*PROBES, "--probes-stragglers-confirm-rounds=1"],
 }
+"""Master arguments per mode; a ``_cold`` mode also starts its agents with ``--no-warm-probes``."""
 KINDS = {"slow-cpu": "matmul", "slow-network": "allgather", "healthy": "matmul,allgather"}
 
 
@@ -79,6 +85,7 @@ def one_run(scenario: str, mode: str, *, steps: int) -> dict[str, Any]:
             "--agent-arg=--no-warm-spares", "--workdir", str(d / "wd"), "--summary-json", str(d / "s.json"),
             "--private-network", "--timeout", "600s",
             *(f"--master-arg={a}" for a in MODES[mode]),
+            *(["--agent-arg=--no-warm-probes"] if mode.endswith("_cold") else []),
             *([f"--master-arg=--probes-kinds={KINDS[scenario]}"] if MODES[mode] else []),
             *(["--inject", spec] if spec else []),
             "--", str(SCRIPT), "--steps", str(steps), *MODEL, "--ckpt", "flash", "--ckpt-every", "10",

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "regroup": ["--runs", "5"],
     "master_capacity": [],
     "isolation": ["--runs", "3"],
+    "probes": ["--runs", "5"],
 }
 
 

@@ -98,6 +98,13 @@ def test_checkpoint_flags_and_environment() -> None:
         agent_config.parse(["--standalone", "--checkpoint-keep-last", "0", "t.py"], {})
 
 
+def test_warm_probes_are_on_unless_turned_off_and_apart_from_warm_spares() -> None:
+    cfg = agent_config.parse(["--standalone", "--no-warm-spares", "t.py"], {})
+    assert (cfg.warm_spares, cfg.warm_probes) == (False, True)
+    assert not agent_config.parse(["--standalone", "--no-warm-probes", "t.py"], {}).warm_probes
+    assert not agent_config.parse(["--standalone", "t.py"], {"PHALANX_WARM_PROBES": "0"}).warm_probes
+
+
 # ------------------------------------------------------------------------------------------------------
 # The real host, through the agent's lifecycle object
 
@@ -211,6 +218,7 @@ def test_run_probe_action_reports_matmul_measurements(tmp_path: Path) -> None:
     job = f"probe-{os.getpid()}"
     with master_process(tmp_path, job) as master:
         client = MasterClient(address=master.grpc, token=master.token)
+        executor: probes.ProbeExecutor | None = None
         try:
             client.register(
                 pb.RegisterNodeRequest(
@@ -241,6 +249,8 @@ def test_run_probe_action_reports_matmul_measurements(tmp_path: Path) -> None:
             assert matmul
             assert all(m["ok"] and m["rate"] > 0 and m["probe_round"] == 3 for m in matmul)
         finally:
+            if executor is not None:
+                executor.stop()  # ends its warm probe server
             client.close()
 
 
@@ -269,12 +279,11 @@ def _lonely_allgather(probe_round: int) -> pb.Action:
     )
 
 
-def _running_probe(executor: probes.ProbeExecutor) -> subprocess.Popen[bytes]:
-    deadline = time.monotonic() + 10
-    while executor._proc is None:
+def _wait_running(executor: probes.ProbeExecutor) -> None:
+    deadline = time.monotonic() + 20
+    while executor._kill is None:
         assert time.monotonic() < deadline, "the probe did not start"
         time.sleep(0.01)
-    return executor._proc
 
 
 @pytest.mark.integration
@@ -285,11 +294,10 @@ def test_stop_kills_a_running_probe() -> None:
     executor = _offline_executor()
     thread = executor.start(_lonely_allgather(4))
     assert thread is not None
-    proc = _running_probe(executor)
+    _wait_running(executor)
     executor.stop()
     executor.join(10)
     assert not thread.is_alive()
-    assert proc.returncode == -9
     report = executor.last_report
     assert report is not None
     assert [m.ok for m in report.measurements] == [False]
@@ -305,11 +313,12 @@ def test_a_newer_round_ends_the_stale_probe_and_runs_its_own() -> None:
     said: list[str] = []
     executor = _offline_executor(said)
     executor.start(_lonely_allgather(4))
-    stale = _running_probe(executor)
+    _wait_running(executor)
     started = time.monotonic()
     executor.start(pb.Action(kind=pb.ACTION_KIND_RUN_PROBE, probe=pb.PROBE_KIND_MATMUL, probe_round=5))
     executor.join(50)
-    assert stale.returncode == -9
+    executor.stop()
+    assert any("killed by signal 9" in line for line in said), said  # the stale all-gather
     assert time.monotonic() - started < 25, said  # not after the stale probe's 30 s wait for its peer
     report = executor.last_report
     assert report is not None

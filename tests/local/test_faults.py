@@ -223,7 +223,8 @@ def test_a_node_whose_steps_lag_is_flagged_and_probed(tmp_path: Path) -> None:
 def test_a_probe_round_runs_every_kind_on_every_node(tmp_path: Path) -> None:
     """The default probe kinds, matmul and all-gather, reach every node in one heartbeat; each node runs
     them one after the other and the round ends with every report in. The thresholds are lenient: this
-    machine's CPU rates are noise, and the point here is that every report arrives."""
+    machine's CPU rates are noise, and the point here is that every report arrives. Both are forked
+    from the node's warm probe server (on by default), which the first one starts."""
     code, s, out = run(
         tmp_path,
         "--nodes", "2",
@@ -239,6 +240,7 @@ def test_a_probe_round_runs_every_kind_on_every_node(tmp_path: Path) -> None:
     assert all(" ok:" in line for line in finished), out
     for node in ("node-0", "node-1"):
         log = (tmp_path / "wd" / f"{node}.log").read_text()
-        done = [line for line in log.splitlines() if "probe done:" in line]
+        done = [line for line in log.splitlines() if "probe done" in line]
         assert len(done) == 2, log  # the matmul and the all-gather
         assert all("failed: []" in line for line in done), log
+        assert all("(warm)" in line for line in done), log

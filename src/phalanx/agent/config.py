@@ -49,6 +49,7 @@ class AgentConfig:
     script_args: list[str]
     grace_period_s: float
     warm_spares: bool
+    warm_probes: bool = True
     checkpoint_host: bool = True
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     hang: HangSettings = field(default_factory=HangSettings)
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hang-startup", default=None, help="Time allowed before the first reported step.")
     add("--no-hang-detection", action="store_true", help="Do not detect hung workers.")
     add("--no-warm-spares", action="store_true", help="Start workers cold instead of from pre-warmed spares.")
+    add(
+        "--no-warm-probes",
+        action="store_true",
+        help="Start each health probe cold, not forked from a probe server that has imported torch.",
+    )
     add(
         "--checkpoint-dir",
         default=None,
@@ -190,6 +196,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> AgentConfig:
         script_args=script_args,
         grace_period_s=parse_duration(args.grace_period, name="grace-period"),
         warm_spares=not args.no_warm_spares and env.get("PHALANX_WARM_SPARES", "1") != "0",
+        warm_probes=not args.no_warm_probes and env.get("PHALANX_WARM_PROBES", "1") != "0",
         checkpoint_host=not args.no_checkpoint_host and env.get("PHALANX_CHECKPOINT_HOST", "1") != "0",
         checkpoint=ckpt,
         hang=hang,

@@ -1,15 +1,16 @@
 """Health probes the master asks a node to run (``ACTION_KIND_RUN_PROBE``).
 
 :func:`plan` is the pure decision (which probe program, with which arguments and time limit, or why
-none can run); :class:`ProbeExecutor` runs the plan through
-:func:`phalanx.diagnostics.probe_runner.run_probe` on a background thread, so heartbeats and worker
-monitoring never wait for a probe, and sends the measurements with ``ReportProbe``.
+none can run); :class:`ProbeExecutor` runs the plan on a background thread, so heartbeats and worker
+monitoring never wait for a probe, and sends the measurements with ``ReportProbe``. A probe is forked from
+the node's warm probe server (:mod:`phalanx.diagnostics.warm_probes`), which has imported torch already,
+or, with warm probes off or no server to take it, started cold
+(:func:`phalanx.diagnostics.probe_runner.run_probe`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ from phalanx.agent.client import MasterClient
 from phalanx.api.errors import TransportError
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import probe_runner
+from phalanx.diagnostics.warm_probes import WarmProbes
 
 MATMUL_SECONDS = 2.0  # long enough for a stable TFLOP/s figure, short enough to run between rounds
 MATMUL_TIMEOUT_S = 120.0  # includes importing torch and initialising the devices
@@ -82,6 +84,7 @@ class ProbeExecutor:
         env: Mapping[str, str],
         say: Callable[[str], None],
         python: str = sys.executable,
+        warm: bool = True,
     ) -> None:
         self.client = client
         self.node_id = node_id
@@ -94,8 +97,10 @@ class ProbeExecutor:
         self._running: pb.Action | None = None
         self._thread: threading.Thread | None = None
         """The thread draining the queue; None once it has found the queue empty (under the lock)."""
-        self._proc: subprocess.Popen[bytes] | None = None
-        """The running probe's process, for :meth:`stop`."""
+        self._kill: Callable[[], None] | None = None
+        """Kills the running probe's process group, for :meth:`stop`."""
+        self._warm = WarmProbes(python=python, env=self.env) if warm else None
+        """The warm probe server, started at the first probe: later probes skip ``import torch``."""
         self._stopped = False
         self.last_report: pb.ReportProbeRequest | None = None
 
@@ -126,30 +131,27 @@ class ProbeExecutor:
             with self._lock:
                 if self._stopped or not self._queue:
                     self._thread = None
-                    return
+                    stopped = self._stopped
+                    break
                 self._running = action = self._queue.popleft()
             try:
                 self.run(action)
             finally:
                 with self._lock:
                     self._running = None
-                    self._proc = None
+                    self._kill = None
+        if stopped and self._warm is not None:
+            self._warm.close()  # after the killed probe's report: the server tells how it ended
 
     def run(self, action: pb.Action) -> pb.ReportProbeRequest:
         """Runs the probe of ``action`` to completion and reports it (blocking)."""
         p = plan(action, node_id=self.node_id)
+        how = ""
         if p.kind is None:
             measurements = [probe_runner.Measurement(ok=False, error=p.error)]
         else:
             self.say(f"running the {p.kind} probe (probe round {action.probe_round})")
-            measurements = probe_runner.run_probe(
-                kind=p.kind,
-                python=self.python,
-                args=p.args,
-                timeout_s=p.timeout_s,
-                env=self.env,
-                started=self._started,
-            )
+            measurements, how = self._measure(p.kind, p)
         request = pb.ReportProbeRequest(
             node_id=self.node_id,
             incarnation=self.incarnation,
@@ -159,25 +161,43 @@ class ProbeExecutor:
         )
         failed = [m.error for m in measurements if not m.ok]
         summary = ", ".join(f"{m.rate:.3g}" for m in measurements if m.ok)
-        self.say(
-            f"probe done: {len(measurements) - len(failed)} ok (rates {summary or '-'}), failed: {failed}"
-        )
+        ok = len(measurements) - len(failed)
+        self.say(f"probe done{how}: {ok} ok (rates {summary or '-'}), failed: {failed}")
         with contextlib.suppress(TransportError):
             self.client.report_probe(request)
         self.last_report = request
         return request
 
-    def _started(self, proc: subprocess.Popen[bytes]) -> None:
+    def _measure(
+        self, kind: probe_runner.ProbeName, p: ProbePlan
+    ) -> tuple[list[probe_runner.Measurement], str]:
+        """The probe's measurements, and how it ran (for the log)."""
+        if self._warm is not None:
+            warm = self._warm.run(kind=kind, args=p.args, timeout_s=p.timeout_s, started=self._started)
+            if warm is not None:
+                return warm, " (warm)"
+        # Cold: warm processes are off, or no warm server could take the probe.
+        cold = probe_runner.run_probe(
+            kind=kind,
+            python=self.python,
+            args=p.args,
+            timeout_s=p.timeout_s,
+            env=self.env,
+            started=self._started,
+        )
+        return cold, " (cold)"
+
+    def _started(self, kill: Callable[[], None]) -> None:
         with self._lock:
-            self._proc = proc
+            self._kill = kill
             if self._stopped or self._running is None:  # stopped, or made stale, while it was starting
-                probe_runner.stop(proc)
+                kill()
 
     def _kill_running(self) -> None:
         """Kills the running probe (under the lock); :meth:`run` then reports it failed."""
         self._running = None
-        if self._proc is not None:
-            probe_runner.stop(self._proc)
+        if self._kill is not None:
+            self._kill()
 
     def stop(self) -> None:
         """Drops the queue and kills a running probe (the agent is leaving): in a session of its own, it
@@ -187,6 +207,9 @@ class ProbeExecutor:
             self._stopped = True
             self._queue.clear()
             self._kill_running()
+            idle = self._thread is None
+        if idle and self._warm is not None:
+            self._warm.close()  # else the thread closes it once its probe has ended
 
     def join(self, timeout_s: float) -> None:
         """Waits until the queue has run (for shutdown and tests)."""

@@ -110,6 +110,7 @@ class Supervisor:
             incarnation=self.incarnation,
             env=self.base_env,
             say=self.say,
+            warm=config.warm_probes,
         )
 
     # -------------------------------------------------------------------------------------------------

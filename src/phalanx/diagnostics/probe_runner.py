@@ -35,10 +35,12 @@ from typing import Any, Literal
 from phalanx.api.v1 import master_pb2 as pb
 
 ProbeName = Literal["matmul", "allgather"]
+PROGRAM = "phalanx.diagnostics.probe"
 
 MAX_ERROR_CHARS = 1000
 """Longest error text kept per measurement (the master refuses more than 4096)."""
-_MAX_OUTPUT_BYTES = 1 << 20  # a probe's result line is tiny; more output than this is garbage
+MAX_OUTPUT_BYTES = 1 << 20
+"""Most output of a probe that is read: its result line is tiny; more than this is garbage."""
 _KILL_WAIT_S = 5.0
 
 
@@ -80,7 +82,7 @@ def _clip(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
-def _failure(error: str) -> list[Measurement]:
+def failure(error: str) -> list[Measurement]:
     return [Measurement(ok=False, error=_clip(error))]
 
 
@@ -115,11 +117,11 @@ def run_probe(
     args: Sequence[str],
     timeout_s: float,
     env: Mapping[str, str] | None = None,
-    started: Callable[[subprocess.Popen[bytes]], None] | None = None,
+    started: Callable[[Callable[[], None]], None] | None = None,
 ) -> list[Measurement]:
     """Runs one probe program to completion or timeout; see the module docstring for the contract.
-    ``started`` gets the probe's process as soon as it runs (to stop it with :func:`stop`)."""
-    command = [python, "-m", "phalanx.diagnostics.probe", kind, *args]
+    ``started`` gets a function that kills the probe's process group, as soon as the probe runs."""
+    command = [python, "-m", PROGRAM, kind, *args]
     try:
         proc = subprocess.Popen(
             command,
@@ -130,24 +132,28 @@ def run_probe(
             env=dict(env) if env is not None else None,
         )
     except OSError as exc:
-        return _failure(f"{kind} probe could not be started with {python}: {exc}")
+        return failure(f"{kind} probe could not be started with {python}: {exc}")
     if started is not None:
-        started(proc)
+        started(lambda: stop(proc))
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
-        return _failure(f"{kind} probe timed out after {timeout_s:g}s and was killed")
-    stdout = out[-_MAX_OUTPUT_BYTES:].decode("utf-8", errors="replace")
-    stderr = err[-_MAX_OUTPUT_BYTES:].decode("utf-8", errors="replace")
+        return failure(f"{kind} probe timed out after {timeout_s:g}s and was killed")
+    return outcome(kind, out=out, err=err, code=proc.returncode)
+
+
+def outcome(kind: str, *, out: bytes, err: bytes, code: int) -> list[Measurement]:
+    """What a finished probe program measured, from its output and exit code (negative: a signal)."""
+    stdout = out[-MAX_OUTPUT_BYTES:].decode("utf-8", errors="replace")
+    stderr = err[-MAX_OUTPUT_BYTES:].decode("utf-8", errors="replace")
     measurements = parse_output(stdout, kind=kind)
     if measurements is not None:
         return measurements
-    code = proc.returncode
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
     if code == 0:
-        return _failure(f"{kind} probe printed no result line: {_short(stdout) or 'no output'}")
-    return _failure(f"{kind} probe {how}: {_stderr_tail(stderr) or 'no error output'}")
+        return failure(f"{kind} probe printed no result line: {_short(stdout) or 'no output'}")
+    return failure(f"{kind} probe {how}: {_stderr_tail(stderr) or 'no error output'}")
 
 
 def _short(text: str, limit: int = 200) -> str:
