@@ -357,9 +357,7 @@ class ElasticTrainer:
             self.engine.release_groups()
         if self.mesh is not None:
             self.mesh.release()
-        if dist.is_initialized():
-            with contextlib.suppress(RuntimeError, dist.DistError):  # already broken: its peers are gone
-                dist.destroy_process_group()
+        leave_world()
         self._store = None
         gc.collect()  # autograd graphs of an abandoned step can hold groups in reference cycles
 
@@ -423,3 +421,19 @@ class ElasticTrainer:
             h.update(name.encode())
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
+
+
+def leave_world() -> None:
+    """Destroys this process's process groups, if any, so that the next round forms from scratch.
+
+    It also restarts torch's group naming at zero. A group's store keys carry its name, which comes from a
+    per-process counter; ``destroy_process_group()`` resets that counter, but a formation that failed (a
+    peer vanished while gloo connected the mesh) has counted its group without registering it, so nothing
+    would. This process would then name its next world "1" while a freshly started peer names it "0", and
+    each would wait for the other's keys until the timeout, round after round, until every process had
+    been restarted (seen with a node evicted while the survivors regrouped: 3.5 minutes without a step).
+    """
+    if dist.is_initialized():
+        with contextlib.suppress(RuntimeError, dist.DistError):  # already broken: its peers are gone
+            dist.destroy_process_group()
+    dist.distributed_c10d._world.group_count = 0

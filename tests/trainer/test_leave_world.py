@@ -1,0 +1,87 @@
+"""A process whose formation failed can still form the next world with a freshly started peer.
+
+Real processes and gloo over real sockets: the survivor's first world fails (its peer never comes, as when
+a node vanishes while gloo connects the mesh), it leaves that world with the trainer's
+:func:`phalanx.trainer.elastic.leave_world`, and then forms a world with a process that has just started,
+as a replacement node's is. Without the reset of torch's group naming in ``leave_world`` the survivor
+names that world "1" and the newcomer "0", and both time out waiting for each other's keys.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.trainer._procs import free_port, worker_env
+
+SURVIVOR = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.distributed import TCPStore
+from phalanx.trainer.elastic import leave_world
+
+lost, fresh = int(sys.argv[1]), int(sys.argv[2])
+store = TCPStore("127.0.0.1", lost, 2, is_master=True, timeout=timedelta(seconds=2), wait_for_workers=False)
+try:
+    dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=2))
+    sys.exit("the first world formed without its second rank")
+except (RuntimeError, dist.DistError):
+    pass
+leave_world()
+store = TCPStore("127.0.0.1", fresh, 2, is_master=True, timeout=timedelta(seconds=20), wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=20))
+t = torch.ones(1)
+dist.all_reduce(t)
+print("sum", t.item())
+"""
+
+NEWCOMER = """
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.distributed import TCPStore
+
+fresh = int(sys.argv[1])
+deadline = time.monotonic() + 30
+while True:  # the survivor serves this store once its first world has failed
+    try:
+        store = TCPStore("127.0.0.1", fresh, 2, is_master=False, timeout=timedelta(seconds=20))
+        break
+    except (RuntimeError, dist.DistError):
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.1)
+dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=timedelta(seconds=20))
+t = torch.ones(1)
+dist.all_reduce(t)
+print("sum", t.item())
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_a_survivor_of_a_failed_formation_forms_the_next_world_with_a_fresh_peer() -> None:
+    lost, fresh = free_port(), free_port()
+    env = worker_env()
+    newcomer = subprocess.Popen(
+        [sys.executable, "-c", NEWCOMER, str(fresh)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        survivor = subprocess.run(
+            [sys.executable, "-c", SURVIVOR, str(lost), str(fresh)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        out, err = newcomer.communicate(timeout=30)
+    finally:
+        newcomer.kill()
+        newcomer.wait()
+    assert survivor.returncode == 0, survivor.stderr[-3000:]
+    assert survivor.stdout.split() == ["sum", "2.0"]
+    assert out.decode().split() == ["sum", "2.0"], err.decode()[-3000:]
