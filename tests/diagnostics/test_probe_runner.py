@@ -201,7 +201,8 @@ def test_to_proto_keeps_every_field() -> None:
 def test_runner_and_analysis_do_not_import_torch() -> None:
     """The agent imports these; torch must not come along, even transitively."""
     code = (
-        "import sys, phalanx.diagnostics.probe_runner, phalanx.diagnostics.stragglers;"
+        "import sys, phalanx.diagnostics.probe_runner, phalanx.diagnostics.stragglers,"
+        " phalanx.diagnostics.warm_probes;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -118,12 +118,16 @@ def test_a_killed_server_is_replaced_at_the_next_probe(warm: WarmProbes) -> None
     assert warm.server_pid not in (None, server)
 
 
-def test_a_server_killed_during_a_probe_loses_that_probe_and_its_child(warm: WarmProbes) -> None:
+def lonely_allgather_under_way(
+    warm: WarmProbes, *, timeout_s: float
+) -> tuple[threading.Thread, list[object]]:
+    """Starts :func:`lonely_allgather` on a thread and returns once its child runs: the thread, and the
+    list its measurements will be in."""
     kills: list[Callable[[], None]] = []
     result: list[object] = []
     thread = threading.Thread(
         target=lambda: result.append(
-            warm.run(kind="allgather", args=lonely_allgather(), timeout_s=60, started=kills.append)
+            warm.run(kind="allgather", args=lonely_allgather(), timeout_s=timeout_s, started=kills.append)
         )
     )
     thread.start()
@@ -131,6 +135,11 @@ def test_a_server_killed_during_a_probe_loses_that_probe_and_its_child(warm: War
     while not kills:
         assert time.monotonic() < deadline, "the probe did not start"
         time.sleep(0.01)
+    return thread, result
+
+
+def test_a_server_killed_during_a_probe_loses_that_probe_and_its_child(warm: WarmProbes) -> None:
+    thread, result = lonely_allgather_under_way(warm, timeout_s=60)
     server = warm.server_pid
     assert server is not None
     os.kill(server, signal.SIGKILL)
@@ -185,30 +194,10 @@ def test_the_server_refuses_a_malformed_request_and_serves_the_next(tmp_path: Pa
     assert json.loads(line)["measurements"][0]["ok"] is True
 
 
-def test_the_client_does_not_import_torch() -> None:
-    code = (
-        "import sys, phalanx.diagnostics.warm_probes;"
-        "print(any(m.split('.')[0] == 'torch' for m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
-
-
 def test_a_server_stopped_during_a_probe_is_replaced(warm: WarmProbes) -> None:
     """SIGSTOP the server while its probe runs: the probe times out and is killed, the stopped server
     cannot report it, so it is not trusted with the next probe; a new server takes that one."""
-    kills: list[Callable[[], None]] = []
-    result: list[object] = []
-    thread = threading.Thread(
-        target=lambda: result.append(
-            warm.run(kind="allgather", args=lonely_allgather(), timeout_s=10, started=kills.append)
-        )
-    )
-    thread.start()
-    deadline = time.monotonic() + 15
-    while not kills:
-        assert time.monotonic() < deadline, "the probe did not start"
-        time.sleep(0.01)
+    thread, result = lonely_allgather_under_way(warm, timeout_s=10)
     stopped = warm.server_pid
     assert stopped is not None
     os.kill(stopped, signal.SIGSTOP)
