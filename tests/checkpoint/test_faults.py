@@ -237,6 +237,58 @@ def test_full_disk_is_a_clear_persist_error_and_training_goes_on(
         handle.stop()
 
 
+def test_persisting_where_the_host_cannot_is_refused_at_the_first_persist(
+    job_id: str, store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer given a storage location of its own, on a node whose agent's host has none or another
+    one: the first persist says what to fix, and the snapshot it was saving stays in memory."""
+    bare = host_mod.start(job_id=job_id, socket_path=tmp_path / "bare.sock")  # an agent without storage
+    for key, value in bare.env().items():
+        monkeypatch.setenv(key, value)
+    try:
+        ckpt = Checkpointer(storage=str(store))
+        with pytest.raises(PersistError, match=r"has no storage.*--checkpoint-dir " + str(store)):
+            ckpt.save(10, {"w": torch.full((256,), 10.0)}, persist=True)
+        assert ckpt.load()[0] == 10  # type: ignore[index]
+        assert not list(store.iterdir())
+        ckpt.close()
+    finally:
+        bare.stop()
+
+    elsewhere = tmp_path / "elsewhere"
+    other = host_mod.start(job_id=job_id, storage=str(elsewhere), socket_path=tmp_path / "other.sock")
+    for key, value in other.env().items():
+        monkeypatch.setenv(key, value)
+    try:
+        ckpt = Checkpointer(storage=str(store))
+        with pytest.raises(
+            PersistError, match=f"persists to {elsewhere}, but this process loads from {store}"
+        ):
+            ckpt.save(11, {"w": torch.full((256,), 11.0)}, persist=True)
+        assert ckpt.load()[0] == 11  # type: ignore[index]
+        ckpt.close()
+    finally:
+        other.stop()
+    assert not elsewhere.exists() or not list(elsewhere.iterdir())
+
+
+def test_the_same_storage_spelled_another_way_persists(
+    job_id: str, store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handle = host_mod.start(job_id=job_id, storage=f"file://{store}/", socket_path=tmp_path / "h.sock")
+    for key, value in handle.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(store.parent)
+    try:
+        ckpt = Checkpointer(storage=f"./{store.name}")
+        ckpt.save(3, {"w": torch.full((256,), 3.0)}, persist=True)
+        assert [r["step"] for r in ckpt.wait()] == [3]
+        assert storage.committed_steps(storage.LocalStorage(store)) == [3]
+        ckpt.close()
+    finally:
+        handle.stop()
+
+
 @pytest.fixture
 def tiny_shm(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs standing in for a node's /dev/shm that is too small."""

@@ -103,3 +103,17 @@ def test_background_copy_failure_is_raised_at_the_fence_and_never_marked_complet
     with pytest.raises(CheckpointError, match="header write failed"):
         job.wait()
     assert job.done()
+
+
+def test_canonical_location_makes_two_spellings_of_one_place_equal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    same = {
+        storage.canonical_location(x)
+        for x in ("ckpt", "./ckpt/", f"file://{tmp_path}/ckpt", str(tmp_path / "ckpt"))
+    }
+    assert same == {str(tmp_path / "ckpt")}
+    assert storage.canonical_location("s3://bucket/run-1/") == "s3://bucket/run-1"
+    assert storage.canonical_location("s3://bucket/run-1") != storage.canonical_location("s3://bucket/run-2")
+    assert storage.canonical_location("") == ""

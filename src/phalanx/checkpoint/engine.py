@@ -22,7 +22,7 @@ import torch
 
 from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import codec, copier, protocol, shm
-from phalanx.checkpoint.storage import Storage, open_storage
+from phalanx.checkpoint.storage import Storage, canonical_location, open_storage
 
 _GROWTH = 1.1  # headroom when a slot is (re)allocated, so a slightly bigger state does not reallocate
 
@@ -180,6 +180,7 @@ class Checkpointer:
         self._prepare: threading.Thread | None = None
         self._prepare_error: BaseException | None = None
         self._persisting: list[int] = []
+        self._host_storage_checked = False
         self.last_load: dict[str, Any] = {}
         self.last_save: dict[str, Any] = {}
 
@@ -412,6 +413,7 @@ class Checkpointer:
             raise PersistError(
                 "persisting needs a checkpoint storage location (storage= or PHALANX_CHECKPOINT_STORAGE)"
             )
+        self._check_host_storage()
         # Pin the slot now, not when the host gets to it: later saves then go to the other slot and
         # cannot overwrite this snapshot while it waits in the host's queue. The host unpins it.
         pinned = None
@@ -426,6 +428,29 @@ class Checkpointer:
                 shm.set_pin(pinned.buf, 0)
             raise PersistError(str(reply.get("error")))
         self._persisting.append(step)
+
+    def _check_host_storage(self) -> None:
+        """The host persists where it was told (by its agent, or by whoever started it) and this process
+        loads from ``self.storage``: they must be the same place, or a replacement node would never find
+        what was persisted. Checked once, at the first persist, so a misconfigured job fails at that step
+        with what to fix instead of at its last :meth:`wait`."""
+        if self._host_storage_checked:
+            return
+        host = self.client().call({"op": "ping"}).get("storage", "")
+        if not host:
+            raise PersistError(
+                f"this node's checkpoint host ({self.host_socket}) has no storage, so nothing can be "
+                f"persisted; give phalanx-run --checkpoint-dir {self.storage_location} (or "
+                "PHALANX_CHECKPOINT_STORAGE_PATH), or save without persist: the snapshot stays in memory"
+            )
+        mine = canonical_location(self.storage_location)
+        if host != mine:
+            raise PersistError(
+                f"this node's checkpoint host persists to {host}, but this process loads from {mine}: a "
+                "new node would not find the persisted steps; leave storage= unset to use the host's, or "
+                f"give phalanx-run --checkpoint-dir {self.storage_location}"
+            )
+        self._host_storage_checked = True
 
     def wait(self, *, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Waits for this rank's pending persistence; raises PersistError if any of it failed (the

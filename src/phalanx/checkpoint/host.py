@@ -25,7 +25,8 @@ protocol). Requests on the socket (JSON lines; see :mod:`phalanx.checkpoint.prot
     {"op": "persist", "rank": r, "step": s}      -> {"ok": true}            (queued)
     {"op": "wait", "rank": r, "step": s|null}    -> {"ok": bool, "error": ..., "results": [...]}
     {"op": "persist_now"}                        -> {"ok": bool, "steps": {rank: step}, "errors": [...]}
-    {"op": "ping"} / {"op": "stop"}
+    {"op": "ping"}                               -> {"ok": true, "pid": p, "storage": location or ""}
+    {"op": "stop"}
 """
 
 from __future__ import annotations
@@ -51,12 +52,18 @@ from typing import TYPE_CHECKING, Any
 from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import protocol, shm
 from phalanx.checkpoint.persister import PersistResult, choose_slot, persist_shard
-from phalanx.checkpoint.storage import Storage, open_storage
+from phalanx.checkpoint.storage import Storage, canonical_location, open_storage
 
 if TYPE_CHECKING:
     from phalanx.checkpoint.report import MasterReporter
 
 log = logging.getLogger("phalanx.checkpoint")
+
+NO_STORAGE = (
+    "this node's checkpoint host has no storage, so nothing can be persisted; give phalanx-run "
+    "--checkpoint-dir (or PHALANX_CHECKPOINT_STORAGE_PATH), or save without persist: the snapshot "
+    "stays in memory"
+)
 
 
 @dataclass
@@ -78,6 +85,7 @@ class HostServer:
         shm_dir: Path,
         storage: Storage | None,
         keep_last: int,
+        storage_location: str = "",
         reporter: MasterReporter | None = None,
         idle_exit_s: float = 0.0,
         parent_pid: int = 0,
@@ -87,6 +95,9 @@ class HostServer:
         self.socket_path = socket_path
         self.shm_dir = shm_dir
         self.storage = storage
+        # Told to every client that asks, so a Checkpointer can check that it loads from where this host
+        # persists (see Checkpointer.persist).
+        self.storage_location = storage_location
         self.keep_last = keep_last
         self.reporter = reporter
         self.idle_exit_s = idle_exit_s
@@ -109,7 +120,7 @@ class HostServer:
         """Answers one request."""
         op = request.get("op")
         if op == "ping":
-            return {"ok": True, "pid": os.getpid()}
+            return {"ok": True, "pid": os.getpid(), "storage": self.storage_location}
         if op == "alloc":
             return self._alloc(int(request["rank"]), int(request["size"]))
         if op == "persist":
@@ -154,6 +165,8 @@ class HostServer:
         return {"ok": True, "paths": [str(p) for p in paths]}
 
     def _enqueue(self, rank: int, step: int | None) -> dict[str, Any]:
+        if self.storage is None:  # refused now, not found out by the trainer's wait many steps later
+            return {"ok": False, "error": NO_STORAGE}
         with self._cond:
             entry = self._ranks.get(rank)
             if entry is None:
@@ -181,7 +194,7 @@ class HostServer:
     def persist_now(self) -> dict[str, Any]:
         """Persists the newest complete snapshot of every rank on this node, and waits for it."""
         if self.storage is None:
-            return {"ok": False, "error": "no checkpoint storage is configured"}
+            return {"ok": False, "error": NO_STORAGE}
         with self._cond:
             ranks = sorted(self._ranks)
         steps: dict[str, int] = {}
@@ -210,7 +223,7 @@ class HostServer:
             result: dict[str, Any] = {"rank": rank, "step": step}
             try:
                 if self.storage is None:
-                    raise PersistError("no checkpoint storage is configured")
+                    raise PersistError(NO_STORAGE)
                 done: PersistResult = persist_shard(
                     segments=self._ranks[rank].segments,
                     store=self.storage,
@@ -540,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         socket_path=Path(args.socket),
         shm_dir=Path(args.shm_dir),
         storage=open_storage(args.storage) if args.storage else None,
+        storage_location=canonical_location(args.storage),
         keep_last=args.keep_last,
         reporter=reporter,
         idle_exit_s=args.idle_exit_s,

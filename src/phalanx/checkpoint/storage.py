@@ -321,6 +321,16 @@ def open_storage(location: str) -> Storage:
     return LocalStorage(location.removeprefix("file://"))
 
 
+def canonical_location(location: str) -> str:
+    """The form of a storage location two processes can compare: an absolute directory path (relative to
+    the caller's working directory), or ``s3://BUCKET/PREFIX`` without trailing slashes; "" for none."""
+    if not location:
+        return ""
+    if location.startswith("s3://"):
+        return location.rstrip("/")
+    return str(Path(location.removeprefix("file://")).resolve())
+
+
 def step_dirs(storage: Storage) -> list[int]:
     """Every step that has a directory, oldest first, committed or not."""
     steps = []
