@@ -12,6 +12,10 @@ one node is SIGKILLed, and the time from the kill to the survivors' next complet
                  torch.save checkpoint. Restarted workers sometimes deadlock while connecting their gloo
                  group; such attempts are reported as failed runs and the mode is retried.
 
+``superseded``: after the kill the survivors get a round with a replacement that never comes, and one second
+later a round without it; reported is the time from that last round to their next step (an abandoned
+formation used to sit out the 30 s collective timeout).
+
 ``local`` runs the same kill through the real stack (``phalanx local``: master, agents in regroup mode,
 2 s heartbeat timeout, no replacement) and reports the time from the kill to the first completed step
 after recovery from its summary. ``local-default`` does the same with the default heartbeat settings (1 s
@@ -114,6 +118,34 @@ def run_phalanx(folder: Path, *, restart: bool) -> float:
     finally:
         c.close()  # also stops the nodes' checkpoint hosts, so nothing writes under ckpt any more
         shutil.rmtree(ckpt)
+
+
+def run_superseded(folder: Path) -> float:
+    """After the kill the survivors get a round with a replacement that never comes (it died while starting,
+    or went on to another round), and one second later a round without it: seconds from that last round to
+    the survivors' next step. Until they give up on the first round the survivors cannot take it."""
+    c = Cluster(folder, args=[*MODEL, "--steps", "100000", "--global-batch", "12"])
+    try:
+        for n in ("a", "b", "c", "ghost"):
+            c.add(n)
+        c.write_round(["a", "b", "c"])
+        for n in "abc":
+            c.start(n)
+        _wait(lambda: min(c.last_step(n) for n in "abc") >= KILL_AT, 120, "steps before the kill")
+        c.kill("c")
+        c.write_round(["a", "b", "ghost"])
+        time.sleep(1.0)
+        c.write_round(["a", "b"])
+        written = time.time()
+
+        def recovered() -> bool:
+            steps = (r for r in c.records("a") if r["event"] == "step")
+            return any(r["world"] == SURVIVORS and float(r["time"]) > written for r in steps)  # type: ignore[arg-type]
+
+        _wait(recovered, 120, "recovery")
+        return _first_step_after(c.records("a"), after=written) - written
+    finally:
+        c.close()
 
 
 def run_local(folder: Path, *, heartbeat_timeout: str = "2s") -> float:
@@ -473,6 +505,8 @@ def main() -> int:
                         samples.append(run_torchrun(folder))
                     elif mode == "local":
                         samples.append(run_local(folder))
+                    elif mode == "superseded":
+                        samples.append(run_superseded(folder))
                     elif mode == "local-default":
                         samples.append(run_local(folder, heartbeat_timeout="10s"))
                     else:

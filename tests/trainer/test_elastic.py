@@ -4,6 +4,7 @@ fallback to a restart with a checkpoint load when a whole shard is lost."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -191,3 +192,32 @@ def test_losing_a_whole_shard_restarts_from_the_checkpoint(
     assert again[0]["step"] > 20
     assert not any(r["allocated"] for r in first + again), first + again
     assert all(r["behind"] == (saves == "behind") for r in first + again)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("serves_the_store", [True, False])
+def test_a_round_a_member_never_comes_to_is_abandoned_for_the_newer_one(
+    tmp_path: Path, cluster_factory: list[Cluster], serves_the_store: bool
+) -> None:
+    """A member of the round never comes (it went on to a newer round, or died while starting): the
+    others leave the round as soon as the agent writes the next one, not after the collective timeout
+    (120 s here, longer than this test may take). As rank 0 the survivor waits for its peers on its own
+    store; as rank 1 it waits for the store of a rank 0 that never serves one."""
+    c = Cluster(tmp_path, args=[*TINY, "--steps", "5", "--global-batch", "4"])
+    cluster_factory.append(c)
+    c.add("a")
+    c.add("ghost")  # in the round, never started
+    c.write_round(["a", "ghost"] if serves_the_store else ["ghost", "a"])
+    c.start("a")
+    c.wait(lambda: c.announced("a"), timeout_s=60, label="the survivor to start")
+    time.sleep(1.0)  # well inside the first round's formation
+    c.write_round(["a"])
+    assert c.exit_codes("a", timeout_s=60) == [0]
+    records = c.records("a")
+    failed = [r for r in records if r["event"] == "form_failed"]
+    assert [r["round"] for r in failed] == [1], records
+    assert "a newer round was written" in failed[0]["error"]
+    formed = [r for r in records if r["event"] == "formed"]
+    assert [(r["round"], r["world"]) for r in formed] == [(2, 1)]
+    assert c.last_step("a") == 5

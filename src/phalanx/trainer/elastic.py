@@ -66,11 +66,16 @@ class ElasticConfig:
     """Report a SHA-256 of the training state after every (re)group (for tests and debugging)."""
 
 
-def _wait_for_listener(host: str, port: int, *, timeout_s: float) -> None:
+class _GroupFailed(PhalanxError):
+    """Forming the process group or running the recovery collectives failed."""
+
+
+def _wait_for_listener(host: str, port: int, *, timeout_s: float, superseded: Callable[[], bool]) -> None:
     """Returns once something accepts connections on ``host:port`` (or after ``timeout_s``).
 
     A TCPStore client that arrives before its server retries with a back-off of a few hundred
     milliseconds, which would dominate a regroup; probing the fresh port every few milliseconds does not.
+    Raises _GroupFailed once ``superseded()``: the server (rank 0) may have gone on to a newer round.
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -78,11 +83,36 @@ def _wait_for_listener(host: str, port: int, *, timeout_s: float) -> None:
             with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
-            time.sleep(0.005)
+            pass
+        if superseded():
+            raise _GroupFailed(f"a newer round was written while waiting for its store at {host}:{port}")
+        time.sleep(0.005)
 
 
-class _GroupFailed(PhalanxError):
-    """Forming the process group or running the recovery collectives failed."""
+_ARRIVED = "phalanx/arrived"
+_ALL_ARRIVED = "phalanx/all-arrived"
+
+
+def _gather(store: Store, *, world_size: int, timeout_s: float, superseded: Callable[[], bool]) -> None:
+    """Counts this rank in on the round's store and returns once every member has counted itself in.
+
+    gloo waits for its peers inside ``init_process_group`` (connecting the full mesh), and that wait cannot
+    be interrupted: a member that went on to a newer round instead, or never came, costs the rest the whole
+    collective timeout, 30 s by default, before they move on. This wait gives up as soon as the agent
+    writes a newer round. Once everyone is here, gloo's own wait is a matter of milliseconds.
+    """
+    if store.add(_ARRIVED, 1) == world_size:
+        store.set(_ALL_ARRIVED, "1")
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check([_ALL_ARRIVED]):
+        if superseded():
+            raise _GroupFailed("a newer round was written while this one gathered its members")
+        if time.monotonic() > deadline:
+            here = store.add(_ARRIVED, 0)
+            raise _GroupFailed(f"{here} of {world_size} ranks came to the round in {timeout_s:g}s")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)  # the store serves every waiting rank: no tighter than 50 checks/s
 
 
 def checkpoint_action(*, step: int, every: int, prepared: bool) -> str:
@@ -231,9 +261,13 @@ class ElasticTrainer:
         if spec.world_size > 1 or self.rounds.elastic:
             if self.rounds.elastic:
                 # The agent hands every round a fresh port; rank 0 serves the store, as in torchrun.
+                superseded = self._round_moved_on
                 if spec.rank != 0:
                     _wait_for_listener(
-                        spec.store_host, spec.store_port, timeout_s=self.config.collective_timeout_s
+                        spec.store_host,
+                        spec.store_port,
+                        timeout_s=self.config.collective_timeout_s,
+                        superseded=superseded,
                     )
                 self._store = TCPStore(
                     spec.store_host,
@@ -242,6 +276,12 @@ class ElasticTrainer:
                     is_master=spec.rank == 0,
                     timeout=timeout,
                     wait_for_workers=False,
+                )
+                _gather(
+                    self._store,
+                    world_size=spec.world_size,
+                    timeout_s=self.config.collective_timeout_s,
+                    superseded=superseded,
                 )
                 dist.init_process_group(
                     self.backend,
