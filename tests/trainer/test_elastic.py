@@ -89,15 +89,25 @@ def test_node_loss_regroups_in_process_and_joiner_gets_identical_state(
     assert c.exit_codes("d", timeout_s=120) == [0]
 
     # Survivors kept their processes and regrouped: world 3 -> 2 -> 3.
+    full = list(range(1, steps + 1))
+    regroups = {}
     for n in "ab":
         recs = c.records(n)
         assert {r["pid"] for r in recs if "pid" in r} == {pids[n]}
         formed = [r for r in recs if r["event"] == "formed"]
         assert [f["world"] for f in formed] == [3, 2, 3], formed
-        assert formed[1]["action"] == "continue"
         assert formed[2]["action"] == "broadcast"
-        assert [s["step"] for s in c.steps(n)] == list(range(1, steps + 1))  # no step lost or repeated
+        regroups[n] = formed[1]
+        # No step repeated or lost. A survivor whose all-reduce of the step in flight failed while the
+        # other's had completed (the kill landed in the ring's last exchanges) takes that step's state by
+        # broadcast instead of computing it.
+        logged = [s["step"] for s in c.steps(n)]
+        expected = full if formed[1]["action"] == "continue" else [s for s in full if s != formed[1]["step"]]
+        assert logged in (full, expected), formed[1]
         assert {s["world"] for s in c.steps(n)} == {3, 2}
+    assert regroups["a"]["step"] == regroups["b"]["step"]
+    assert regroups["a"]["digest"] == regroups["b"]["digest"]
+    assert any([s["step"] for s in c.steps(n)] == full for n in "ab")  # someone computed every step
     # The joiner received the survivors' state bit for bit.
     joined = next(r for r in c.records("d") if r["event"] == "formed")
     assert joined["action"] == "broadcast"
