@@ -477,7 +477,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=5)
     p.add_argument(
-        "--modes", default="inprocess,restart,torchrun,local,local-default,overhead,overhead-pinned"
+        "--modes",
+        default="inprocess,superseded,restart,torchrun,local,local-default,overhead,overhead-pinned",
     )
     p.add_argument("--overhead-steps", type=int, default=4000)
     p.add_argument("--out", default="")

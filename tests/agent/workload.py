@@ -24,6 +24,12 @@ def main() -> None:
     p.add_argument("--regroup", action="store_true", help="announce in-process regroup capability")
     p.add_argument("--slow-node", default="", help="this node's ranks take --slow-factor times longer a step")
     p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument(
+        "--finish-when-joined",
+        action="store_true",
+        help="finish as soon as a round with a newcomer is written (the last step of a synchronous job "
+        "coinciding with it); a newcomer's ranks then never complete a step, as their peers are gone",
+    )
     args = p.parse_args()
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -34,6 +40,11 @@ def main() -> None:
         round_file.announce_regroup()
     step_time = args.step_time * (args.slow_factor if os.environ["PHALANX_NODE_ID"] == args.slow_node else 1)
     log = (d / f"steps-{os.getpid()}.jsonl").open("a")
+    first = round_file.read(Path(os.environ["PHALANX_ROUND_FILE"]))
+    if args.finish_when_joined and first is not None and first.round > 1:
+        print(f"rank {rank}/{world} joined round {first.round}; waiting for peers", flush=True)
+        while True:
+            time.sleep(1.0)
     print(f"rank {rank}/{world} starting at step {start}", flush=True)
     for step in range(start, args.steps):
         if step == args.fail_at:
@@ -42,6 +53,9 @@ def main() -> None:
         info = round_file.read(Path(os.environ["PHALANX_ROUND_FILE"]))
         if info is not None:
             rank, world = info.rank(int(os.environ["LOCAL_RANK"])), info.world_size
+            if args.finish_when_joined and info.joined:
+                print(f"rank {rank}/{world} finishing: {info.joined} joined round {info.round}", flush=True)
+                return
         if rank == 0:
             tmp = ckpt.with_name(f".ckpt.{os.getpid()}")
             tmp.write_text(json.dumps({"step": step}))

@@ -198,6 +198,32 @@ def test_regroup_capable_workers_survive_membership_changes(tmp_path: Path) -> N
     assert "regrouped in place" in (tmp_path / "wd" / "node-0.log").read_text()
 
 
+def test_a_replacement_that_joins_as_training_ends_does_not_hold_up_the_job(tmp_path: Path) -> None:
+    """The round with the replacement is written while the survivors take their last step: they finish
+    without forming it, and the replacement's workers would wait for them forever. The job succeeds
+    without it (before, it waited until the newcomer gave up, then everyone trained again from the last
+    checkpoint)."""
+    code, s, out = run(
+        tmp_path,
+        "--nodes",
+        "2:3",
+        "--nproc-per-node",
+        "2",
+        "--replace-delay",
+        "0s",
+        "--timeout",
+        "60s",
+        "--inject",
+        "kill-node@step=5,node=2",
+        workload=["--steps", "100000", "--step-time", "0.1", "--regroup", "--finish-when-joined"],
+    )
+    assert code == 0, out
+    assert s["exit"] == "succeeded", s
+    assert "node-3 joined it as training ended and had nothing left to train" in s["reason"], s
+    assert s["evictions"][0]["replacement"] == "node-3"
+    assert "joined round" in (tmp_path / "wd" / "node-3.log").read_text()  # its workers did start
+
+
 def test_a_node_whose_steps_lag_is_flagged_and_probed(tmp_path: Path) -> None:
     """node-1's ranks take three times longer a step (independent ranks: no collective evens them out).
     The master's step-time check flags them, not node-0's, and starts a probe round, whose healthy

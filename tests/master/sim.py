@@ -51,11 +51,12 @@ class Sim:
         return self.job.get_rendezvous(req, now=self.now).response
 
     def hb(
-        self, node: str, *, state: int = pb.NODE_STATE_RUNNING, step: int = -1, lost: bool = False
+        self, node: str, *, state: int = pb.NODE_STATE_RUNNING, step: int | None = None, lost: bool = False
     ) -> list[pb.Action]:
         """One heartbeat of ``node``; returns the actions its agent carries out (each seq once), or none
-        when the answer is ``lost`` on the way back."""
-        ranks = [pb.RankProgress(rank=0, step=step)] if step >= 0 else []
+        when the answer is ``lost`` on the way back. With ``step`` it reports one worker at that step (-1: a
+        worker that has not completed one)."""
+        ranks = [pb.RankProgress(rank=0, step=step)] if step is not None else []
         acked = self.acked.get(node, 0)
         req = pb.HeartbeatRequest(
             node_id=node,

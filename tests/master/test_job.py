@@ -279,6 +279,65 @@ def test_a_late_joiner_does_not_reopen_a_finishing_job() -> None:
     assert sim.get("c", sim.job.next_round).status == pb.RENDEZVOUS_STATUS_CLOSED
 
 
+def _joined_as_training_ended(*, reports_steps: bool = True, newcomer_step: int | None = -1) -> Sim:
+    """a and b train; c joins, and the round with it forms while a's and b's workers take their last
+    step: they finish without ever forming it, and c's workers have not completed a step."""
+    sim = Sim(rendezvous={"min_nodes": 1, "max_nodes": 3, "last_call_s": 1.0})
+    sim.form("a", "b")
+    sim.register("c")
+    sim.join("c")
+    assert sim.job.round_open  # scale up
+    sim.join("a")
+    sim.join("b")
+    assert (sim.job.round_number, sim.job.members) == (2, ["a", "b", "c"])
+    if newcomer_step is not None:
+        sim.hb("c", step=newcomer_step)
+    for n in "ab":
+        sim.hb(n, step=500 if reports_steps else None)
+    return sim
+
+
+def test_a_newcomer_that_never_trained_does_not_hold_up_the_end_of_the_job() -> None:
+    sim = _joined_as_training_ended()
+    saved = json.loads(json.dumps(sim.job.durable()))
+    assert [m["newcomer"] for m in saved["round"]["members"]] == [False, False, True]
+    assert kinds([sim.complete("a")]) == ["NONE"]
+    done = sim.complete("b")
+    assert (kinds([done]), done.exit_code) == (["EXIT"], 0)
+    assert sim.job.phase == "Succeeded"
+    assert sim.job.reason == (
+        "2 of 3 nodes completed round 2; c joined it as training ended and had nothing left to train"
+    )
+    leave = sim.hb("c", step=-1)
+    assert (kinds(leave), leave[0].exit_code) == (["EXIT"], 0)
+    # A restarted master knows who joined the round, too.
+    resumed = Job(settings=settings(rendezvous={"min_nodes": 1, "max_nodes": 3}), now=sim.now, saved=saved)
+    assert resumed.round is not None
+    assert [m.newcomer for m in resumed.round.members] == [False, False, True]
+
+
+def test_a_newcomer_whose_workers_report_after_the_others_completed_ends_the_job_then() -> None:
+    sim = _joined_as_training_ended(newcomer_step=None)  # c's workers are not up yet
+    sim.complete("a")
+    assert kinds([sim.complete("b")]) == ["NONE"]
+    assert sim.job.phase == "Running"
+    leave = sim.hb("c", step=-1)
+    assert (kinds(leave), leave[0].exit_code) == (["EXIT"], 0)
+    assert sim.job.phase == "Succeeded"
+
+
+def test_a_newcomer_that_trained_or_a_script_without_steps_is_waited_for() -> None:
+    trained = _joined_as_training_ended(newcomer_step=471)
+    silent = _joined_as_training_ended(reports_steps=False)  # steps tell nothing: c may have work left
+    for sim in (trained, silent):
+        sim.complete("a")
+        assert kinds([sim.complete("b")]) == ["NONE"]
+        assert sim.job.phase == "Running"
+        done = sim.complete("c")
+        assert (kinds([done]), done.exit_code) == (["EXIT"], 0)
+        assert sim.job.reason == "all 3 nodes completed round 2"
+
+
 def test_hardware_failure_evicts_and_replaces_the_node() -> None:
     sim = Sim(restart={"max_evictions": 1}, **TWO)
     sim.form("a", "b")

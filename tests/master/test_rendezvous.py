@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from phalanx.api.settings import RendezvousSettings
+from phalanx.master import rendezvous as rdzv
 from phalanx.master.rendezvous import Joiner, can_grow, form_round, should_complete, usable
 
 
@@ -116,3 +117,19 @@ def test_a_reformed_round_of_survivors_completes_without_the_last_call() -> None
         straggler_wait_s=10.0,
         previous=["a", "b"],
     )
+
+
+def test_untrained_newcomers_are_only_those_that_joined_the_round_and_never_stepped() -> None:
+    members = tuple(
+        rdzv.Member(node_id=n, group_rank=i, nproc=1, rank_offset=i, newcomer=n in ("c", "d", "e"))
+        for i, n in enumerate("abcde")
+    )
+    round_ = rdzv.Round(
+        number=3, members=members, world_size=5, store_host="h", store_port=1, completed_at=0.0
+    )
+    steps = {"a": [500], "b": [-1], "c": [-1, -1], "d": [-1, 499], "e": []}
+    # b restarted in place (not new), d stepped, e has not reported its workers yet: only c is idle.
+    assert rdzv.untrained_newcomers(round_, completed={"a"}, steps=steps) == {"c"}
+    assert rdzv.untrained_newcomers(round_, completed={"a", "c"}, steps=steps) == set()
+    assert rdzv.untrained_newcomers(round_, completed={"b"}, steps=steps) == set()  # no step tells nothing
+    assert rdzv.untrained_newcomers(round_, completed=set(), steps=steps) == set()

@@ -124,6 +124,7 @@ class Job(ProbeCore):
                     self.max_step = top
                     self._changed()
                 self.observe_steps(req.node_id, req.ranks, round=req.round)
+                self._maybe_succeed(now=now)
         return self.heartbeat_answer(req, now=now)
 
     def heartbeat_answer(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:
@@ -350,14 +351,33 @@ class Job(ProbeCore):
             self.completed.add(req.node_id)
             self._event("node_completed", now=now, node=req.node_id)
             self._changed(durable=True)
-        if self.completed >= set(self.members):
-            self._finish(
-                "Succeeded", f"all {len(self.members)} nodes completed round {self.round_number}", now=now
-            )
+        if self._maybe_succeed(now=now):
             return action(
                 pb.ACTION_KIND_EXIT, round=self.round_number, exit_code=0, reason=self._end_reason()
             )
         return action(pb.ACTION_KIND_NONE)
+
+    def _maybe_succeed(self, *, now: float) -> bool:
+        """Succeeds the job once every member of the round completed it, or joined it as training ended
+        (see :func:`rendezvous.untrained_newcomers`; a newcomer's heartbeat may tell that after the
+        others' completions)."""
+        if not self.completed or self.round is None or self.round_open or self.finished:
+            return False
+        idle = rdzv.untrained_newcomers(
+            self.round,
+            completed=self.completed,
+            steps={n: [r.step for r in self.nodes[n].ranks] for n in self.members if n in self.nodes},
+        )
+        if not self.completed | idle >= set(self.members):
+            return False
+        reason = f"all {len(self.members)} nodes completed round {self.round_number}"
+        if idle:
+            reason = (
+                f"{len(self.completed)} of {len(self.members)} nodes completed round {self.round_number}; "
+                f"{', '.join(sorted(idle))} joined it as training ended and had nothing left to train"
+            )
+        self._finish("Succeeded", reason, now=now)
+        return True
 
     def report_checkpoint(
         self, req: pb.ReportCheckpointRequest, *, now: float

@@ -48,6 +48,8 @@ class Member:
     group_rank: int
     nproc: int
     rank_offset: int
+    newcomer: bool = False
+    """Not a member of the round before (a replacement or a scale-up joiner)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +130,13 @@ def form_round(
     offset = 0
     for group_rank, joiner in enumerate(chosen):
         members.append(
-            Member(node_id=joiner.node_id, group_rank=group_rank, nproc=joiner.nproc, rank_offset=offset)
+            Member(
+                node_id=joiner.node_id,
+                group_rank=group_rank,
+                nproc=joiner.nproc,
+                rank_offset=offset,
+                newcomer=joiner.node_id not in rank_before,
+            )
         )
         offset += joiner.nproc
     head = chosen[0] if chosen else None
@@ -140,3 +148,30 @@ def form_round(
         store_port=head.store_port if head else 0,
         completed_at=now,
     )
+
+
+def untrained_newcomers(
+    round_: Round, *, completed: Collection[str], steps: Mapping[str, Sequence[int]]
+) -> set[str]:
+    """Members that joined ``round_`` as training ended: they have nothing left to do once the others
+    completed it, and the job has succeeded without them.
+
+    A node joining in the last steps makes a new round; the survivors' workers may finish the last step
+    before they see it, and the newcomer then waits to form a world with peers that are gone (and, when it
+    gives up, makes everyone train again from the last checkpoint). In a synchronous job the members that
+    completed ran the last step, so a newcomer whose workers never reported a step (``steps``: each
+    node's ranks' last reported steps, -1 before the first) took no part in it. Only when the completed
+    members did report steps: a script that never calls ``report_step`` tells nothing, and its members
+    finish in their own time.
+    """
+    finished = [step for node in completed for step in steps.get(node, ())]
+    if not finished or max(finished) < 0:
+        return set()
+    return {
+        m.node_id
+        for m in round_.members
+        if m.newcomer
+        and m.node_id not in completed
+        and steps.get(m.node_id)
+        and all(step < 0 for step in steps[m.node_id])
+    }

@@ -49,6 +49,7 @@ def durable(job: JobCore) -> dict[str, Any]:
                     "group_rank": m.group_rank,
                     "nproc": m.nproc,
                     "rank_offset": m.rank_offset,
+                    "newcomer": m.newcomer,
                 }
                 for m in r.members
             ],
@@ -93,6 +94,7 @@ def restore(job: JobCore, saved: Mapping[str, Any], *, now: float) -> None:
                         group_rank=int(m["group_rank"]),
                         nproc=int(m["nproc"]),
                         rank_offset=int(m["rank_offset"]),
+                        newcomer=bool(m.get("newcomer", False)),
                     )
                     for m in r["members"]
                 ),
