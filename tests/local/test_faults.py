@@ -4,6 +4,7 @@ master, and a user error on every rank. The workload is tests/agent/workload.py 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,9 @@ def test_hung_worker_is_detected_and_recovered(tmp_path: Path) -> None:
     assert f["recovered_at"] is not None
     assert "hung: no progress past step" in (tmp_path / "wd" / "node-0.log").read_text()
     assert max(e["step"] for e in steps(tmp_path / "d")) == 49
+    # The stacks of both nodes made it into the analysis (node-0's agent sent its own before reporting the
+    # hang), and the stopped rank, which cannot answer SIGUSR1, is the odd one.
+    assert re.search(r"event hang_analysis +node-0 +ranks \[\d\] on node-0 differ from the 3 of 4", out), out
 
 
 def test_master_restart_does_not_interrupt_training(tmp_path: Path) -> None:

@@ -249,6 +249,39 @@ def test_hang_asks_for_stacks_and_evicts_the_odd_node_on_second_hang() -> None:
     assert sim.job.evictions[-1]["kind"] == "hang"
 
 
+def test_stacks_sent_before_the_hang_report_count_in_the_analysis() -> None:
+    """A real agent sends its stacks and then reports the hang, and when every rank blocks in one
+    collective every node's detector fires at once: the stacks come before the analysis starts."""
+    waiting = 'Current thread 0x1:\n  File "c10d.py", line 1 in all_reduce\n'
+    stopped = "<no stack dump: the process did not answer SIGUSR1>"
+    for others_first in (True, False):
+        sim = Sim(
+            restart={"max_restarts": 5}, rendezvous={"min_nodes": 1, "max_nodes": 3, "last_call_s": 1.0}
+        )
+        sim.form("a", "b", "c")
+
+        def stacks(node: str, per_rank: dict[int, str], sim: Sim = sim) -> None:
+            ranks = [pb.RankStacks(rank=r, stacks=text) for r, text in per_rank.items()]
+            req = pb.ReportStacksRequest(node_id=node, incarnation=sim.inc[node], round=1, ranks=ranks)
+            sim.job.report_stacks(req, now=sim.now)
+
+        stacks("b", {2: stopped, 3: waiting})  # b's rank 2 was SIGSTOPped
+        if others_first:
+            stacks("a", {0: waiting, 1: waiting})
+            stacks("c", {4: waiting, 5: waiting})
+        sim.fail("b", kind=pb.FAILURE_KIND_HANG, cls=pb.FAILURE_CLASS_HANG)
+        if others_first:  # everyone had sent theirs: the verdict is in, nobody is asked again
+            assert kinds(sim.hb("a")) == ["REJOIN"]
+        else:
+            assert kinds(sim.hb("a")) == ["DUMP_STACKS", "REJOIN"]
+            assert sim.job.status()["hang_analysis"] is None
+            stacks("a", {0: waiting, 1: waiting})
+            stacks("c", {4: waiting, 5: waiting})
+        analysis = sim.job.status()["hang_analysis"]
+        assert (analysis["odd_nodes"], analysis["odd_ranks"]) == (["b"], [2]), analysis
+        assert analysis["nodes_reported"] == ["a", "b", "c"]
+
+
 def test_scale_up_and_unit_cut() -> None:
     sim = Sim(rendezvous={"min_nodes": 2, "max_nodes": 4, "unit": 2, "last_call_s": 1.0})
     sim.form("a", "b", "c")

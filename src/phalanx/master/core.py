@@ -74,6 +74,10 @@ class JobCore:
         self.hang_counts: dict[str, int] = {}
         self.hang: dict[str, Any] | None = None
         """The pending hang analysis of a round: round, node, requested_at, stacks."""
+        self.early_stacks: tuple[int, dict[str, dict[int, str]]] = (0, {})
+        """Stacks of the current round that came before any hang analysis asked for them (round, node ->
+        rank -> dump): an agent that detects a hang sends its stacks first and then reports the failure
+        that starts the analysis, and so may every node whose ranks block in the same collective."""
         self.last_hang_analysis: dict[str, Any] | None = None
         self.max_step = -1
         self.below_min_since: float | None = now

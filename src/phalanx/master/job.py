@@ -324,18 +324,30 @@ class Job(ProbeCore):
 
     def _start_hang_analysis(self, node_id: str, *, now: float) -> None:
         self.hang_counts[node_id] = self.hang_counts.get(node_id, 0) + 1
+        early_round, early = self.early_stacks
+        stacks = (
+            {n: s for n, s in early.items() if n in self.members} if early_round == self.round_number else {}
+        )
+        self.early_stacks = (0, {})
         self.hang = {
             "round": self.round_number,
             "node": node_id,
             "requested_at": now,
             "members": self.members,
-            "stacks": {},
+            "stacks": stacks,
         }
         dump = action(pb.ACTION_KIND_DUMP_STACKS, round=self.round_number, reason=f"hang on {node_id}")
-        for member in self.members:
-            if member != node_id and member in self.nodes:
-                self._push(self.nodes[member], [dump])
-        self._event("hang", now=now, node=node_id, message="asked every member for its stacks")
+        missing = [m for m in self.members if m not in stacks and m != node_id and m in self.nodes]
+        for member in missing:
+            self._push(self.nodes[member], [dump])
+        self._event(
+            "hang",
+            now=now,
+            node=node_id,
+            message=f"asked {len(missing)} member(s) for their stacks; {len(stacks)} had sent them",
+        )
+        if set(self.members) <= set(stacks):
+            self._analyze_hang(now=now)
 
     def report_completion(self, req: pb.ReportCompletionRequest, *, now: float) -> pb.Action:
         node = self._node(req.node_id, req.incarnation)
@@ -463,9 +475,16 @@ class Job(ProbeCore):
 
     def report_stacks(self, req: pb.ReportStacksRequest, *, now: float) -> None:
         self._node(req.node_id, req.incarnation)
+        stacks = {r.rank: r.stacks for r in req.ranks}
         hang = self.hang
         if hang is None or req.round != hang["round"]:
+            if req.round == self.round_number and req.node_id in self.members:
+                early_round, early = self.early_stacks
+                self.early_stacks = (
+                    req.round,
+                    {**(early if early_round == req.round else {}), req.node_id: stacks},
+                )
             return
-        hang["stacks"][req.node_id] = {r.rank: r.stacks for r in req.ranks}
+        hang["stacks"][req.node_id] = stacks
         if set(hang["members"]) <= set(hang["stacks"]):
             self._analyze_hang(now=now)
