@@ -158,16 +158,53 @@ def test_sigkilled_persister_commits_nothing_then_the_next_persist_commits(
     )  # adopts the memory
     try:
         ckpt = Checkpointer()
+        # The killed persister's pin is gone: it would keep step 7's slot from every later save, and
+        # make every later persist wait for a persister that no longer exists.
+        assert not any(seg.header().pin for seg in ckpt.memory_slots(0))
         ckpt.persist(7)
         ckpt.wait()
         assert storage.committed_steps(storage.LocalStorage(store)) == [7]
+        later = {"w": state["w"] + 1}
+        ckpt.save(8, later, persist=True)
+        ckpt.wait()
+        assert storage.committed_steps(storage.LocalStorage(store)) == [7, 8]
         ckpt.close()
     finally:
         second.stop()
     fresh = Checkpointer(storage=str(store), shm_dir=str(tmp_path))
     step, got = fresh.load()  # type: ignore[misc]
-    assert step == 7
-    assert torch.equal(got["w"], state["w"])
+    assert step == 8
+    assert torch.equal(got["w"], later["w"])
+
+
+def test_a_save_never_waits_for_storage_and_a_waiting_persist_gives_way(
+    host: host_mod.HostHandle, store: Path
+) -> None:
+    """Storage slower than the persist interval: the persister writes step 2 while the persist of step 3
+    waits for its turn (the pins are set as the persister and persist() set them). Step 4's save takes
+    step 3's slot, never step 2's, and the host reports step 3 as superseded, not as a failure."""
+    ckpt = Checkpointer()
+    for step in (1, 2, 3):
+        ckpt.save(step, {"w": torch.full((1024,), float(step))})
+    slots = {seg.header().step: seg for seg in ckpt.memory_slots(0)}
+    assert sorted(slots) == [2, 3]
+    shm.set_pin(slots[2].buf, shm.PIN_WRITING)
+    shm.set_pin(slots[3].buf, shm.PIN_QUEUED)
+    ckpt.save(4, {"w": torch.full((1024,), 4.0)})
+    assert (slots[2].header().step, slots[2].header().complete) == (2, True)  # the persister's read is safe
+    assert slots[3].header().step == 4
+    reply = ckpt.client().call({"op": "persist", "rank": 0, "step": 3})
+    assert reply["ok"], reply
+    done = ckpt.client().call({"op": "wait", "rank": 0, "step": None})
+    assert done["ok"], done
+    assert [(r["step"], r.get("skipped")) for r in done["results"]] == [
+        (3, "step 3 was superseded by step 4 before it was persisted")
+    ]
+    shm.set_pin(slots[2].buf, 0)  # the persister is done with step 2
+    ckpt.save(5, {"w": torch.full((1024,), 5.0)}, persist=True)
+    assert [r["step"] for r in ckpt.wait()] == [5]
+    assert storage.committed_steps(storage.LocalStorage(store)) == [5]
+    ckpt.close()
 
 
 def test_corrupt_persisted_file_falls_back_with_a_warning(

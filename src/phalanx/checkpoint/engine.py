@@ -305,18 +305,20 @@ class Checkpointer:
         return self._allocate(int(size * _GROWTH)), True
 
     def _pick_slot(self, slots: _Slots) -> tuple[int, int]:
-        """The slot to write and the next sequence number: never the one the persister has pinned, else
-        the one not holding the newest complete snapshot."""
+        """The slot to write and the next sequence number: never the one the persister reads, then not one
+        whose persist waits, then the one not holding the newest complete snapshot.
+
+        When storage is slower than the persist interval, one slot is being persisted while the other
+        waits for its turn; the save then takes the waiting one, and that persist is superseded by the
+        newer save (persisted at its own persist). A save never waits for storage."""
         headers = [seg.header() for seg in slots.segments]
         seq = max(h.seq for h in headers) + 1
-        if headers[0].pin:
-            return 1, seq
-        if headers[1].pin:
-            return 0, seq
-        for i, h in enumerate(headers):
-            if not h.complete:
-                return i, seq
-        return (0 if headers[0].seq < headers[1].seq else 1), seq
+
+        def preference(i: int) -> tuple[bool, bool, bool, int]:
+            h = headers[i]
+            return (h.pin == shm.PIN_WRITING, bool(h.pin), h.complete, h.seq)
+
+        return min(range(len(headers)), key=preference), seq
 
     def save(self, step: int, state: Any, *, persist: bool = False, blocking: bool = True) -> None:
         """Copies ``state`` into shared memory; returns once the copy is complete.
@@ -415,13 +417,14 @@ class Checkpointer:
             )
         self._check_host_storage()
         # Pin the slot now, not when the host gets to it: later saves then go to the other slot and
-        # cannot overwrite this snapshot while it waits in the host's queue. The host unpins it.
+        # cannot overwrite this snapshot while it waits in the host's queue (unless the other slot is
+        # being persisted: see _pick_slot). The host unpins it.
         pinned = None
         for seg in self.memory_slots(self.rank):
             header = seg.header()
             if header.complete and header.step == step:
                 pinned = seg
-                shm.set_pin(seg.buf, 1)
+                shm.set_pin(seg.buf, shm.PIN_QUEUED)
         reply = self.client().call({"op": "persist", "rank": self.rank, "step": step})
         if not reply.get("ok"):
             if pinned is not None:

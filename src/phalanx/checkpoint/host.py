@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import protocol, shm
-from phalanx.checkpoint.persister import PersistResult, choose_slot, persist_shard
+from phalanx.checkpoint.persister import PersistResult, Superseded, choose_slot, persist_shard
 from phalanx.checkpoint.storage import Storage, canonical_location, open_storage
 
 if TYPE_CHECKING:
@@ -241,6 +241,9 @@ class HostServer:
                         size_bytes=done.size_bytes,
                         duration_s=done.duration_s,
                     )
+            except Superseded as exc:  # the newer step is persisted at its own turn
+                result["skipped"] = str(exc)
+                log.info("persisting rank %d: %s", rank, exc)
             except Exception as exc:  # reported to the trainer and the master; persistence goes on
                 result["error"] = (
                     str(exc) if isinstance(exc, PersistError) else f"{type(exc).__name__}: {exc}"
@@ -282,7 +285,13 @@ class HostServer:
         of a SIGKILLed agent) keeps the snapshots a restarted training process loads from."""
         for rank, paths in shm.list_job_slots(self.shm_dir, self.job_id).items():
             if rank not in self._ranks:
-                self._ranks[rank] = _Rank(paths=paths, segments=[shm.Segment(p) for p in paths])
+                segments = [shm.Segment(p) for p in paths]
+                for seg in segments:
+                    # A pin left by a host that died mid-persist would hold that slot forever: every save
+                    # would then overwrite the other one, the newest, and every persist be skipped. A
+                    # lingering host that still persists it finds the snapshot changed, and says so.
+                    shm.set_pin(seg.buf, 0)
+                self._ranks[rank] = _Rank(paths=paths, segments=segments)
 
     def _superseded(self) -> bool:
         """Whether a newer host bound this host's socket path: the node's job memory is then the newer
@@ -348,6 +357,8 @@ class HostServer:
             listener.close()
             self._queue.put(None)
             worker.join(timeout=600)
+            if self.reporter is not None:
+                self.reporter.close()  # the last shards' reports, above all those of a save at breakpoint
             with shm.directory_lock(self.shm_dir):
                 if self._superseded():
                     self._close_segments()

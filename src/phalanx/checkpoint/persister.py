@@ -60,6 +60,11 @@ def safetensors_header(meta: dict[str, Any]) -> bytes:
     return len(body).to_bytes(8, "little") + body
 
 
+class Superseded(PersistError):
+    """A newer save took the slot of a snapshot that waited to be persisted (storage is slower than the
+    persist interval). Nothing is lost: the newer step is persisted at its own turn."""
+
+
 def choose_slot(segments: list[shm.Segment], step: int | None) -> tuple[shm.Segment, shm.SlotHeader] | None:
     """The slot holding ``step`` (or the newest complete snapshot when ``step`` is None)."""
     best: tuple[shm.Segment, shm.SlotHeader] | None = None
@@ -83,14 +88,15 @@ def persist_shard(
     started = time.monotonic()
     chosen = choose_slot(segments, step)
     if chosen is None:
+        newest = choose_slot(segments, None)
+        if step is not None and newest is not None and newest[1].step > step:
+            raise Superseded(f"step {step} was superseded by step {newest[1].step} before it was persisted")
         raise PersistError(f"no complete in-memory snapshot of step {step} to persist")
     seg, header = chosen
-    shm.set_pin(seg.buf, 1)  # tells the trainer to write its next save into the other slot
+    shm.set_pin(seg.buf, shm.PIN_WRITING)  # no save may take this slot until it is persisted
     try:
         if seg.header().seq != header.seq:
-            raise PersistError(
-                f"the snapshot of step {header.step} was overwritten before it could be persisted"
-            )
+            raise Superseded(f"step {header.step} was superseded by a newer save before it was persisted")
         meta = read_meta(seg, header)
         head = safetensors_header(meta)
         crc = 0
@@ -116,8 +122,8 @@ def persist_shard(
             size = store.write_atomic(file, chunks())
         except OSError as exc:
             raise PersistError(f"writing {store.url(file)} failed: {exc}") from exc
-        if seg.header().seq != header.seq:
-            raise PersistError(f"the snapshot of step {header.step} changed while it was persisted")
+        if seg.header().seq != header.seq:  # a save that read the pin just before it was set
+            raise Superseded(f"step {header.step} was superseded by a newer save while it was persisted")
         shm.set_crc(seg.buf, crc=crc, seq=header.seq)
         manifest = {
             "step": header.step,

@@ -100,7 +100,7 @@ class SlotHeader:
     crc_seq: int = 0  # seq the crc belongs to; 0 when no checksum was computed yet
     rank: int = -1
     world_size: int = 0
-    pin: int = 0  # set by the persister while it reads the slot
+    pin: int = 0  # PIN_QUEUED while a persist of it waits, PIN_WRITING while the persister reads it
 
     @property
     def complete(self) -> bool:
@@ -144,8 +144,16 @@ def read_header(buf: mmap.mmap | memoryview | bytes) -> SlotHeader:
     return SlotHeader(*fields[1:])
 
 
+PIN_QUEUED = 1
+"""The slot's snapshot waits in the persister's queue: a save takes this slot only when the other one is
+being written (the waiting persist is then superseded by the newer save)."""
+PIN_WRITING = 2
+"""The persister reads the slot now: no save may take it."""
+
+
 def set_pin(buf: mmap.mmap, value: int) -> None:
-    """Sets only the pin field (the persister's reader mark), leaving the rest of the header alone."""
+    """Sets only the pin field (:data:`PIN_QUEUED`, :data:`PIN_WRITING` or 0), leaving the rest of the
+    header alone."""
     _store_u32(buf, _PIN_OFFSET, value)
 
 
