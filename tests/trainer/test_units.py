@@ -66,15 +66,26 @@ def test_plan_survivor_that_missed_the_last_step_is_brought_forward() -> None:
     assert (plan.action, plan.step, plan.receivers, plan.sources) == (Action.BROADCAST, 41, {0}, {0: 1})
 
 
-def test_plan_restarts_when_a_whole_shard_is_lost() -> None:
+def test_plan_loads_in_place_when_a_whole_shard_is_lost_and_restarts_without_a_checkpoint() -> None:
     # TP=2, PP=2, one replica: ranks 2 and 3 (stage 1) are fresh replacements.
-    rows = [Row(step=22), Row(step=22), Row(step=NO_STATE), Row(step=NO_STATE)]
-    plan = plan_recovery(rows, config=ParallelConfig(tensor=2, pipeline=2))
+    config = ParallelConfig(tensor=2, pipeline=2)
+    rows = [Row(step=22, checkpoints=(20, 15)), Row(step=22, checkpoints=(20, 15))]
+    rows += [Row(step=NO_STATE, checkpoints=(20, 15)), Row(step=NO_STATE, checkpoints=(15,))]
+    plan = plan_recovery(rows, config=config)
+    assert (plan.action, plan.step) == (Action.LOAD, 15)  # the newest step every rank can load
+    assert (
+        plan.reason
+        == "no replica left of (pipeline 1, tensor 0), (pipeline 1, tensor 1); every rank loads step 15"
+    )
+    bare = [Row(step=22), Row(step=22), Row(step=NO_STATE), Row(step=NO_STATE)]
+    plan = plan_recovery(bare, config=config)
     assert plan.action is Action.RESTART
-    assert "pipeline 1" in plan.reason
+    assert plan.reason.endswith("(pipeline 1, tensor 1), and no checkpoint to load")
 
 
-def test_plan_restarts_when_shards_disagree_on_the_step() -> None:
+def test_plan_loads_or_restarts_when_shards_disagree_on_the_step() -> None:
+    rows = [Row(step=22, checkpoints=(20,)), Row(step=23, checkpoints=(20,))]
+    assert plan_recovery(rows, config=ParallelConfig(tensor=2)).action is Action.LOAD
     rows = [Row(step=22), Row(step=23)]
     assert plan_recovery(rows, config=ParallelConfig(tensor=2)).action is Action.RESTART
 

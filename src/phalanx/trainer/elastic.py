@@ -5,8 +5,8 @@ in flight, destroys its process group, waits for the agent's next round, initial
 against that round's fresh store, rebuilds the mesh, and runs the recovery plan
 (:mod:`phalanx.trainer.recovery`): survivors keep their replicas, joiners receive the state by broadcast
 from a data-parallel peer, and the data is re-split over the new data degree. When some shard has no
-replica left, the process exits with :data:`RESTART_EXIT_CODE`; the agent restarts the workers and they
-load the checkpoint.
+replica left, every rank loads the newest checkpoint they all hold, in the same process; only without one
+does the process exit with :data:`RESTART_EXIT_CODE` for the agent to restart the workers.
 """
 
 from __future__ import annotations

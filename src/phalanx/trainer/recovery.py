@@ -8,8 +8,12 @@ checkpoint steps it can load for that coordinate. From the gathered table every 
 * every rank is fresh: load the newest checkpoint all coordinates have, or start from the seed;
 * every coordinate still has a replica at one common step: ranks at that step keep their state, the
   others receive it by broadcast from the lowest data rank that has it (no storage read);
-* otherwise (a whole tensor or pipeline group was lost, or replicas disagree): restart the processes,
-  which then load the checkpoint.
+* otherwise (a whole tensor or pipeline group was lost, or replicas disagree): every rank loads the newest
+  checkpoint all of them can load, in the same process; without one, restart the processes.
+
+Loading in place rather than restarting spares the processes' start (seconds of imports on the recovery
+path), and the agent's and master's restart budgets: the restart was a consequence of a fault already
+counted (a node eviction, a worker failure), and it spent one more restart per fault.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ class Action(Enum):
     LOAD = "load"
     """Every rank loads the agreed checkpoint step."""
     RESTART = "restart"
-    """Some shard has no replica left: exit so the agent restarts the processes from the checkpoint."""
+    """Some shard has no replica left and no checkpoint every rank can load: exit so the agent restarts
+    the processes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,10 +66,10 @@ class RecoveryPlan:
 def plan_recovery(rows: Sequence[Row], *, config: ParallelConfig) -> RecoveryPlan:
     """The plan every rank derives from the same gathered ``rows`` (indexed by global rank)."""
     world = len(rows)
+    common = set(rows[0].checkpoints) if rows else set()
+    for r in rows[1:]:
+        common &= set(r.checkpoints)
     if all(r.step == NO_STATE for r in rows):
-        common = set(rows[0].checkpoints)
-        for r in rows[1:]:
-            common &= set(r.checkpoints)
         if common:
             return RecoveryPlan(
                 action=Action.LOAD, step=max(common), reason="fresh processes, checkpoint found"
@@ -74,14 +79,19 @@ def plan_recovery(rows: Sequence[Row], *, config: ParallelConfig) -> RecoveryPla
     for ranks in group_ranks(config=config, world_size=world)["data"]:
         best[ranks[0]] = max(rows[r].step for r in ranks)
     steps = set(best.values())
-    if NO_STATE in steps:
-        lost = [coord_of(g, config=config) for g, s in best.items() if s == NO_STATE]
-        shards = ", ".join(f"(pipeline {c.pipeline}, tensor {c.tensor})" for c in lost)
-        return RecoveryPlan(action=Action.RESTART, step=NO_STATE, reason=f"no replica left of {shards}")
-    if len(steps) > 1:
-        return RecoveryPlan(
-            action=Action.RESTART, step=NO_STATE, reason=f"replicas disagree on the step: {steps}"
-        )
+    if NO_STATE in steps or len(steps) > 1:
+        if NO_STATE in steps:
+            lost = [coord_of(g, config=config) for g, s in best.items() if s == NO_STATE]
+            why = "no replica left of " + ", ".join(
+                f"(pipeline {c.pipeline}, tensor {c.tensor})" for c in lost
+            )
+        else:
+            why = f"replicas disagree on the step: {sorted(steps)}"
+        if common:
+            return RecoveryPlan(
+                action=Action.LOAD, step=max(common), reason=f"{why}; every rank loads step {max(common)}"
+            )
+        return RecoveryPlan(action=Action.RESTART, step=NO_STATE, reason=f"{why}, and no checkpoint to load")
     step = steps.pop()
     sources: dict[int, int] = {}
     receivers: set[int] = set()
