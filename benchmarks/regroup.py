@@ -77,6 +77,17 @@ def _first_step_after(records: list[dict[str, object]], *, after: float) -> floa
     raise RuntimeError("no step after the kill")
 
 
+def _seconds_to_next_step(c: Cluster, *, after: float) -> float:
+    """Waits for the survivors' first step in their new world after ``after``; returns how long after."""
+
+    def recovered() -> bool:
+        steps = (r for r in c.records("a") if r["event"] == "step")
+        return any(r["world"] == SURVIVORS and float(r["time"]) > after for r in steps)  # type: ignore[arg-type]
+
+    _wait(recovered, 120, "recovery")
+    return _first_step_after(c.records("a"), after=after) - after
+
+
 def _wait(pred, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not pred():
@@ -108,13 +119,7 @@ def run_phalanx(folder: Path, *, restart: bool) -> float:
         if restart:
             for n in "ab":
                 c.start(n)
-
-        def recovered() -> bool:
-            steps = (r for r in c.records("a") if r["event"] == "step")
-            return any(r["world"] == SURVIVORS and float(r["time"]) > killed for r in steps)  # type: ignore[arg-type]
-
-        _wait(recovered, 120, "recovery")
-        return _first_step_after(c.records("a"), after=killed) - killed
+        return _seconds_to_next_step(c, after=killed)
     finally:
         c.close()  # also stops the nodes' checkpoint hosts, so nothing writes under ckpt any more
         shutil.rmtree(ckpt)
@@ -137,13 +142,7 @@ def run_superseded(folder: Path) -> float:
         time.sleep(1.0)
         c.write_round(["a", "b"])
         written = time.time()
-
-        def recovered() -> bool:
-            steps = (r for r in c.records("a") if r["event"] == "step")
-            return any(r["world"] == SURVIVORS and float(r["time"]) > written for r in steps)  # type: ignore[arg-type]
-
-        _wait(recovered, 120, "recovery")
-        return _first_step_after(c.records("a"), after=written) - written
+        return _seconds_to_next_step(c, after=written)
     finally:
         c.close()
 
