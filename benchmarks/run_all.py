@@ -22,6 +22,7 @@ BENCHMARKS = {
     "master_capacity": [],
     "isolation": ["--runs", "3"],
     "probes": ["--runs", "5"],
+    "shard_loss": ["--runs", "3"],
 }
 
 

@@ -288,8 +288,8 @@ class HostServer:
                 segments = [shm.Segment(p) for p in paths]
                 for seg in segments:
                     # A pin left by a host that died mid-persist would hold that slot forever: every save
-                    # would then overwrite the other one, the newest, and every persist be skipped. A
-                    # lingering host that still persists it finds the snapshot changed, and says so.
+                    # would then overwrite the other one, the newest, and a save cut short would leave no
+                    # snapshot to load. A lingering host that still persists the slot finds it changed.
                     shm.set_pin(seg.buf, 0)
                 self._ranks[rank] = _Rank(paths=paths, segments=segments)
 
