@@ -74,7 +74,7 @@ def main() -> None:
     flash = None
     ckpt = Path(args.ckpt) if args.ckpt and not args.flash else None
     if args.flash:
-        from phalanx.checkpoint import Checkpointer
+        from phalanx.checkpoint import Checkpointer, PersistError
 
         # The agent's host advertises its storage; under torchrun --ckpt names the directory.
         flash = Checkpointer(storage=os.environ.get("PHALANX_CHECKPOINT_STORAGE") or args.ckpt or "")
@@ -111,7 +111,10 @@ def main() -> None:
             save(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step})
         if flash is not None:  # every rank holds its own snapshot in memory
             persist = flash.storage is not None and args.persist_every > 0 and step % args.persist_every == 0
-            flash.save(step, {"model": model.state_dict(), "opt": opt.state_dict()}, persist=persist)
+            try:
+                flash.save(step, {"model": model.state_dict(), "opt": opt.state_dict()}, persist=persist)
+            except PersistError as exc:  # the snapshot is in memory; the next persist tries again
+                print(f"flash: {exc}", flush=True)
         # Every rank waits for the checkpoint of this step before counting it as done.
         dist.barrier()
         report_step(step)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from phalanx.api.errors import PersistError
 from phalanx.trainer import (
     ElasticConfig,
     ElasticTrainer,
@@ -146,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     code = trainer.run(args.steps)
     if isinstance(checkpoint, FlashCheckpoint):
-        checkpoint.close()  # waits for the background persistence of the last saves
+        try:
+            checkpoint.close()  # waits for the background persistence of the last saves
+        except PersistError as exc:  # training is done; the last snapshots stay in this node's memory
+            on_event({"event": "checkpoint_failed", "step": trainer.step, "error": str(exc)[:300]})
     if log is not None:
         log.close()
     return code

@@ -24,6 +24,7 @@ from phalanx.agent.client import MasterClient, RetiredError
 from phalanx.api.errors import ConfigError
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.checkpoint import protocol, shm
+from phalanx.checkpoint.host import process_running
 from tests.agent.helpers import master_process
 
 # ------------------------------------------------------------------------------------------------------
@@ -109,6 +110,32 @@ def test_warm_probes_are_on_unless_turned_off_and_apart_from_warm_spares() -> No
 # The real host, through the agent's lifecycle object
 
 
+def write_snapshots(socket_path: str, steps_by_rank: dict[int, tuple[int, int]]) -> None:
+    """Allocates each rank's two slots from the host and writes an empty snapshot of one step into each,
+    the way a Checkpointer writes them (header + raw bytes), torch-free."""
+    with contextlib.closing(protocol.HostClient(socket_path)) as client:
+        for rank, steps in steps_by_rank.items():
+            reply = client.call({"op": "alloc", "rank": rank, "size": 1 << 16})
+            for path, step in zip(reply["paths"], steps, strict=True):
+                seg = shm.Segment(Path(path))
+                meta = json.dumps(
+                    {"format": 1, "step": step, "rank": rank, "world_size": 2, "skeleton": {}, "tensors": []}
+                ).encode()
+                seg.buf[shm.HEADER_SIZE : shm.HEADER_SIZE + len(meta)] = meta
+                header = shm.SlotHeader(
+                    state=shm.STATE_COMPLETE,
+                    seq=step,
+                    step=step,
+                    meta_len=len(meta),
+                    data_off=shm.align(shm.HEADER_SIZE + len(meta), shm.PAGE),
+                    data_len=0,
+                    rank=rank,
+                    world_size=2,
+                )
+                shm.pack_header(seg.buf, header)
+                seg.close()
+
+
 def test_host_that_cannot_start_is_logged_and_skipped(tmp_path: Path) -> None:
     said: list[str] = []
     blocker = tmp_path / "not-a-dir"
@@ -153,29 +180,7 @@ def test_host_lifecycle_persists_agreed_step_and_unlinks(tmp_path: Path) -> None
         env = host.env()
         assert env[protocol.ENV_JOB] == f"{job}.node_0"  # per node: agents of one job may share a machine
         assert env[protocol.ENV_STORAGE] == str(storage)
-        client = protocol.HostClient(env[protocol.ENV_SOCKET])
-        # Two ranks' slots, written the way a Checkpointer writes them (header + raw bytes), torch-free.
-        for rank, steps in ((0, (6, 7)), (1, (7, 8))):
-            reply = client.call({"op": "alloc", "rank": rank, "size": 1 << 16})
-            for path, step in zip(reply["paths"], steps, strict=True):
-                seg = shm.Segment(Path(path))
-                meta = json.dumps(
-                    {"format": 1, "step": step, "rank": rank, "world_size": 2, "skeleton": {}, "tensors": []}
-                ).encode()
-                seg.buf[shm.HEADER_SIZE : shm.HEADER_SIZE + len(meta)] = meta
-                header = shm.SlotHeader(
-                    state=shm.STATE_COMPLETE,
-                    seq=step,
-                    step=step,
-                    meta_len=len(meta),
-                    data_off=shm.align(shm.HEADER_SIZE + len(meta), shm.PAGE),
-                    data_len=0,
-                    rank=rank,
-                    world_size=2,
-                )
-                shm.pack_header(seg.buf, header)
-                seg.close()
-        client.close()
+        write_snapshots(env[protocol.ENV_SOCKET], {0: (6, 7), 1: (7, 8)})
         assert checkpointing.held_steps(shm_root, job_id=env[protocol.ENV_JOB], ranks=[0, 1]) == {
             0: {6, 7},
             1: {7, 8},
@@ -206,6 +211,70 @@ def test_host_lifecycle_persists_agreed_step_and_unlinks(tmp_path: Path) -> None
     assert time.monotonic() - started < 5
     assert not list(shm_root.iterdir())
     assert not Path(env[protocol.ENV_SOCKET]).exists()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_host_that_dies_or_hangs_is_replaced_with_the_nodes_snapshots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checkpointing, "WATCH_INTERVAL_S", 0.1)
+    monkeypatch.setattr(checkpointing, "PING_LIMIT_S", 1.0)
+    monkeypatch.setattr(checkpointing, "STOP_LIMIT_S", 2.0)
+    said: list[str] = []
+    host = checkpointing.NodeCheckpointHost(said.append)
+    storage = tmp_path / "ckpt"
+    shm_root = tmp_path / "shm"
+    shm_root.mkdir()
+    assert host.start(
+        settings=agent_config.CheckpointSettings(storage_path=str(storage)),
+        shm_root=shm_root,
+        job_id="watched",
+        node_id="n0",
+        master_addr="",
+        token_file="",
+        incarnation="i",
+    )
+    pids: list[int] = []
+    try:
+        sock = host.env()[protocol.ENV_SOCKET]
+        job = host.env()[protocol.ENV_JOB]
+        write_snapshots(sock, {0: (6, 7)})
+
+        def replaced(problem: str) -> int:
+            """Waits for the watcher to replace the host; returns the new host's pid."""
+            old = host.handle.pid
+            pids.append(old)
+            deadline = time.monotonic() + 20
+            while not any(problem in line and "replaced it" in line for line in said):
+                assert time.monotonic() < deadline, said
+                time.sleep(0.05)
+            assert not process_running(old)
+            with contextlib.closing(protocol.HostClient(sock)) as client:
+                pid = int(client.call({"op": "ping"}, timeout_s=5)["pid"])
+            assert pid == host.handle.pid != old
+            assert checkpointing.held_steps(shm_root, job_id=job, ranks=[0]) == {0: {6, 7}}
+            return pid
+
+        os.kill(host.handle.pid, signal.SIGKILL)
+        replaced("exited")
+        os.kill(host.handle.pid, signal.SIGSTOP)
+        replaced("does not answer")
+        assert host.replaced == 2
+        assert host.save_at_breakpoint("test", ranks=[0]) == {"ok": True, "step": 7, "errors": []}, said
+
+        # A host that hangs as the agent exits: killed after the stop limit, and its memory removed.
+        os.kill(host.handle.pid, signal.SIGSTOP)
+        pids.append(host.handle.pid)
+        host.stop()
+        assert any(f"exited with code {-signal.SIGKILL}; removed 2 segments" in line for line in said), said
+    finally:
+        host.stop()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not list(shm_root.iterdir())
+    assert not any(process_running(pid) for pid in pids)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -279,7 +348,7 @@ def _lonely_allgather(probe_round: int) -> pb.Action:
     )
 
 
-def _wait_running(executor: probes.ProbeExecutor) -> None:
+def _waitprocess_running(executor: probes.ProbeExecutor) -> None:
     deadline = time.monotonic() + 20
     while executor._kill is None:
         assert time.monotonic() < deadline, "the probe did not start"
@@ -294,7 +363,7 @@ def test_stop_kills_a_running_probe() -> None:
     executor = _offline_executor()
     thread = executor.start(_lonely_allgather(4))
     assert thread is not None
-    _wait_running(executor)
+    _waitprocess_running(executor)
     executor.stop()
     executor.join(10)
     assert not thread.is_alive()
@@ -313,7 +382,7 @@ def test_a_newer_round_ends_the_stale_probe_and_runs_its_own() -> None:
     said: list[str] = []
     executor = _offline_executor(said)
     executor.start(_lonely_allgather(4))
-    _wait_running(executor)
+    _waitprocess_running(executor)
     started = time.monotonic()
     executor.start(pb.Action(kind=pb.ACTION_KIND_RUN_PROBE, probe=pb.PROBE_KIND_MATMUL, probe_round=5))
     executor.join(50)

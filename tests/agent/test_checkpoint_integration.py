@@ -326,3 +326,38 @@ def test_a_local_run_cut_short_persists_its_newest_step_and_the_next_run_resumes
     assert second.returncode == 0, second.stdout + second.stderr
     steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
     assert steps[0] == max(committed) + 1, steps
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_host_that_dies_or_hangs_is_replaced_and_training_never_notices(tmp_path: Path) -> None:
+    """The node's host is SIGKILLed, and its replacement SIGSTOPped. The agent replaces each with a host that
+    adopts the node's snapshots; the workers' persists in between fail with an error and are retried at the
+    next one. No worker restarts, and persisting resumes after each fault."""
+    storage, log, summary = tmp_path / "ckpt", tmp_path / "steps.jsonl", tmp_path / "summary.json"
+    proc = phalanx_local(
+        [
+            "--nodes", "1", "--nproc-per-node", "2", "--workdir", str(tmp_path / "wd"),
+            "--summary-json", str(summary), f"--agent-arg=--checkpoint-dir={storage}",
+            "--inject", "kill-checkpoint-host@step=10", "--inject", "hang-checkpoint-host@step=40", "--",
+            str(DDP), "--flash", "--persist-every", "5", "--steps", "170", "--step-time", "0.1",
+            "--step-log", str(log),
+        ],
+        cwd=tmp_path,
+        timeout=110,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    result = json.loads(summary.read_text())
+    assert result["exit"] == "succeeded", out
+    assert [f["kind"] for f in result["failures"]] == ["kill-checkpoint-host", "hang-checkpoint-host"]
+    assert result["rounds"] == 1, out  # nobody restarted
+    node_log = (tmp_path / "wd" / "node-0.log").read_text()
+    assert re.search(r"flash-checkpoint host \(pid \d+\) exited; replaced it", node_log), node_log
+    assert re.search(r"flash-checkpoint host \(pid \d+\) does not answer .*replaced it", node_log), node_log
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["step"] for e in steps] == list(range(170))
+    assert {e["restart"] for e in steps} == {0}
+    assert "persisted step 5 of rank 0" in node_log, node_log  # before the faults ...
+    committed = _committed_steps(storage)
+    assert max(committed) == 165, committed  # ... and after both
+    assert not _job_leftovers(result["job_id"]), _job_leftovers(result["job_id"])

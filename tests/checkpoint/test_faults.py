@@ -177,6 +177,74 @@ def test_sigkilled_persister_commits_nothing_then_the_next_persist_commits(
     assert torch.equal(got["w"], later["w"])
 
 
+def stop_process(pid: int) -> None:
+    """SIGSTOPs ``pid`` and returns once it is stopped (the signal is only queued when kill returns)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+        assert time.monotonic() < deadline, f"pid {pid} did not stop"
+        time.sleep(0.001)
+
+
+def test_a_host_that_hangs_or_dies_costs_a_persist_never_training(
+    job_id: str, store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host is SIGSTOPped, then SIGKILLed and replaced the way its agent replaces it: each persist
+    it cannot take fails at once with an error, the saves go on in memory, and once a new host runs the
+    next persist commits. A persist queued on a host that went away is reported lost by ``wait``."""
+    sock = tmp_path / "h.sock"
+
+    def start() -> host_mod.HostHandle:
+        return host_mod.start(job_id=job_id, storage=str(store), socket_path=sock)
+
+    first = start()
+    for key, value in first.env().items():
+        monkeypatch.setenv(key, value)
+    ckpt = Checkpointer()
+    ckpt.call_limit_s = 1.0
+    weights = {"w": torch.arange(4096, dtype=torch.float32)}
+    ckpt.save(1, weights, persist=True)
+    assert [r["step"] for r in ckpt.wait()] == [1]
+    hosts = [first]
+    try:
+        stop_process(first.pid)
+        started = time.monotonic()
+        with pytest.raises(PersistError, match=r"did not answer 'persist' in 1.0s.*step 2 stays in memory"):
+            ckpt.save(2, {"w": weights["w"] + 2}, persist=True)
+        assert time.monotonic() - started < 3
+        started = time.monotonic()
+        with pytest.raises(PersistError, match=r"has not been replaced yet.*step 3 stays in memory"):
+            ckpt.save(3, {"w": weights["w"] + 3}, persist=True)  # the hung host stalls training once only
+        assert time.monotonic() - started < 0.5
+        assert sorted(seg.header().step for seg in ckpt.memory_slots(0) if seg.header().complete) == [2, 3]
+
+        first.kill()  # what the agent does to a host that does not answer
+        hosts.append(start())  # adopts the node's memory
+        ckpt.save(4, {"w": weights["w"] + 4}, persist=True)
+        assert [r["step"] for r in ckpt.wait()] == [4]
+        assert storage.committed_steps(storage.LocalStorage(store)) == [1, 4]
+
+        ckpt.save(5, {"w": weights["w"] + 5}, persist=True)
+        hosts[-1].kill()
+        with pytest.raises(PersistError, match=r"cannot reach the checkpoint host.*step 6 stays in memory"):
+            ckpt.save(6, {"w": weights["w"] + 6}, persist=True)  # nobody replaced it yet
+        hosts.append(start())
+        with pytest.raises(PersistError, match=r"steps \[5\] were queued on a checkpoint host that went"):
+            ckpt.wait()
+        ckpt.save(7, {"w": weights["w"] + 7}, persist=True)
+        assert [r["step"] for r in ckpt.wait()] == [7]
+        ckpt.close()
+        fresh = Checkpointer(storage=str(store), shm_dir=str(tmp_path))
+        step, got = fresh.load()  # type: ignore[misc]
+        assert step == 7
+        assert torch.equal(got["w"], weights["w"] + 7)
+    finally:
+        for handle in hosts:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(handle.pid, signal.SIGCONT)
+        hosts[-1].stop()
+
+
 def test_a_save_never_waits_for_storage_and_a_waiting_persist_gives_way(
     host: host_mod.HostHandle, store: Path
 ) -> None:

@@ -27,6 +27,9 @@ def test_parse_forms() -> None:
     assert parse("slow-cpu@step=10,node=1,cpu=200m").cpus == 0.2
     cpu = parse("slow-cpu@step=10,cpu=1.5,for=3s")
     assert (cpu.kind, cpu.cpus, cpu.for_s) == ("slow-cpu", 1.5, 3.0)
+    host = parse("hang-checkpoint-host@step=30,node=1")
+    assert (host.kind, host.step, host.node) == ("hang-checkpoint-host", 30, 1)
+    assert parse("kill-checkpoint-host@after=2s").after_s == 2.0
 
 
 def test_due() -> None:
@@ -56,6 +59,7 @@ def test_due() -> None:
         ("partition-node@after=1s,for=0s", "for= must be above 0"),
         ("partition-node@after=1s,rank=1", "partition-node does not take rank="),
         ("kill-node@after=1s,for=2s", "kill-node does not take for="),
+        ("kill-checkpoint-host@step=1,rank=1", "kill-checkpoint-host does not take rank="),
         ("slow-network@after=1s", "needs rate=, e.g. slow-network@after=10s,rate=20mbit"),
         ("slow-network@after=1s,rate=20", "rate= takes a number and one of bit, kbit, mbit, gbit"),
         ("slow-network@after=1s,rate=20mbps", "rate= takes a number"),

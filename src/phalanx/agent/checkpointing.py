@@ -38,6 +38,8 @@ IDLE_EXIT_S = 10.0  # a host whose agent and workers are all gone (SIGKILL) rele
 PERSIST_NOW_LIMIT_S = 120.0  # longest a failure waits for the breakpoint save before restarting
 STOP_LIMIT_S = 60.0  # longest the agent waits for the host to drain and exit
 START_LIMIT_S = 30.0
+WATCH_INTERVAL_S = 1.0  # how often the agent checks that its host lives and answers
+PING_LIMIT_S = 10.0  # a host that does not answer a ping this long is hung (its answers take milliseconds)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -68,7 +70,12 @@ def remove_node_segments(shm_dir: Path, *, job_id: str, node_id: str) -> list[Pa
     unlinks its segments when it exits, and a host whose agent was killed still does so
     :data:`IDLE_EXIT_S` later; a host killed too cannot (``phalanx local`` kills whatever is left in the
     cgroup or network namespace of a node it removes). The node's memory goes with the node."""
-    prefix = shm.job_prefix(node_job_id(job_id=job_id, node_id=node_id))
+    return remove_segments(shm_dir, node_job=node_job_id(job_id=job_id, node_id=node_id))
+
+
+def remove_segments(shm_dir: Path, *, node_job: str) -> list[Path]:
+    """Unlinks every shared-memory segment of ``node_job`` (a :func:`node_job_id`) and returns them."""
+    prefix = shm.job_prefix(node_job)
     removed = []
     for segment in shm_dir.glob(f"{prefix}*"):
         with contextlib.suppress(FileNotFoundError):
@@ -122,6 +129,12 @@ class NodeCheckpointHost:
         self.shm_dir: Path | None = None
         self._keepalive: protocol.HostClient | None = None
         self.last_persist: dict[str, Any] = {}
+        self.replaced = 0
+        """How many times the host died or hung and was replaced."""
+        self._start_args: dict[str, Any] = {}
+        self._lock = threading.Lock()  # the handle and the keepalive connection, against the watcher
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def start(
         self,
@@ -137,48 +150,111 @@ class NodeCheckpointHost:
     ) -> bool:
         """Starts the host; returns False (after logging why) when it could not start. ``release_also``:
         the node's files the host removes when it exits (it outlives a SIGKILLed agent)."""
-        # The host module is torch-free; importing it here keeps agents that never checkpoint lean.
-        from phalanx.checkpoint import host
-
+        self._start_args = dict(
+            job_id=node_job_id(job_id=job_id, node_id=node_id),
+            storage=settings.storage_path,
+            keep_last=settings.keep_last,
+            shm_dir=shm_root,
+            socket_path=node_socket_path(job_id=job_id, node_id=node_id),
+            master_addr=master_addr,
+            token_file=token_file,
+            node_id=node_id,
+            incarnation=incarnation,
+            idle_exit_s=IDLE_EXIT_S,
+            watch_parent=False,
+            detach=True,
+            timeout_s=START_LIMIT_S,
+            release_also=release_also,
+        )
         try:
             if not shm_root.is_dir():
                 raise CheckpointError(f"{shm_root} is not a directory")
-            # Detached (its own session), so a signal to the agent's process group cannot take the host
-            # down before it released the memory. The agent holds a connection for its whole life: when
-            # the agent and its workers are gone, even by SIGKILL, the host exits after IDLE_EXIT_S and
-            # unlinks every segment.
-            self.handle = host.start(
-                job_id=node_job_id(job_id=job_id, node_id=node_id),
-                storage=settings.storage_path,
-                keep_last=settings.keep_last,
-                shm_dir=shm_root,
-                socket_path=node_socket_path(job_id=job_id, node_id=node_id),
-                master_addr=master_addr,
-                token_file=token_file,
-                node_id=node_id,
-                incarnation=incarnation,
-                idle_exit_s=IDLE_EXIT_S,
-                watch_parent=False,
-                detach=True,
-                timeout_s=START_LIMIT_S,
-                release_also=release_also,
-            )
-            self._keepalive = protocol.HostClient(str(self.handle.socket_path), timeout_s=5.0)
+            self._launch()
         except (CheckpointError, OSError) as exc:
             self._say(
                 f"error: the flash-checkpoint host did not start ({exc}); running without it "
                 "(workers start their own host)"
             )
-            if self.handle is not None:
-                with contextlib.suppress(CheckpointError, OSError):
-                    self.handle.stop(timeout_s=5.0)
-                self.handle = None
             return False
         self.shm_dir = shm_root
         where = settings.storage_path or "no storage"
         self._say(
             f"flash-checkpoint host running (pid {self.handle.pid}, shared memory in {shm_root}, "
             f"storage {where})"
+        )
+        self._stopping.clear()
+        self._watcher = threading.Thread(target=self._watch, name="checkpoint-host-watch", daemon=True)
+        self._watcher.start()
+        return True
+
+    def _launch(self) -> None:
+        """Starts the host with :attr:`_start_args`; on failure nothing is left running."""
+        # The host module is torch-free; importing it here keeps agents that never checkpoint lean.
+        from phalanx.checkpoint import host
+
+        # Detached (its own session), so a signal to the agent's process group cannot take the host down
+        # before it released the memory. The agent holds a connection for its whole life: when the agent
+        # and its workers are gone, even by SIGKILL, the host exits after IDLE_EXIT_S and unlinks every
+        # segment. A host started after a host died adopts the node's segments, snapshots included.
+        self.handle = host.start(**self._start_args)
+        try:
+            self._keepalive = protocol.HostClient(str(self.handle.socket_path), timeout_s=5.0)
+        except CheckpointError:
+            with contextlib.suppress(CheckpointError, OSError):
+                self.handle.stop(timeout_s=5.0)
+            self.handle = None
+            raise
+
+    def _watch(self) -> None:
+        """Replaces a host that died or hangs, keeping the node's snapshots: without a host, every persist
+        of every worker fails, and the restarted workers' would too."""
+        failed_starts = 0
+        next_try = 0.0
+        while not self._stopping.wait(WATCH_INTERVAL_S):
+            with self._lock:
+                if self._stopping.is_set() or time.monotonic() < next_try:
+                    continue
+                problem = self._problem()
+                if not problem or self._stopping.is_set():
+                    continue
+                if self._replace(problem):
+                    failed_starts = 0
+                else:  # back off: a host that cannot start now will not in a second either
+                    failed_starts += 1
+                    next_try = time.monotonic() + min(60.0, 2.0**failed_starts)
+
+    def _problem(self) -> str:
+        """Why the host needs replacing ("" when it is fine)."""
+        if self.handle is None:
+            return "is not running"
+        if not self.handle.alive():
+            return f"(pid {self.handle.pid}) exited"
+        try:
+            if self._keepalive is None:
+                raise CheckpointError("no connection")
+            self._keepalive.call({"op": "ping"}, timeout_s=PING_LIMIT_S)
+        except CheckpointError as exc:
+            return f"(pid {self.handle.pid}) does not answer ({exc})"
+        return ""
+
+    def _replace(self, problem: str) -> bool:
+        """Kills the host and starts another; returns whether it started."""
+        old = self.handle
+        if self._keepalive is not None:
+            self._keepalive.close()
+            self._keepalive = None
+        if old is not None:
+            old.kill()  # a stopped or stuck host too: it must not write once the new one adopted the memory
+        try:
+            self._launch()
+        except (CheckpointError, OSError) as exc:
+            self.handle = None
+            self._say(f"error: the flash-checkpoint host {problem}, and a new one did not start ({exc})")
+            return False
+        self.replaced += 1
+        self._say(
+            f"the flash-checkpoint host {problem}; replaced it (pid {self.handle.pid}), with the node's "
+            "snapshots"
         )
         return True
 
@@ -258,6 +334,10 @@ class NodeCheckpointHost:
 
     def stop(self) -> None:
         """Drains persistence, stops the host and removes the node's shared memory."""
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
         if self.handle is None:
             return
         handle, self.handle = self.handle, None
@@ -267,7 +347,12 @@ class NodeCheckpointHost:
             self._say(f"stopping the flash-checkpoint host failed: {exc}")
             code = -1
         if code != 0:
-            self._say(f"the flash-checkpoint host exited with code {code}")
+            # It may not have released the memory (it crashed, or hung and was killed): the node's memory
+            # must not outlive the agent.
+            removed = remove_segments(handle.shm_dir, node_job=handle.job_id)
+            with contextlib.suppress(FileNotFoundError):
+                handle.socket_path.unlink()
+            self._say(f"the flash-checkpoint host exited with code {code}; removed {len(removed)} segments")
         if self._keepalive is not None:
             self._keepalive.close()
             self._keepalive = None

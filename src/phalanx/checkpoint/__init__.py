@@ -10,8 +10,11 @@ torch-free::
     start = loaded[0] + 1 if loaded else 0
     for step in range(start, steps):
         train_one_step()
-        ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
-                         "sampler": sampler.state_dict()}, persist=step % 100 == 0)
+        try:
+            ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
+                             "sampler": sampler.state_dict()}, persist=step % 100 == 0)
+        except PersistError:                       # the host could not take it: the snapshot is in
+            log.warning(...)                       # memory, and the next persist tries again
     ckpt.wait()                                    # PersistError if persisting failed
 
 Modules: ``shm`` (slot layout and seqlock header), ``storage`` (storage interface, commit protocol,
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["CheckpointWarning", "Checkpointer", "ElasticDistributedSampler"]
+from phalanx.api.errors import PersistError
+
+__all__ = ["CheckpointWarning", "Checkpointer", "ElasticDistributedSampler", "PersistError"]
 
 if TYPE_CHECKING:
     from phalanx.checkpoint.engine import Checkpointer

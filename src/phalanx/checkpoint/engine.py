@@ -22,9 +22,17 @@ import torch
 
 from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import codec, copier, protocol, shm
-from phalanx.checkpoint.storage import Storage, canonical_location, open_storage
+from phalanx.checkpoint.storage import Storage, canonical_location, committed_steps, open_storage
 
 _GROWTH = 1.1  # headroom when a slot is (re)allocated, so a slightly bigger state does not reallocate
+CALL_LIMIT_S = 5.0
+"""Longest a training process waits for its host to answer a request. Answers take milliseconds (storage
+is written on the host's own thread); a host that takes longer is hung, and its agent replaces it, so a
+save or persist then fails with an error instead of stalling training."""
+MAX_PENDING_STEPS = 1000  # persisted steps remembered between waits, to tell which a lost host took along
+SILENT_HOLD_S = 30.0
+"""How long a host that did not answer is not asked again while it has not been replaced, so that a hung
+host stalls training once, not at every persist (its agent replaces it within seconds)."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -175,11 +183,19 @@ class Checkpointer:
         self.copy_threads = copy_threads or copy_threads_for(local_world_size=_env_int("LOCAL_WORLD_SIZE", 1))
         self._behind: _Behind | None = None
         self._client: protocol.HostClient | None = None
+        self._client_lock = threading.Lock()
+        self._host_pid = 0  # of the host this process is connected to, to notice it was replaced
+        self._host_storage = ""  # where that host persists (canonical), "" for nowhere
+        self._host_lost = False  # a host went away since this process first met one
+        self.call_limit_s = CALL_LIMIT_S
+        self._silent: tuple[tuple[int, int, int], float] | None = None  # (socket, until) of a hung host
         self._own_host: Any = None  # the HostHandle of a host this process started
         self._slots: _Slots | None = None
         self._prepare: threading.Thread | None = None
         self._prepare_error: BaseException | None = None
-        self._persisting: list[int] = []
+        self._persisting: list[int] = []  # steps queued on the host with pid _persisting_on
+        self._persisting_on = 0
+        self._lost: list[int] = []  # steps queued on a host that went away before persisting them
         self._host_storage_checked = False
         self.last_load: dict[str, Any] = {}
         self.last_save: dict[str, Any] = {}
@@ -196,13 +212,21 @@ class Checkpointer:
 
     def client(self) -> protocol.HostClient:
         """The connection to this node's checkpoint host, starting the host if this is local rank 0."""
-        if self._client is not None:
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._connect()
+                self._met_host(self._client)
             return self._client
+
+    def _connect(self) -> protocol.HostClient:
         try:
-            self._client = protocol.HostClient(self.host_socket, timeout_s=2.0)
-            return self._client
+            return protocol.HostClient(self.host_socket, timeout_s=2.0)
         except CheckpointError:
             if self.local_rank != 0 or protocol.ENV_SOCKET in os.environ:
+                # At first the host may still be starting. Later, a host that went away is not waited
+                # for: the agent replaces it, and the next request connects to the new one.
+                if self._host_lost:
+                    raise
                 return self._connect_retry()
         from phalanx.checkpoint import host
 
@@ -222,12 +246,74 @@ class Checkpointer:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self._client = protocol.HostClient(self.host_socket, timeout_s=2.0)
-                return self._client
+                return protocol.HostClient(self.host_socket, timeout_s=2.0)
             except CheckpointError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+    def _met_host(self, client: protocol.HostClient) -> None:
+        """Learns who the host is. Persists queued on a host that has since been replaced are lost: the new
+        host adopted the memory, not the old one's queue."""
+        try:
+            reply = client.call({"op": "ping"}, timeout_s=self.call_limit_s)
+        except CheckpointError:
+            client.close()
+            raise
+        self._host_pid = int(reply.get("pid", 0))
+        self._host_storage = str(reply.get("storage", ""))
+        if self._persisting and self._persisting_on != self._host_pid:
+            self._lost += self._unconfirmed(self._persisting)
+            self._persisting = []
+
+    def _unconfirmed(self, steps: list[int]) -> list[int]:
+        """Those of ``steps`` that no committed step on storage covers: nothing older than the newest
+        committed step is missed."""
+        try:
+            newest = max(committed_steps(self.storage), default=-1) if self.storage is not None else -1
+        except OSError:
+            newest = -1
+        return [step for step in steps if step > newest]
+
+    def _drop_client(self) -> None:
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            self._host_lost = True
+
+    def _call(self, message: protocol.Message, *, timeout_s: float | None) -> protocol.Message:
+        """One request to the host. A connection the host closed is made again once: the host died, and
+        its agent may have replaced it already. A host that does not answer is not asked again, so the
+        caller learns of it within ``timeout_s``, and is told at once while that host was not replaced (see
+        :data:`SILENT_HOLD_S`)."""
+        self._refuse_a_silent_host()
+        try:
+            return self.client().call(message, timeout_s=timeout_s)
+        except protocol.HostTimeoutError:
+            self._drop_client()
+            identity = protocol.socket_identity(self.host_socket)
+            if identity is not None:
+                self._silent = (identity, time.monotonic() + SILENT_HOLD_S)
+            raise
+        except CheckpointError:
+            self._drop_client()
+        try:
+            return self.client().call(message, timeout_s=timeout_s)
+        except CheckpointError:
+            self._drop_client()
+            raise
+
+    def _refuse_a_silent_host(self) -> None:
+        if self._silent is None:
+            return
+        identity, until = self._silent
+        if protocol.socket_identity(self.host_socket) == identity and time.monotonic() < until:
+            raise protocol.HostTimeoutError(
+                f"the checkpoint host at {self.host_socket} did not answer within {self.call_limit_s}s "
+                "and has not been replaced yet"
+            )
+        self._silent = None  # a new host bound the socket, or it is time to ask the old one again
 
     # ---------------------------------------------------------------------------------------------
     # Memory
@@ -243,7 +329,7 @@ class Checkpointer:
 
     def _allocate(self, size: int) -> _Slots:
         """New slots of ``size`` bytes from the host; their pages are allocated by whoever populates them."""
-        reply = self.client().call({"op": "alloc", "rank": self.rank, "size": size})
+        reply = self._call({"op": "alloc", "rank": self.rank, "size": size}, timeout_s=self.call_limit_s)
         if not reply.get("ok"):
             raise CheckpointError(str(reply.get("error")))
         slots = _Slots([Path(p) for p in reply["paths"]])
@@ -425,12 +511,18 @@ class Checkpointer:
             if header.complete and header.step == step:
                 pinned = seg
                 shm.set_pin(seg.buf, shm.PIN_QUEUED)
-        reply = self.client().call({"op": "persist", "rank": self.rank, "step": step})
+        try:
+            message = {"op": "persist", "rank": self.rank, "step": step}
+            reply = self._call(message, timeout_s=self.call_limit_s)
+        except CheckpointError as exc:
+            reply = {"ok": False, "error": f"{exc}; the snapshot of step {step} stays in memory"}
         if not reply.get("ok"):
             if pinned is not None:
                 shm.set_pin(pinned.buf, 0)
             raise PersistError(str(reply.get("error")))
         self._persisting.append(step)
+        del self._persisting[:-MAX_PENDING_STEPS]  # a job that never waits must not grow the list forever
+        self._persisting_on = self._host_pid
 
     def _check_host_storage(self) -> None:
         """The host persists where it was told (by its agent, or by whoever started it) and this process
@@ -439,7 +531,11 @@ class Checkpointer:
         with what to fix instead of at its last :meth:`wait`."""
         if self._host_storage_checked:
             return
-        host = self.client().call({"op": "ping"}).get("storage", "")
+        try:
+            self.client()
+        except CheckpointError as exc:
+            raise PersistError(f"{exc}; the snapshot stays in memory") from exc
+        host = self._host_storage
         if not host:
             raise PersistError(
                 f"this node's checkpoint host ({self.host_socket}) has no storage, so nothing can be "
@@ -458,10 +554,25 @@ class Checkpointer:
     def wait(self, *, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Waits for this rank's pending persistence; raises PersistError if any of it failed (the
         memory snapshot and training are unaffected)."""
-        if not self._persisting:
+        if not self._persisting and not self._lost:
             return []
-        self._persisting.clear()
-        reply = self.client().call({"op": "wait", "rank": self.rank, "step": None, "timeout": timeout_s})
+        reply: protocol.Message = {"ok": True, "results": []}
+        try:
+            if self._persisting:
+                message = {"op": "wait", "rank": self.rank, "step": None, "timeout": timeout_s}
+                limit = None if timeout_s is None else timeout_s + self.call_limit_s  # the host's own first
+                reply = self._call(message, timeout_s=limit)
+        except CheckpointError as exc:
+            unknown = sorted(set(self._lost + self._persisting))
+            self._lost, self._persisting = [], []
+            raise PersistError(f"whether steps {unknown} were persisted is unknown: {exc}") from exc
+        lost = sorted(set(self._lost))
+        self._lost, self._persisting = [], []
+        if lost:
+            raise PersistError(
+                f"steps {lost} were queued on a checkpoint host that went away before persisting them; "
+                "their snapshots stay in memory, and later persists go to the host that replaced it"
+            )
         if not reply.get("ok"):
             raise PersistError(f"persisting the checkpoint failed: {reply.get('error')}")
         results: list[dict[str, Any]] = reply.get("results", [])
@@ -518,7 +629,7 @@ class Checkpointer:
         if self._client is not None:
             if stop_host:
                 with contextlib.suppress(CheckpointError):
-                    self._client.call({"op": "stop"})
+                    self._client.call({"op": "stop"}, timeout_s=self.call_limit_s)
             self._client.close()
             self._client = None
             if stop_host and self._own_host is not None:
@@ -526,5 +637,5 @@ class Checkpointer:
         elif stop_host:
             with contextlib.suppress(CheckpointError, socket.error):
                 client = protocol.HostClient(self.host_socket, timeout_s=2.0)
-                client.call({"op": "stop"})
+                client.call({"op": "stop"}, timeout_s=self.call_limit_s)
                 client.close()

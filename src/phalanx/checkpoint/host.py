@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("phalanx.checkpoint")
 
+MAX_RESULTS = 1000  # persist results kept per rank for its next wait (failures also go to the master)
 NO_STORAGE = (
     "this node's checkpoint host has no storage, so nothing can be persisted; give phalanx-run "
     "--checkpoint-dir (or PHALANX_CHECKPOINT_STORAGE_PATH), or save without persist: the snapshot "
@@ -111,7 +113,7 @@ class HostServer:
         self._clients = 0
         self._last_client = time.monotonic()
         self._stopping = threading.Event()
-        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket this host bound
+        self._socket_id: tuple[int, int, int] | None = None  # of the socket this host bound
 
     # ---------------------------------------------------------------------------------------------
     # Requests
@@ -254,6 +256,7 @@ class HostServer:
             with self._cond:
                 entry = self._ranks[rank]
                 entry.results.append(result)
+                del entry.results[:-MAX_RESULTS]  # a trainer that never waits must not grow the host
                 entry.pending -= 1
                 self._cond.notify_all()
 
@@ -298,11 +301,8 @@ class HostServer:
         host's to keep or release, not this one's."""
         if self._socket_id is None:
             return False
-        try:
-            st = os.stat(self.socket_path)
-        except FileNotFoundError:
-            return False
-        return (st.st_dev, st.st_ino) != self._socket_id
+        now = protocol.socket_identity(self.socket_path)
+        return now is not None and now != self._socket_id
 
     def _should_exit(self) -> bool:
         if self._stopping.is_set():
@@ -334,8 +334,7 @@ class HostServer:
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
             listener.bind(str(self.socket_path))
-            st = os.stat(self.socket_path)
-            self._socket_id = (st.st_dev, st.st_ino)
+            self._socket_id = protocol.socket_identity(self.socket_path)
         listener.listen(64)
         listener.settimeout(0.2)
         worker = threading.Thread(target=self._persist_loop, name="persister", daemon=True)
@@ -422,29 +421,58 @@ class HostHandle:
         """Whether the host process still runs."""
         if self.process is not None:
             return self.process.poll() is None
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+        return process_running(self.pid)
+
+    def kill(self, *, timeout_s: float = 10.0) -> None:
+        """SIGKILLs the host (a stopped one too) and waits until it is gone; its memory stays for the
+        host that replaces it to adopt."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait(timeout=timeout_s)
+            return
+        deadline = time.monotonic() + timeout_s
+        while process_running(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def stop(self, *, timeout_s: float = 60.0) -> int:
         """Drains persistence, unlinks the shared memory and waits for the host to exit; returns its exit
-        code (0 for a detached host that exited)."""
+        code (0 for a detached host that exited). A host that does not exit in ``timeout_s`` (a stopped
+        one) is killed, -9, and its memory is left for the caller to remove."""
+        deadline = time.monotonic() + timeout_s
         if self.alive():
             with contextlib.suppress(CheckpointError):
-                self._call({"op": "stop"}, timeout_s)
+                self._call({"op": "stop"}, min(timeout_s, 10.0))  # answered at once; draining follows
         if self.process is None:
-            deadline = time.monotonic() + timeout_s
             while self.alive() and time.monotonic() < deadline:
                 time.sleep(0.02)
-            return 0
+            if not self.alive():
+                return 0
+            self.kill()
+            return -signal.SIGKILL
         try:
-            self.process.wait(timeout=timeout_s)
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
         return int(self.process.returncode)
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` runs. A detached host is adopted by whichever process reaps orphans; where
+    that is the agent itself (PID 1 of its container), a dead host stays a zombie until reaped here."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: trust the signal
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def start(

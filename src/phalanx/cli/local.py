@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
         default=[],
         metavar="KIND@key=value,...",
         help="Fault to inject: kill-worker, kill-node, hang-worker, kill-master, delay-node (latency=), "
-        "partition-node, slow-network (rate=) or slow-cpu (cpu=), with step=, after=, node=, rank=, for= "
+        "partition-node, slow-network (rate=), slow-cpu (cpu=), kill-checkpoint-host or "
+        "hang-checkpoint-host, with step=, after=, node=, rank=, for= "
         "(e.g. kill-worker@step=20,node=1,rank=0, partition-node@after=10s,node=1,for=5s, "
         "slow-network@after=5s,node=2,rate=20mbit, slow-cpu@step=10,node=1,cpu=200m). Repeatable.",
     )

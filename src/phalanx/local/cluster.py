@@ -24,12 +24,14 @@ from typing import Any, TextIO
 
 import httpx
 
-from phalanx.agent.checkpointing import remove_node_segments
+from phalanx.agent.checkpointing import node_socket_path, remove_node_segments
 from phalanx.agent.env import beacon_path
 from phalanx.agent.supervisor import SHM_DIR
+from phalanx.api.errors import CheckpointError
+from phalanx.checkpoint.protocol import HostClient
 from phalanx.local import cpulimit, fabric, procs
 from phalanx.local.cpulimit import CpuGroup
-from phalanx.local.inject import LASTING_KINDS, NETWORK_KINDS, SLOW_KINDS, Injection
+from phalanx.local.inject import HOST_KINDS, NETWORK_KINDS, SLOW_KINDS, UNNOTICED_KINDS, Injection
 from phalanx.local.relay import Relay
 from phalanx.local.report import FailureRecord, Summary, table
 
@@ -263,8 +265,8 @@ class LocalCluster:
         for f in self.summary.failures:
             if f.recovered_at is not None:
                 continue
-            if f.kind in LASTING_KINDS and f.detected_at is None:
-                continue  # the job did not notice the network fault: there is nothing to recover from
+            if f.kind in UNNOTICED_KINDS and f.detected_at is None:
+                continue  # the job did not notice the fault: there is nothing to recover from
             # Recovery means a step completed by the recovered job: after a new round formed (workers
             # restarted), or, for a master kill, after the master answers again (workers never stopped).
             if f.kind == "kill-master":
@@ -330,6 +332,8 @@ class LocalCluster:
                 what = self._net_fault(inj, target)
             elif inj.kind in SLOW_KINDS:
                 what = self._slow_fault(inj, target)
+            elif inj.kind in HOST_KINDS:
+                what = self._host_fault(inj, target)
             else:
                 self.master.kill()
                 what = "SIGKILL master"
@@ -339,6 +343,19 @@ class LocalCluster:
                 self.master.start()
                 record.action = "master restarted on the same state"
                 self.say(f"master restarted at {self.master.grpc_addr}")
+
+    def _host_fault(self, inj: Injection, node_id: str) -> str:
+        socket_path = node_socket_path(job_id=self.job_id, node_id=node_id)
+        try:
+            with contextlib.closing(HostClient(str(socket_path), timeout_s=2.0)) as client:
+                pid = int(client.call({"op": "ping"}, timeout_s=5.0)["pid"])
+        except CheckpointError as exc:
+            return f"nothing: the node has no checkpoint host to fault ({exc})"
+        if inj.kind == "kill-checkpoint-host":
+            os.kill(pid, signal.SIGKILL)
+            return f"SIGKILL checkpoint host pid {pid}"
+        os.kill(pid, signal.SIGSTOP)
+        return f"SIGSTOP checkpoint host pid {pid}"
 
     def _net_fault(self, inj: Injection, node_id: str) -> str:
         relay = self.relays[node_id]

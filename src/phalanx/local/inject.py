@@ -5,11 +5,13 @@ and its workers), ``hang-worker`` (SIGSTOP one rank), ``kill-master`` (SIGKILL t
 on the same state), ``delay-node`` (add ``latency=`` each way to the node's link to the master) and
 ``partition-node`` (cut that link: silence, no error; see :mod:`phalanx.local.relay`), ``slow-network``
 (limit all of the node's traffic with the other nodes to ``rate=``, e.g. ``rate=20mbit``; see
-:mod:`phalanx.local.fabric`) and ``slow-cpu`` (cap the node's processes at ``cpu=`` CPUs, e.g. ``cpu=200m``;
-see :mod:`phalanx.local.cpulimit`). Keys: ``step=`` (fire when the rank's beacon reaches that step),
-``after=`` (seconds since the job started), ``node=`` (node index, default 0), ``rank=`` (local rank,
-default 0), ``for=`` (the lasting faults: heal after this long; default never). A spec needs ``step`` or
-``after``; with both, both must hold.
+:mod:`phalanx.local.fabric`), ``slow-cpu`` (cap the node's processes at ``cpu=`` CPUs, e.g. ``cpu=200m``;
+see :mod:`phalanx.local.cpulimit`), ``kill-checkpoint-host`` (SIGKILL the node's flash-checkpoint host)
+and ``hang-checkpoint-host`` (SIGSTOP it; its agent replaces either, and training should not notice).
+Keys: ``step=`` (fire when the rank's beacon reaches that step), ``after=`` (seconds since the job
+started), ``node=`` (node index, default 0), ``rank=`` (local rank, default 0), ``for=`` (the lasting
+faults: heal after this long; default never). A spec needs ``step`` or ``after``; with both, both must
+hold.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from phalanx.api.settings import parse_duration
 
 KINDS = (
     "kill-worker", "kill-node", "hang-worker", "kill-master", "delay-node", "partition-node", "slow-network",
-    "slow-cpu",
+    "slow-cpu", "kill-checkpoint-host", "hang-checkpoint-host",
 )  # fmt: skip
 NETWORK_KINDS = ("delay-node", "partition-node")
 """Faults of a node's link to the master: the node reaches the master through a relay."""
@@ -29,6 +31,10 @@ SLOW_KINDS = ("slow-network", "slow-cpu")
 """Faults that leave the node working, only slower: the job may notice them or not."""
 LASTING_KINDS = NETWORK_KINDS + SLOW_KINDS
 """Faults that last until healed (``for=``) or until the end."""
+HOST_KINDS = ("kill-checkpoint-host", "hang-checkpoint-host")
+"""Faults of a node's flash-checkpoint host, which its agent replaces without the job noticing."""
+UNNOTICED_KINDS = LASTING_KINDS + HOST_KINDS
+"""Faults the job may rightly not notice: unnoticed, there is nothing to recover from."""
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _KEYS = {
     "kill-worker": {"step", "after", "node", "rank"},
@@ -39,6 +45,8 @@ _KEYS = {
     "partition-node": {"step", "after", "node", "for"},
     "slow-network": {"step", "after", "node", "rate", "for"},
     "slow-cpu": {"step", "after", "node", "cpu", "for"},
+    "kill-checkpoint-host": {"step", "after", "node"},
+    "hang-checkpoint-host": {"step", "after", "node"},
 }
 
 

@@ -443,7 +443,12 @@ class ElasticTrainer:
         )
         if action == "save":
             started = time.monotonic()
-            facts = self.checkpoint.save(step=self.step, key=key, tensors=dict(self.engine.state_tensors()))
+            tensors = dict(self.engine.state_tensors())
+            try:
+                facts = self.checkpoint.save(step=self.step, key=key, tensors=tensors)
+            except CheckpointError as exc:  # like a failed copy behind training: it costs the save alone
+                self.on_event({"event": "checkpoint_failed", "step": self.step, "error": str(exc)[:300]})
+                return
             blocking_s = round(time.monotonic() - started, 5)
             self.on_event(
                 {"event": "checkpoint", "step": self.step, "key": key, "blocking_s": blocking_s, **facts}
