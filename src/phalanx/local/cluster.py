@@ -33,7 +33,7 @@ from phalanx.local import cpulimit, fabric, procs
 from phalanx.local.cpulimit import CpuGroup
 from phalanx.local.inject import HOST_KINDS, NETWORK_KINDS, SLOW_KINDS, UNNOTICED_KINDS, Injection
 from phalanx.local.relay import Relay
-from phalanx.local.report import FailureRecord, Summary, table
+from phalanx.local.report import FailureRecord, Summary, cause_of, table
 
 POLL_S = 0.05
 STOP_GRACE_S = 40.0  # SIGTERM to SIGKILL at the end of a run: the agents' workers' grace, then a persist
@@ -240,11 +240,11 @@ class LocalCluster:
         text = f"{kind:<18} {node:<8} {ev.get('message', '')}".rstrip()
         self.say(f"event {text}")
         if kind in ("failure", "node_disconnected", "node_lost", "hang", "eviction_requested", "slow_steps"):
-            for f in self.summary.failures:
-                if f.detected_at is None and (not node or node == f.node) and f.kind != "kill-master":
-                    f.detected_at = ev["at"]
-                    if kind == "eviction_requested":
-                        f.action = f"evicted {node}"
+            f = cause_of(self.summary.failures, node=node, at=ev["at"])
+            if f is not None:
+                f.detected_at = ev["at"]
+                if kind == "eviction_requested":
+                    f.action = f"evicted {node}"
 
     def _steps(self) -> dict[tuple[str, int], tuple[int, int, int]]:
         """(node id, local rank) -> (step, unix_ns, pid) of every live node's workers."""
@@ -403,6 +403,10 @@ class LocalCluster:
             else:
                 self.cpu_groups[node_id].unlimit()
             self.say(f"HEAL {inj.kind} on {node_id}")
+            for f in reversed(self.summary.failures):
+                if (f.kind, f.node) == (inj.kind, node_id) and f.healed_at is None:
+                    f.healed_at = self.elapsed()
+                    break
 
     def _carry_out_evictions(self) -> None:
         for ev in self.job.get("evictions", []) or []:

@@ -17,6 +17,8 @@ class FailureRecord:
     step_at_injection: int = -1
     detected_at: float | None = None
     recovered_at: float | None = None
+    healed_at: float | None = None
+    """When a lasting fault (``for=``) was healed."""
     action: str = ""
     steps_lost: int | None = None
     resumed_step: int | None = None
@@ -28,6 +30,24 @@ class FailureRecord:
         for key in ("step_at_injection", "resumed_step", "round_at_injection", "recovery_round_seen_ns"):
             data.pop(key)
         return data
+
+
+HEAL_GRACE_S = 1.0
+"""How long after its heal a lasting fault may still be what the job noticed (the news of a cut link can
+arrive as it heals)."""
+
+
+def cause_of(failures: list[FailureRecord], *, node: str, at: float) -> FailureRecord | None:
+    """The injected fault that an event of the job about ``node`` at ``at`` is put down to: the latest one
+    on that node not yet detected that may still be felt. A fault healed before the event is not its cause,
+    nor is a master kill (detected when the master answers again)."""
+    for f in reversed(failures):
+        if f.detected_at is not None or f.kind == "kill-master" or (node and node != f.node):
+            continue
+        if f.healed_at is not None and at > f.healed_at + HEAL_GRACE_S:
+            continue
+        return f
+    return None
 
 
 @dataclass
