@@ -78,7 +78,9 @@ def main() -> None:
 
         # The agent's host advertises its storage; under torchrun --ckpt names the directory.
         flash = Checkpointer(storage=os.environ.get("PHALANX_CHECKPOINT_STORAGE") or args.ckpt or "")
-        loaded = flash.load()
+        # DDP replicas all hold the same state: after a round that renumbered the ranks, any local
+        # snapshot will do, and the node's memory still serves the restarted ranks.
+        loaded = flash.load(replicated=True)
         if loaded is not None:
             model.load_state_dict(loaded[1]["model"])
             opt.load_state_dict(loaded[1]["opt"])

@@ -2,7 +2,9 @@
 
 ``save``: each of 2 ranks saves its own shard (tensor-parallel style); rank 1 saves one step more, so
 loading must agree on the newest step both hold. ``load``: ranks load from a node without memory; with
-``--replicas`` ranks r and r+2 share shard r % 2 and one of them reads it from storage.
+``--replicas`` ranks r and r+2 share shard r % 2 and one of them reads it from storage. ``save-ddp``: every
+rank saves the same state (data-parallel replicas) at steps 1 to 3, memory only; ``load-ddp``: a world of
+another size loads it, ``--replicated`` or not.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ def shard(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("mode", choices=["save", "load", "save-ddp", "load-ddp"])
     parser.add_argument("--storage", required=True)
     parser.add_argument("--shm-dir", default=None)
     parser.add_argument("--replicas", action="store_true")
+    parser.add_argument("--replicated", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -44,6 +47,20 @@ def main() -> int:
             source=ckpt.last_load["source"],
             ok=all(torch.equal(state["model"][k], v) for k, v in shard(rank, step).items()),
         )
+        ckpt.close()
+    elif args.mode == "save-ddp":
+        ckpt = Checkpointer(storage=args.storage)
+        for step in (1, 2, 3):
+            ckpt.save(step, {"model": shard(0, step), "step": step})
+        ckpt.close()
+    elif args.mode == "load-ddp":
+        ckpt = Checkpointer(storage=args.storage)
+        loaded = ckpt.load(replicated=args.replicated)
+        result.update(step=None, source=ckpt.last_load["source"], reads=ckpt.last_load["storage_reads"])
+        if loaded is not None:
+            step, state = loaded
+            same = all(torch.equal(state["model"][k], v) for k, v in shard(0, step).items())
+            result.update(step=step, ok=same)
         ckpt.close()
     else:
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])] if world == 4 else []

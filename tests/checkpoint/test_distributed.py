@@ -64,3 +64,16 @@ def test_sharded_save_agree_and_replica_reads(host: host_mod.HostHandle, store: 
     assert all(r["ok"] and r["step"] == 2 for r in shared)
     assert [r["reads"] for r in shared] == [2, 2, 0, 0]  # one reader per replica group
     assert [r["source"] for r in shared] == ["storage", "storage", "peer", "peer"]
+
+
+def test_data_parallel_replicas_load_from_memory_when_ranks_move(
+    host: host_mod.HostHandle, store: Path
+) -> None:
+    """Two DDP ranks saved the same state; the next round has three ranks on this node, and rank 2 has no
+    snapshot under its own rank. Without ``replicated`` nothing is common to all ranks and, with nothing
+    persisted, the job would start over; with it every rank loads the newest step from memory."""
+    run_ranks(host, 2, "save-ddp", f"--storage={store}")
+    plain = run_ranks(host, 3, "load-ddp", f"--storage={store}")
+    assert [r["step"] for r in plain] == [None, None, None]
+    shared = run_ranks(host, 3, "load-ddp", f"--storage={store}", "--replicated")
+    assert [(r["step"], r["source"], r["reads"], r["ok"]) for r in shared] == [(3, "memory", 0, True)] * 3

@@ -436,6 +436,41 @@ def test_a_member_whose_connection_closed_is_left_out_after_one_interval_not_the
     assert sim.job.round_number == 2
 
 
+def test_a_restarted_master_does_not_hold_a_round_for_a_node_left_out_before_it_restarted() -> None:
+    """c's connection closed and round 2 formed without it; then the master restarts. Before the fix, a
+    worker failure's round waited for c until the straggler wait (the heartbeat timeout)."""
+    sim = Sim(**DISCONNECT)
+    sim.form("a", "b", "c")
+    sim.disconnect("c")
+    sim.at(sim.now + 1.1)
+    sim.join("a"), sim.join("b")
+    sim.at(sim.now + 0.6)
+    assert sim.job.members == ["a", "b"]
+    restarted = Sim(
+        Job(settings=settings(**DISCONNECT), now=sim.now, saved=json.loads(json.dumps(sim.job.durable())))
+    )
+    restarted.now, restarted.inc, restarted.acked = sim.now, sim.inc, sim.acked
+    restarted.hb("a"), restarted.hb("b")  # the members reach the new master within an interval
+    restarted.at(restarted.now + 1.0)
+    restarted.hb("a"), restarted.hb("b")
+    restarted.at(restarted.now + 1.0)
+    restarted.hb("a"), restarted.hb("b")
+    # Within three intervals of the restart a silent node is still waited for: it may be on its way.
+    restarted.fail("a")
+    restarted.join("a"), restarted.join("b")
+    restarted.at(restarted.now + 0.6)
+    assert restarted.job.round_open
+    # Past them, c is not; a member would be (only the heartbeat timeout says a member is gone).
+    restarted.hb("a"), restarted.hb("b")
+    restarted.at(restarted.now + 0.5)
+    assert not restarted.job.round_open
+    assert (restarted.job.round_number, restarted.job.members) == (3, ["a", "b"])
+    # c comes back after all: it joins the next round, as a node back from a disconnection does.
+    assert restarted.job.nodes["c"].status == "alive"
+    restarted.hb("c")
+    assert restarted.join("c") == 4
+
+
 def test_a_node_heard_from_within_the_grace_is_not_left_out() -> None:
     sim = Sim(**DISCONNECT)
     sim.form("a", "b")

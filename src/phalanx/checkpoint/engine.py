@@ -587,6 +587,7 @@ class Checkpointer:
         shard_rank: int | None = None,
         replica_group: Any = None,
         into: Any = None,
+        replicated: bool = False,
     ) -> tuple[int, Any] | None:
         """The newest ``(step, state)`` every rank holds, or None; see :mod:`phalanx.checkpoint.restore`.
 
@@ -595,6 +596,11 @@ class Checkpointer:
         ``into`` is a state shaped like the saved one (``{"model": model.state_dict(), ...}``): a read
         from memory copies each tensor straight into its counterpart there (same path, dtype and shape)
         and returns it, instead of allocating new memory for it.
+
+        ``replicated=True`` says every rank saves the same state (plain data parallel, DDP): a rank may then
+        load any rank's snapshot in this node's memory. A round that renumbers the ranks (a node left, or
+        joined) then still loads from memory, where each rank would otherwise find no snapshot of its own
+        rank on its node and the job would fall back to storage, or start over without it.
         """
         from phalanx.checkpoint import restore
 
@@ -604,6 +610,7 @@ class Checkpointer:
             shard_rank=self.rank if shard_rank is None else shard_rank,
             replica_group=replica_group,
             into=into,
+            replicated=replicated,
         )
 
     def memory_slots(self, shard_rank: int) -> list[shm.Segment]:

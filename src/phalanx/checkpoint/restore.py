@@ -304,8 +304,23 @@ def _stored_steps(store: storage.Storage | None, *, memory: Mapping[int, Any]) -
         return set()
 
 
+def _any_replica(ckpt: Checkpointer, own: dict[int, shm.Segment]) -> dict[int, shm.Segment]:
+    """The steps this node holds under any rank, this rank's own snapshot first: data-parallel replicas
+    all save the same state, and a rank renumbered by a new round finds its old one under another rank."""
+    steps = dict(own)
+    for rank in sorted(shm.list_job_slots(ckpt.shm_dir, ckpt.job_id)):
+        for step, seg in _memory_steps(ckpt.memory_slots(rank)).items():
+            steps.setdefault(step, seg)
+    return steps
+
+
 def load(
-    ckpt: Checkpointer, *, shard_rank: int, replica_group: Any = None, into: Any = None
+    ckpt: Checkpointer,
+    *,
+    shard_rank: int,
+    replica_group: Any = None,
+    into: Any = None,
+    replicated: bool = False,
 ) -> tuple[int, Any] | None:
     """See :meth:`Checkpointer.load`."""
     started = time.perf_counter()
@@ -315,6 +330,8 @@ def load(
         targets = {entry["name"]: t for entry, t in zip(flat.table, flat.tensors, strict=True)}
     reads_before = ckpt.storage.reads if ckpt.storage else 0
     memory = _memory_steps(ckpt.memory_slots(shard_rank))
+    if replicated:
+        memory = _any_replica(ckpt, memory)
     on_storage = _stored_steps(ckpt.storage, memory=memory)
     candidates = set(memory) | on_storage
     bad: list[int] = []

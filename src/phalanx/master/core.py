@@ -26,7 +26,7 @@ from phalanx.master.breakpoints import Breakpoint
 from phalanx.master.checkpoints import CheckpointTracker
 from phalanx.master.errors import RequestError
 from phalanx.master.events import EventLog
-from phalanx.master.membership import ALIVE, EVICTED, LOST, Node, absent, expired
+from phalanx.master.membership import ALIVE, EVICTED, LOST, Node, absent, expired, unheard_since_restore
 from phalanx.master.policy import FailureRecord
 from phalanx.master.stats import JobStats
 
@@ -38,6 +38,9 @@ failure_log = logging.getLogger("phalanx.failures")
 
 FINISHED = ("Succeeded", "Failed")
 EVENT_SEQ_GAP = 1000
+RESTORE_GRACE_INTERVALS = 3
+"""Heartbeat intervals within which a live agent reaches a restarted master (it retries every interval,
+and gRPC reconnects within a second)."""
 
 
 def action(kind: int, **fields: Any) -> pb.Action:
@@ -425,6 +428,16 @@ class JobCore:
         grace is one heartbeat interval, within which a live agent whose connection broke heartbeats again."""
         return absent(self.nodes.values(), now=now, grace_s=self.settings.heartbeat.interval_s)
 
+    def _expected(self, *, now: float) -> list[str]:
+        """The nodes an open round waits for: the live ones, less the absent, and less those that were not
+        members of the current round and have not been heard from since this master restarted. Such a node
+        (one that died while the master was down, say) would otherwise hold every round until its heartbeat
+        timeout; a member is waited for all the same, as the heartbeat timeout decides whether it is gone."""
+        grace = RESTORE_GRACE_INTERVALS * self.settings.heartbeat.interval_s
+        unheard = set(unheard_since_restore(self.nodes.values(), now=now, grace_s=grace)) - set(self.members)
+        absent = set(self.absent(now=now))
+        return [n.node_id for n in self.alive() if n.node_id not in absent | unheard]
+
     def _leave_out(self, node: Node, *, now: float) -> None:
         """Stops waiting for an absent node, once per disconnection: a member's absence opens a new round at
         once instead of after the heartbeat timeout, and an open round completes without it. It stays alive:
@@ -479,7 +492,7 @@ class JobCore:
             return
         if not rdzv.should_complete(
             joiners=self.joiners,
-            expected=[n.node_id for n in self.alive() if n.node_id not in self.absent(now=now)],
+            expected=self._expected(now=now),
             opened_at=self.opened_at,
             now=now,
             settings=self.settings.rendezvous,

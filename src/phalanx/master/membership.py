@@ -58,6 +58,8 @@ class Node:
     """The ``disconnected_at`` the master already acted on, so that one disconnection opens one round."""
     leaving: bool = False
     """Its last heartbeat said the agent is exiting (NODE_STATE_LEAVING): absent at once, no grace."""
+    restored_at: float = 0.0
+    """When a restarted master restored it from its state (0: it registered with this master)."""
 
     def durable(self) -> dict[str, Any]:
         return {
@@ -84,6 +86,7 @@ class Node:
             old_incarnations=[str(i) for i in data.get("old_incarnations", [])],
             registered_unix=now,
             last_seen=now,
+            restored_at=now,
         )
 
     def view(self, *, now: float) -> dict[str, Any]:
@@ -128,6 +131,20 @@ def absent(nodes: Iterable[Node], *, now: float, grace_s: float) -> list[str]:
         for n in nodes
         if n.status == ALIVE
         and (n.leaving or (n.disconnected_at > n.last_seen and now - n.disconnected_at > grace_s))
+    ]
+
+
+def unheard_since_restore(nodes: Iterable[Node], *, now: float, grace_s: float) -> list[str]:
+    """Ids of live nodes that a restarted master restored and has not heard from in the ``grace_s`` since.
+    A live agent reaches a restarted master within about a heartbeat interval (it retries every interval);
+    one that has not may have died while the master was down, which only its heartbeat timeout will tell."""
+    return [
+        n.node_id
+        for n in nodes
+        if n.status == ALIVE
+        and n.restored_at
+        and n.last_seen <= n.restored_at
+        and now - n.restored_at > grace_s
     ]
 
 
