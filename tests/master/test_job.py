@@ -460,7 +460,7 @@ def test_a_restarted_master_does_not_hold_a_round_for_a_node_left_out_before_it_
     restarted.join("a"), restarted.join("b")
     restarted.at(restarted.now + 0.6)
     assert restarted.job.round_open
-    # Past them, c is not; a member would be (only the heartbeat timeout says a member is gone).
+    # Past them, c is not.
     restarted.hb("a"), restarted.hb("b")
     restarted.at(restarted.now + 0.5)
     assert not restarted.job.round_open
@@ -469,6 +469,27 @@ def test_a_restarted_master_does_not_hold_a_round_for_a_node_left_out_before_it_
     assert restarted.job.nodes["c"].status == "alive"
     restarted.hb("c")
     assert restarted.join("c") == 4
+
+
+def test_a_member_that_died_while_the_master_was_down_holds_a_round_only_for_the_restore_grace() -> None:
+    """b is SIGKILLed while the master is down; the restarted master never hears from it. Its absence opens
+    no round (only the heartbeat timeout says a member is gone), but the round a's failure opens completes
+    without it three intervals after the restart, not at the heartbeat timeout."""
+    sim = Sim(**DISCONNECT)
+    sim.form("a", "b")
+    restarted = Sim(
+        Job(settings=settings(**DISCONNECT), now=sim.now, saved=json.loads(json.dumps(sim.job.durable())))
+    )
+    restarted.now, restarted.inc, restarted.acked = sim.now, sim.inc, sim.acked
+    for _ in range(4):
+        restarted.hb("a")
+        restarted.at(restarted.now + 1.0)
+    assert not restarted.job.round_open  # b's silence alone is left to the heartbeat timeout
+    assert restarted.job.nodes["b"].status == "alive"
+    restarted.fail("a")  # a's workers lost their peers on b
+    restarted.join("a")
+    restarted.at(restarted.now + 0.6)
+    assert (restarted.job.round_number, restarted.job.members) == (2, ["a"])
 
 
 def test_a_node_heard_from_within_the_grace_is_not_left_out() -> None:

@@ -429,12 +429,13 @@ class JobCore:
         return absent(self.nodes.values(), now=now, grace_s=self.settings.heartbeat.interval_s)
 
     def _expected(self, *, now: float) -> list[str]:
-        """The nodes an open round waits for: the live ones, less the absent, and less those that were not
-        members of the current round and have not been heard from since this master restarted. Such a node
-        (one that died while the master was down, say) would otherwise hold every round until its heartbeat
-        timeout; a member is waited for all the same, as the heartbeat timeout decides whether it is gone."""
+        """The nodes an open round waits for: the live ones, less the absent, and less those not heard from
+        since this master restarted (a few heartbeat intervals ago). Such a node, one that died while the
+        master was down, say, would otherwise hold every round until its heartbeat timeout. Only a round
+        open for another reason completes without it: the timeout still decides whether it is lost, so a
+        live one slow to come back costs no round, and joins the next one if it missed this."""
         grace = RESTORE_GRACE_INTERVALS * self.settings.heartbeat.interval_s
-        unheard = set(unheard_since_restore(self.nodes.values(), now=now, grace_s=grace)) - set(self.members)
+        unheard = set(unheard_since_restore(self.nodes.values(), now=now, grace_s=grace))
         absent = set(self.absent(now=now))
         return [n.node_id for n in self.alive() if n.node_id not in absent | unheard]
 
