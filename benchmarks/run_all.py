@@ -23,6 +23,7 @@ BENCHMARKS = {
     "isolation": ["--runs", "3"],
     "probes": ["--runs", "5"],
     "shard_loss": ["--runs", "3"],
+    "host_failover": ["--runs", "5"],
 }
 
 

@@ -109,15 +109,9 @@ def main() -> None:
         opt.step()
         if args.step_time:
             time.sleep(args.step_time)
-        if rank == 0 and ckpt is not None:
-            save(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step})
-        if flash is not None:  # every rank holds its own snapshot in memory
-            persist = flash.storage is not None and args.persist_every > 0 and step % args.persist_every == 0
-            try:
-                flash.save(step, {"model": model.state_dict(), "opt": opt.state_dict()}, persist=persist)
-            except PersistError as exc:  # the snapshot is in memory; the next persist tries again
-                print(f"flash: {exc}", flush=True)
-        # Every rank waits for the checkpoint of this step before counting it as done.
+        # A step is done once every rank finished it, and only then logged and saved: a restart, which
+        # loads any replica's snapshot, never resumes after a step the log has not seen (unless rank 0,
+        # the logger, died in between).
         dist.barrier()
         report_step(step)
         if rank == 0:
@@ -131,8 +125,19 @@ def main() -> None:
                     f.write("\n")
             if step % 10 == 0:
                 print(f"step {step} loss {loss.item():.4f}", flush=True)
+        if rank == 0 and ckpt is not None:
+            save(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step})
+        if flash is not None:  # every rank holds its own snapshot in memory
+            persist = flash.storage is not None and args.persist_every > 0 and step % args.persist_every == 0
+            try:
+                flash.save(step, {"model": model.state_dict(), "opt": opt.state_dict()}, persist=persist)
+            except PersistError as exc:  # the snapshot is in memory; the next persist tries again
+                print(f"flash: {exc}", flush=True)
     if flash is not None:
-        flash.wait()
+        try:
+            flash.wait()
+        except PersistError as exc:  # training is done; its snapshots stay in this node's memory
+            print(f"flash: {exc}", flush=True)
         flash.close()
     # DDP holds the process group: dropped first, the group is destroyed here, with the interpreter alive,
     # instead of at exit, where gloo's threads can abort the process after training succeeded.

@@ -271,7 +271,7 @@ def test_sigterm_to_every_agent_commits_the_newest_step(tmp_path: Path) -> None:
                     ],
                     cwd=tmp_path,
                 ))  # fmt: skip
-            _wait_for(log, step=10, timeout_s=60)
+            _wait_for(log, step=11, timeout_s=60)  # so every rank saved step 10: steps are saved once logged
             sent = time.monotonic()
             for proc in agents:
                 proc.send_signal(signal.SIGTERM)

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import queue
 import socket
 import threading
 import time
@@ -193,9 +194,15 @@ class Checkpointer:
         self._slots: _Slots | None = None
         self._prepare: threading.Thread | None = None
         self._prepare_error: BaseException | None = None
-        self._persisting: list[int] = []  # steps queued on the host with pid _persisting_on
-        self._persisting_on = 0
-        self._lost: list[int] = []  # steps queued on a host that went away before persisting them
+        # Persist requests go out from a thread of their own (see persist); what they became is kept here.
+        self._lock = threading.Lock()
+        self._persisting: dict[int, int] = {}  # step -> pid of the host that took it (0: not sent yet)
+        self._lost: list[int] = []  # steps taken by a host that went away before it confirmed them
+        self._refused: list[str] = []  # persist requests the host refused or could not take
+        self._outbox: queue.Queue[tuple[int, shm.Segment | None] | None] = queue.Queue()
+        self._unsent = 0
+        self._sent = threading.Condition(self._lock)
+        self._sender: threading.Thread | None = None
         self._host_storage_checked = False
         self.last_load: dict[str, Any] = {}
         self.last_save: dict[str, Any] = {}
@@ -262,9 +269,14 @@ class Checkpointer:
             raise
         self._host_pid = int(reply.get("pid", 0))
         self._host_storage = str(reply.get("storage", ""))
-        if self._persisting and self._persisting_on != self._host_pid:
-            self._lost += self._unconfirmed(self._persisting)
-            self._persisting = []
+        with self._lock:
+            gone = [step for step, pid in self._persisting.items() if pid and pid != self._host_pid]
+            for step in gone:
+                del self._persisting[step]
+        if gone:
+            unconfirmed = self._unconfirmed(gone)
+            with self._lock:
+                self._lost += unconfirmed
 
     def _unconfirmed(self, steps: list[int]) -> list[int]:
         """Those of ``steps`` that no committed step on storage covers: nothing older than the newest
@@ -495,7 +507,11 @@ class Checkpointer:
             self.persist(behind.step)
 
     def persist(self, step: int) -> None:
-        """Asks the host to persist the in-memory snapshot of ``step`` in the background."""
+        """Asks the host to persist the in-memory snapshot of ``step`` in the background.
+
+        The request goes out from a thread of this process, so a host that hangs never stalls training.
+        A request the host refused or could not take is raised here, by the next persist, or by
+        :meth:`wait` (its snapshot stays in memory); a misconfigured storage is raised at the first one."""
         self.fence()  # the snapshot of a save still copying is not complete yet
         if self.storage is None:
             raise PersistError(
@@ -511,18 +527,53 @@ class Checkpointer:
             if header.complete and header.step == step:
                 pinned = seg
                 shm.set_pin(seg.buf, shm.PIN_QUEUED)
-        try:
-            message = {"op": "persist", "rank": self.rank, "step": step}
-            reply = self._call(message, timeout_s=self.call_limit_s)
-        except CheckpointError as exc:
-            reply = {"ok": False, "error": f"{exc}; the snapshot of step {step} stays in memory"}
-        if not reply.get("ok"):
-            if pinned is not None:
-                shm.set_pin(pinned.buf, 0)
-            raise PersistError(str(reply.get("error")))
-        self._persisting.append(step)
-        del self._persisting[:-MAX_PENDING_STEPS]  # a job that never waits must not grow the list forever
-        self._persisting_on = self._host_pid
+        with self._lock:
+            self._persisting[step] = 0
+            for old in list(self._persisting)[:-MAX_PENDING_STEPS]:  # a job that never waits
+                del self._persisting[old]
+            self._unsent += 1
+        self._outbox.put((step, pinned))
+        if self._sender is None:
+            self._sender = threading.Thread(
+                target=self._send_persists, name="phalanx-ckpt-persist", daemon=True
+            )
+            self._sender.start()
+        self._raise_refused()
+
+    def _send_persists(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            step, pinned = item
+            try:
+                reply = self._call(
+                    {"op": "persist", "rank": self.rank, "step": step}, timeout_s=self.call_limit_s
+                )
+            except CheckpointError as exc:
+                reply = {"ok": False, "error": str(exc)}
+            with self._lock:
+                if reply.get("ok"):
+                    if step in self._persisting:
+                        self._persisting[step] = self._host_pid
+                else:
+                    self._persisting.pop(step, None)
+                    self._refused.append(f"step {step} ({reply.get('error')})")
+                    if pinned is not None:
+                        header = pinned.header()
+                        if header.step == step and header.pin == shm.PIN_QUEUED:
+                            shm.set_pin(pinned.buf, 0)
+                self._unsent -= 1
+                self._sent.notify_all()
+
+    def _raise_refused(self) -> None:
+        with self._lock:
+            refused, self._refused = self._refused, []
+        if refused:
+            raise PersistError(
+                f"the checkpoint host did not take the persist of {'; '.join(refused)}; those snapshots "
+                "stay in memory"
+            )
 
     def _check_host_storage(self) -> None:
         """The host persists where it was told (by its agent, or by whoever started it) and this process
@@ -554,23 +605,33 @@ class Checkpointer:
     def wait(self, *, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Waits for this rank's pending persistence; raises PersistError if any of it failed (the
         memory snapshot and training are unaffected)."""
-        if not self._persisting and not self._lost:
-            return []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while self._unsent:  # each request is answered, or refused, within call_limit_s
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise PersistError(f"{self._unsent} persist requests were not sent in {timeout_s}s")
+                self._sent.wait(left)
+            pending = bool(self._persisting)
+        self._raise_refused()
         reply: protocol.Message = {"ok": True, "results": []}
-        try:
-            if self._persisting:
-                message = {"op": "wait", "rank": self.rank, "step": None, "timeout": timeout_s}
-                limit = None if timeout_s is None else timeout_s + self.call_limit_s  # the host's own first
-                reply = self._call(message, timeout_s=limit)
-        except CheckpointError as exc:
-            unknown = sorted(set(self._lost + self._persisting))
-            self._lost, self._persisting = [], []
-            raise PersistError(f"whether steps {unknown} were persisted is unknown: {exc}") from exc
-        lost = sorted(set(self._lost))
-        self._lost, self._persisting = [], []
+        if pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            message = {"op": "wait", "rank": self.rank, "step": None, "timeout": left}
+            try:
+                reply = self._call(message, timeout_s=None if left is None else left + self.call_limit_s)
+            except CheckpointError as exc:
+                with self._lock:
+                    unknown = sorted(set(self._lost) | set(self._persisting))
+                    self._lost, self._persisting = [], {}
+                raise PersistError(f"whether steps {unknown} were persisted is unknown: {exc}") from exc
+        with self._lock:
+            lost = sorted(set(self._lost))
+            self._lost = []
+            self._persisting.clear()
         if lost:
             raise PersistError(
-                f"steps {lost} were queued on a checkpoint host that went away before persisting them; "
+                f"steps {lost} were taken by a checkpoint host that went away before they were committed; "
                 "their snapshots stay in memory, and later persists go to the host that replaced it"
             )
         if not reply.get("ok"):
@@ -628,6 +689,10 @@ class Checkpointer:
         """Unmaps the slots; with ``stop_host`` also stops the host, which unlinks the job's memory."""
         with contextlib.suppress(CheckpointError):  # never unmap under a running copy
             self.fence()
+        if self._sender is not None:
+            self._outbox.put(None)
+            self._sender.join(timeout=self.call_limit_s + 1.0)
+            self._sender = None
         if self._prepare is not None:
             self._prepare.join()
         if self._slots is not None:
