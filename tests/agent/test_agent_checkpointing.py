@@ -110,6 +110,26 @@ def test_warm_probes_are_on_unless_turned_off_and_apart_from_warm_spares() -> No
 # The real host, through the agent's lifecycle object
 
 
+def started_host(
+    tmp_path: Path, said: list[str], *, job: str, node_id: str
+) -> tuple[checkpointing.NodeCheckpointHost, Path, Path]:
+    """The agent's checkpoint host, started with storage ``tmp_path/ckpt`` and shared memory in
+    ``tmp_path/shm``; returns it with those two."""
+    host = checkpointing.NodeCheckpointHost(said.append)
+    storage, shm_root = tmp_path / "ckpt", tmp_path / "shm"
+    shm_root.mkdir()
+    assert host.start(
+        settings=agent_config.CheckpointSettings(storage_path=str(storage)),
+        shm_root=shm_root,
+        job_id=job,
+        node_id=node_id,
+        master_addr="",
+        token_file="",
+        incarnation="i",
+    )
+    return host, storage, shm_root
+
+
 def write_snapshots(socket_path: str, steps_by_rank: dict[int, tuple[int, int]]) -> None:
     """Allocates each rank's two slots from the host and writes an empty snapshot of one step into each,
     the way a Checkpointer writes them (header + raw bytes), torch-free."""
@@ -163,19 +183,7 @@ def test_host_that_cannot_start_is_logged_and_skipped(tmp_path: Path) -> None:
 def test_host_lifecycle_persists_agreed_step_and_unlinks(tmp_path: Path) -> None:
     said: list[str] = []
     job = f"lifecycle-{os.getpid()}"
-    host = checkpointing.NodeCheckpointHost(said.append)
-    storage = tmp_path / "ckpt"
-    shm_root = tmp_path / "shm"
-    shm_root.mkdir()
-    assert host.start(
-        settings=agent_config.CheckpointSettings(storage_path=str(storage)),
-        shm_root=shm_root,
-        job_id=job,
-        node_id="node/0",
-        master_addr="",
-        token_file="",
-        incarnation="i",
-    )
+    host, storage, shm_root = started_host(tmp_path, said, job=job, node_id="node/0")
     try:
         env = host.env()
         assert env[protocol.ENV_JOB] == f"{job}.node_0"  # per node: agents of one job may share a machine
@@ -222,19 +230,7 @@ def test_a_host_that_dies_or_hangs_is_replaced_with_the_nodes_snapshots(
     monkeypatch.setattr(checkpointing, "PING_LIMIT_S", 1.0)
     monkeypatch.setattr(checkpointing, "STOP_LIMIT_S", 2.0)
     said: list[str] = []
-    host = checkpointing.NodeCheckpointHost(said.append)
-    storage = tmp_path / "ckpt"
-    shm_root = tmp_path / "shm"
-    shm_root.mkdir()
-    assert host.start(
-        settings=agent_config.CheckpointSettings(storage_path=str(storage)),
-        shm_root=shm_root,
-        job_id="watched",
-        node_id="n0",
-        master_addr="",
-        token_file="",
-        incarnation="i",
-    )
+    host, _, shm_root = started_host(tmp_path, said, job="watched", node_id="n0")
     pids: list[int] = []
     try:
         sock = host.env()[protocol.ENV_SOCKET]
