@@ -7,6 +7,7 @@ torch-free::
 
     ckpt = Checkpointer(storage="/ckpt")           # ranks and the host come from the environment
     loaded = ckpt.load()                           # newest step all ranks hold: memory, else storage
+                                                   # (DDP: load(replicated=True), any rank's will do)
     start = loaded[0] + 1 if loaded else 0
     for step in range(start, steps):
         train_one_step()
