@@ -349,7 +349,12 @@ def test_a_checkpoint_host_that_dies_or_hangs_is_replaced_and_training_never_not
     assert proc.returncode == 0, out
     result = json.loads(summary.read_text())
     assert result["exit"] == "succeeded", out
-    assert [f["kind"] for f in result["failures"]] == ["kill-checkpoint-host", "hang-checkpoint-host"]
+    kill, hang = result["failures"]
+    assert (kill["kind"], hang["kind"]) == ("kill-checkpoint-host", "hang-checkpoint-host")
+    assert kill["action"].startswith("replaced by its agent"), out
+    assert hang["action"].startswith("replaced by its agent"), out
+    assert kill["recovered_at"] - kill["injected_at"] < 5, kill  # the agent looks every second
+    assert hang["recovered_at"] - hang["injected_at"] < 20, hang  # after 10 s without an answer
     assert result["rounds"] == 1, out  # nobody restarted
     node_log = (tmp_path / "wd" / "node-0.log").read_text()
     assert re.search(r"flash-checkpoint host \(pid \d+\) exited; replaced it", node_log), node_log

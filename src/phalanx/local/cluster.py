@@ -333,7 +333,7 @@ class LocalCluster:
             elif inj.kind in SLOW_KINDS:
                 what = self._slow_fault(inj, target)
             elif inj.kind in HOST_KINDS:
-                what = self._host_fault(inj, target)
+                what, record.host_pid = self._host_fault(inj, target)
             else:
                 self.master.kill()
                 what = "SIGKILL master"
@@ -344,18 +344,37 @@ class LocalCluster:
                 record.action = "master restarted on the same state"
                 self.say(f"master restarted at {self.master.grpc_addr}")
 
-    def _host_fault(self, inj: Injection, node_id: str) -> str:
+    def _host_pid(self, node_id: str, *, timeout_s: float = 5.0) -> int:
+        """The pid of the node's checkpoint host; raises CheckpointError when none answers."""
         socket_path = node_socket_path(job_id=self.job_id, node_id=node_id)
+        with contextlib.closing(HostClient(str(socket_path), timeout_s=2.0)) as client:
+            return int(client.call({"op": "ping"}, timeout_s=timeout_s)["pid"])
+
+    def _host_fault(self, inj: Injection, node_id: str) -> tuple[str, int]:
         try:
-            with contextlib.closing(HostClient(str(socket_path), timeout_s=2.0)) as client:
-                pid = int(client.call({"op": "ping"}, timeout_s=5.0)["pid"])
+            pid = self._host_pid(node_id)
         except CheckpointError as exc:
-            return f"nothing: the node has no checkpoint host to fault ({exc})"
+            return f"nothing: the node has no checkpoint host to fault ({exc})", 0
         if inj.kind == "kill-checkpoint-host":
             os.kill(pid, signal.SIGKILL)
-            return f"SIGKILL checkpoint host pid {pid}"
+            return f"SIGKILL checkpoint host pid {pid}", pid
         os.kill(pid, signal.SIGSTOP)
-        return f"SIGSTOP checkpoint host pid {pid}"
+        return f"SIGSTOP checkpoint host pid {pid}", pid
+
+    def _track_host_faults(self) -> None:
+        """A host fault is over when another host answers on the node's socket (the agent replaced it);
+        the job itself is not meant to notice."""
+        for f in self.summary.failures:
+            if f.kind not in HOST_KINDS or not f.host_pid or f.recovered_at is not None:
+                continue
+            try:
+                pid = self._host_pid(f.node, timeout_s=0.2)
+            except CheckpointError:
+                continue  # none yet, or the stopped one
+            if pid != f.host_pid:
+                f.detected_at = f.recovered_at = self.elapsed()
+                f.action = f"replaced by its agent (pid {pid})"
+                self.say(f"recovered from {f.kind} on {f.node}: {f.action}")
 
     def _net_fault(self, inj: Injection, node_id: str) -> str:
         relay = self.relays[node_id]
@@ -508,6 +527,7 @@ class LocalCluster:
             if steps:
                 self.max_step = max(self.max_step, *(s for s, _, _ in steps.values()))
             self._track_recovery(steps)
+            self._track_host_faults()
             self._inject(steps)
             self._heal()
             if up:

@@ -24,10 +24,18 @@ class FailureRecord:
     resumed_step: int | None = None
     round_at_injection: int = 0
     recovery_round_seen_ns: int = 0
+    host_pid: int = 0
+    """A checkpoint-host fault: the pid of the host it hit."""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        for key in ("step_at_injection", "resumed_step", "round_at_injection", "recovery_round_seen_ns"):
+        for key in (
+            "step_at_injection",
+            "resumed_step",
+            "round_at_injection",
+            "recovery_round_seen_ns",
+            "host_pid",
+        ):
             data.pop(key)
         return data
 
