@@ -441,8 +441,12 @@ class HostHandle:
         one) is killed, -9, and its memory is left for the caller to remove."""
         deadline = time.monotonic() + timeout_s
         if self.alive():
-            with contextlib.suppress(CheckpointError):
+            try:
                 self._call({"op": "stop"}, min(timeout_s, 10.0))  # answered at once; draining follows
+            except protocol.HostTimeoutError:
+                deadline = time.monotonic()  # it does not answer: it will not drain either
+            except CheckpointError:
+                pass  # it exited meanwhile
         if self.process is None:
             while self.alive() and time.monotonic() < deadline:
                 time.sleep(0.02)

@@ -441,6 +441,8 @@ class ElasticTrainer:
         action = checkpoint_action(
             step=self.step, every=self.config.checkpoint_every, prepared=key in self._prepared
         )
+        if action:
+            self._prepared.add(key)
         if action == "save":
             started = time.monotonic()
             tensors = dict(self.engine.state_tensors())
@@ -455,8 +457,6 @@ class ElasticTrainer:
             )
         elif action == "prepare":
             self.checkpoint.prepare(key=key, tensors=dict(self.engine.state_tensors()))
-        if action:
-            self._prepared.add(key)
 
     def digest(self) -> str:
         """SHA-256 of this rank's parameters and optimizer state (bitwise)."""
