@@ -338,21 +338,23 @@ class NodeCheckpointHost:
         if self._watcher is not None:
             self._watcher.join()
             self._watcher = None
-        if self.handle is None:
-            return
         handle, self.handle = self.handle, None
-        try:
-            code = handle.stop(timeout_s=STOP_LIMIT_S)
-        except (CheckpointError, OSError) as exc:
-            self._say(f"stopping the flash-checkpoint host failed: {exc}")
-            code = -1
-        if code != 0:
-            # It may not have released the memory (it crashed, or hung and was killed): the node's memory
-            # must not outlive the agent.
-            removed = remove_segments(handle.shm_dir, node_job=handle.job_id)
+        if handle is not None:
+            try:
+                code = handle.stop(timeout_s=STOP_LIMIT_S)
+            except (CheckpointError, OSError) as exc:
+                self._say(f"stopping the flash-checkpoint host failed: {exc}")
+                code = -1
+            if code != 0:
+                self._say(f"the flash-checkpoint host exited with code {code}")
+        if self._start_args:
+            # A host that died (crashed, killed after the watcher's last look, hung and killed above)
+            # released nothing, and the node's memory must not outlive its agent.
+            removed = remove_segments(Path(self._start_args["shm_dir"]), node_job=self._start_args["job_id"])
             with contextlib.suppress(FileNotFoundError):
-                handle.socket_path.unlink()
-            self._say(f"the flash-checkpoint host exited with code {code}; removed {len(removed)} segments")
+                Path(self._start_args["socket_path"]).unlink()
+            if removed:
+                self._say(f"removed {len(removed)} shared-memory segments the host left behind")
         if self._keepalive is not None:
             self._keepalive.close()
             self._keepalive = None
