@@ -130,10 +130,40 @@ def test_user_error_reported_from_the_error_file(
 ) -> None:
     grpc_addr, http, token_file = master
     proc = agent(grpc_addr, token_file, tmp_path, str(DDP), "--steps", "20", "--fail-at", "2")
-    assert proc.returncode != 0
+    assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
     job = http.get("/v1/job").json()
-    assert job["phase"] == "Failed"
+    assert job["phase"] == "Failed", (proc.stdout + proc.stderr)[-3000:]
     assert "bad batch at step 2: loss is NaN" in job["reason"]
-    assert job["restart_count"] == 0  # failed at once: restarting cannot fix the same error on every rank
+    # Failed at once: restarting cannot fix the same error on every rank. The agent's output tells why not.
+    assert job["restart_count"] == 0, (proc.stdout + proc.stderr)[-3000:]
     # torch elastic's @record wrote the error file the agent read.
     assert "bad batch" in (tmp_path / "logs" / "round1" / "0" / "error.json").read_text()
+
+
+def test_user_error_on_every_rank_fails_at_once_when_a_rank_is_slow_to_exit(
+    master: tuple[str, httpx.Client, Path], tmp_path: Path
+) -> None:
+    """Rank 1 raises the same error but is still tearing down when the agent stops it: its error file
+    still counts, so the job fails at once instead of spending restarts on a bug on every rank."""
+    grpc_addr, http, token_file = master
+    proc = agent(
+        grpc_addr,
+        token_file,
+        tmp_path,
+        str(WORKLOAD),
+        "--dir",
+        str(tmp_path / "d"),
+        "--fail-at",
+        "3",
+        "--slow-exit-rank",
+        "1",
+        "--slow-exit-s",
+        "20",
+    )
+    assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
+    job = http.get("/v1/job").json()
+    assert job["phase"] == "Failed", (proc.stdout + proc.stderr)[-3000:]
+    assert "user error on every rank" in job["reason"], job["reason"]
+    assert "bad batch at step 3" in job["reason"]
+    assert job["restart_count"] == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "worker failure: rank 0 exit 1, rank 1 exit -15" in proc.stderr, proc.stderr[-3000:]

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.agent import workers
+from phalanx.agent import failures, workers
 from phalanx.agent.env import WorkerPaths
+from phalanx.diagnostics.classify import FailureClass
 
 pytestmark = pytest.mark.integration
 
@@ -136,3 +137,42 @@ def test_bootstrap_runs_modules(tmp_path: Path) -> None:
     w.close_logs()
     assert list(w.tail) == ["mod __main__ ['a']"]
     assert sys.executable
+
+
+def test_a_rank_that_raised_before_the_stop_reports_its_error_not_the_stop(tmp_path: Path) -> None:
+    """A worker still tearing down after its exception is stopped by the agent: its error file, written
+    before the stop, is the cause. A file written by a SIGTERM handler after the stop is not."""
+    record = textwrap.dedent("""
+        import json, signal, sys, time
+        from pathlib import Path
+        def record(message):
+            Path(sys.argv[1]).parent.mkdir(parents=True, exist_ok=True)
+            Path(sys.argv[1]).write_text(json.dumps({"message": {"message": message, "extraInfo": {}}}))
+        """)
+    raised, _ = _start(
+        tmp_path / "raised", record + "record('ValueError: bad batch'); time.sleep(60)\n",
+        str(tmp_path / "raised" / "w0" / "error.json"),
+    )  # fmt: skip
+    stopped, _ = _start(
+        tmp_path / "stopped",
+        record + "signal.signal(signal.SIGTERM, lambda *a: (record('SignalException'), sys.exit(1)))\n"
+        "time.sleep(60)\n",
+        str(tmp_path / "stopped" / "w0" / "error.json"),
+    )
+    deadline = time.monotonic() + 20
+    while not (raised.paths and raised.paths.error_file.exists()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the second has installed its handler
+    stopped_at_ns = time.time_ns()
+    workers.stop([raised, stopped], grace_period_s=5)
+    assert stopped.proc.returncode == 1
+    assert stopped.paths is not None
+    assert stopped.paths.error_file.exists()
+    late = failures.raised_before({0: raised, 1: stopped}, unix_ns=stopped_at_ns)
+    assert late == {0: raised}
+    entry = failures.worker_failure(
+        0, raised, hung=False, reason="", history=None, stopped_after_raising=True
+    )
+    assert entry.exit_code == -signal.SIGTERM
+    assert entry.failure_class == int(FailureClass.USER)
+    assert entry.error_message == "ValueError: bad batch"

@@ -21,6 +21,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--step-time", type=float, default=0.1)
     p.add_argument("--fail-at", type=int, default=-1)
+    p.add_argument(
+        "--slow-exit-rank",
+        type=int,
+        default=-1,
+        help="at --fail-at this rank records its error (torch elastic's error file) and then takes "
+        "--slow-exit-s to exit, like a rank whose teardown is slow",
+    )
+    p.add_argument("--slow-exit-s", type=float, default=5.0)
     p.add_argument("--regroup", action="store_true", help="announce in-process regroup capability")
     p.add_argument("--slow-node", default="", help="this node's ranks take --slow-factor times longer a step")
     p.add_argument("--slow-factor", type=float, default=3.0)
@@ -48,7 +56,13 @@ def main() -> None:
     print(f"rank {rank}/{world} starting at step {start}", flush=True)
     for step in range(start, args.steps):
         if step == args.fail_at:
-            raise ValueError(f"bad batch at step {step}")
+            error = ValueError(f"bad batch at step {step}")
+            if rank == args.slow_exit_rank:
+                from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+                ErrorHandler().record_exception(error)  # what @record does, before a slow teardown
+                time.sleep(args.slow_exit_s)
+            raise error
         time.sleep(step_time)
         info = round_file.read(Path(os.environ["PHALANX_ROUND_FILE"]))
         if info is not None:

@@ -1,5 +1,6 @@
 """What the agent tells the master about failed or hung workers: each failed rank's exit code, error
-file, log tail and failure class (a ReportFailure request), and the stacks of hung ranks (ReportStacks)."""
+file, log tail and failure class (the entries of a ReportFailure request), and the stacks of hung ranks
+(ReportStacks)."""
 
 from __future__ import annotations
 
@@ -27,49 +28,53 @@ def classify_local(w: workers.Worker) -> FailureClass:
     )
 
 
-def failure_report(
+def raised_before(running: Mapping[int, workers.Worker], *, unix_ns: int) -> dict[int, workers.Worker]:
+    """The workers that wrote their error file before ``unix_ns`` (when the agent stopped them): they had
+    raised on their own and were still tearing down, which can take seconds on a loaded machine or in an
+    NCCL abort. A file written later is the stop's own doing (a SIGTERM handler that raised)."""
+    raised = {}
+    for lr, w in running.items():
+        try:
+            written_ns = w.paths.error_file.stat().st_mtime_ns if w.paths else None
+        except OSError:
+            written_ns = None
+        if written_ns is not None and written_ns < unix_ns:
+            raised[lr] = w
+    return raised
+
+
+def worker_failure(
+    local_rank: int,
+    w: workers.Worker,
     *,
     hung: bool,
     reason: str,
-    failed: Mapping[int, workers.Worker],
-    histories: Mapping[int, hang.RankHistory],
-    node_id: str,
-    incarnation: str,
-    round_no: int,
-) -> pb.ReportFailureRequest:
-    """The ReportFailure request for the ``failed`` workers (by local rank); ``reason`` explains a hang."""
-    failures = []
-    for lr, w in failed.items():
-        if not hung:
-            _drain(w)
-        report = errorfile.read(w.paths.error_file) if w.paths else None
-        tail = list(w.tail)[-20:]
-        code = w.proc.returncode if w.proc.returncode is not None else 0
-        if hung:
-            cls = FailureClass.HANG
-        else:
-            cls = classify(exit_code=code, log_tail=tail, error_message=report.message if report else "")
-        h = histories.get(lr)
-        failures.append(
-            pb.WorkerFailure(
-                rank=w.rank,
-                local_rank=lr,
-                exit_code=code,
-                failure_class=int(cls),  # type: ignore[arg-type]
-                observed_unix_ns=time.time_ns(),
-                error_message=(report.message if report else "") or (reason if hung else ""),
-                error_traceback=report.traceback if report else "",
-                error_unix_ns=report.unix_ns if report else 0,
-                log_tail=tail,
-                last_step=h.last_step if h else -1,
-            )
-        )
-    return pb.ReportFailureRequest(
-        node_id=node_id,
-        incarnation=incarnation,
-        round=round_no,
-        kind=pb.FAILURE_KIND_HANG if hung else pb.FAILURE_KIND_WORKER_EXIT,
-        failures=failures,
+    history: hang.RankHistory | None,
+    stopped_after_raising: bool = False,
+) -> pb.WorkerFailure:
+    """What one failed or hung worker reports: exit code, error file, log tail and failure class."""
+    if not hung:
+        _drain(w)
+    report = errorfile.read(w.paths.error_file) if w.paths else None
+    tail = list(w.tail)[-20:]
+    code = w.proc.returncode if w.proc.returncode is not None else 0
+    if hung:
+        cls = FailureClass.HANG
+    else:
+        # The exception is the cause, not the signal the agent stopped the worker's teardown with.
+        cause_code = 1 if stopped_after_raising else code
+        cls = classify(exit_code=cause_code, log_tail=tail, error_message=report.message if report else "")
+    return pb.WorkerFailure(
+        rank=w.rank,
+        local_rank=local_rank,
+        exit_code=code,
+        failure_class=int(cls),  # type: ignore[arg-type]
+        observed_unix_ns=time.time_ns(),
+        error_message=(report.message if report else "") or (reason if hung else ""),
+        error_traceback=report.traceback if report else "",
+        error_unix_ns=report.unix_ns if report else 0,
+        log_tail=tail,
+        last_step=history.last_step if history else -1,
     )
 
 

@@ -449,24 +449,37 @@ class Supervisor:
         if event.kind == "hang":
             self.say(event.reason)
             self._send_stacks("(hang)")
-        else:
-            desc = ", ".join(
-                f"rank {self.workers[lr].rank} exit {self.workers[lr].proc.returncode}"
-                for lr in event.local_ranks
-            )
-            self.say(f"worker failure: {desc}")
         assert self.round is not None
-        request = failures.failure_report(
-            hung=event.kind == "hang",
-            reason=event.reason,
-            failed={lr: self.workers[lr] for lr in event.local_ranks},
-            histories=self.histories,
+        hung = event.kind == "hang"
+        entries = [
+            failures.worker_failure(
+                lr, self.workers[lr], hung=hung, reason=event.reason, history=self.histories.get(lr)
+            )
+            for lr in event.local_ranks
+        ]
+        self.link_publish(pb.NODE_STATE_RESTARTING, self.round.round if self.round else 0)
+        running = {lr: w for lr, w in self.workers.items() if lr not in event.local_ranks}
+        stopped_at_ns = time.time_ns()
+        self._stop_workers()
+        if not hung:
+            # Ranks that raised too but were slower than the settle to exit: the master needs every rank's
+            # error to tell a bug on every rank (fail at once) from one bad rank (restart).
+            late = failures.raised_before(running, unix_ns=stopped_at_ns)
+            entries += [
+                failures.worker_failure(
+                    lr, w, hung=False, reason="", history=self.histories.get(lr), stopped_after_raising=True
+                )
+                for lr, w in late.items()
+            ]
+            desc = ", ".join(f"rank {e.rank} exit {e.exit_code}" for e in entries)
+            self.say(f"worker failure: {desc}")
+        request = pb.ReportFailureRequest(
             node_id=self.config.node_id,
             incarnation=self.incarnation,
-            round_no=self.round.round,
+            round=self.round.round,
+            kind=pb.FAILURE_KIND_HANG if hung else pb.FAILURE_KIND_WORKER_EXIT,
+            failures=entries,
         )
-        self.link_publish(pb.NODE_STATE_RESTARTING, self.round.round if self.round else 0)
-        self._stop_workers()
         resp = self._retry(lambda: self.client.report_failure(request), "report failure")
         # Save at the breakpoint while the master decides: the restarted workers (or the next run) resume
         # from the newest step, and storage holds it even if this node goes away.
