@@ -6,7 +6,12 @@ rank 1 is killed with SIGKILL. Recovery time is from the kill to the first step 
 (the script appends one JSON line per completed step with ``time.time()``); steps lost are the completed
 steps that had to be redone. Medians over ``--runs`` runs each, printed as JSON.
 
+With ``--state-mb N`` every rank carries N MiB more state: torchrun's script torch.saves it every step
+(rank 0), and phalanx flash-checkpoints it every step and persists it every ``--persist-every`` steps, so
+its restart also saves the last in-memory step at the breakpoint.
+
     .venv/bin/python benchmarks/recovery.py --runs 5
+    .venv/bin/python benchmarks/recovery.py --state-mb 512 --out benchmarks/results/recovery-512mb.json
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "ddp_mlp.py"
 
 
-def launcher(name: str) -> list[str]:
+def launcher(name: str, *, checkpoint_dir: Path | None) -> list[str]:
     common = ["--max-restarts", "3", "--nproc-per-node", "2", "--standalone"]
     if name == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *common]
+    if checkpoint_dir is not None:
+        common += ["--checkpoint-dir", str(checkpoint_dir)]
     return [sys.executable, "-m", "phalanx.cli.run", *common]
 
 
@@ -42,17 +49,30 @@ def read_steps(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip().endswith("}")]
 
 
-def one_run(name: str, *, steps: int, kill_step: int, step_time: float, timeout: float) -> dict[str, Any]:
+def one_run(
+    name: str,
+    *,
+    steps: int,
+    kill_step: int,
+    step_time: float,
+    timeout: float,
+    state_mb: int,
+    persist_every: int,
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         d = Path(tmp)
         log, pids = d / "steps.jsonl", d / "pids"
         pids.mkdir()
         args = ["--steps", str(steps), "--ckpt", str(d / "ckpt.pt"), "--step-log", str(log)]
-        args += ["--step-time", str(step_time), "--pid-dir", str(pids)]
+        args += ["--step-time", str(step_time), "--pid-dir", str(pids), "--state-mb", str(state_mb)]
+        # With a big state phalanx saves it the way it is meant to: flash checkpoint, persisted now and then.
+        flash = name == "phalanx" and state_mb > 0
+        if flash:
+            args += ["--flash", "--persist-every", str(persist_every)]
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         out = (d / "launcher.log").open("w")
         proc = subprocess.Popen(
-            [*launcher(name), str(SCRIPT), *args],
+            [*launcher(name, checkpoint_dir=d / "flash" if flash else None), str(SCRIPT), *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -112,6 +132,14 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--launchers", default="torchrun,phalanx")
+    p.add_argument(
+        "--state-mb",
+        type=int,
+        default=0,
+        help="MiB of extra state per rank; then torchrun's script torch.saves it every step (rank 0) and "
+        "phalanx's flash-checkpoints it every step and persists it every --persist-every steps",
+    )
+    p.add_argument("--persist-every", type=int, default=10)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     report: dict[str, Any] = {
@@ -123,6 +151,8 @@ def main() -> None:
             "kill_step": args.kill_step,
             "step_time_s": args.step_time,
             "runs": args.runs,
+            "state_mb": args.state_mb,
+            "persist_every": args.persist_every if args.state_mb else None,
             "cpus": os.cpu_count(),
         }
     }
@@ -136,6 +166,8 @@ def main() -> None:
                 kill_step=args.kill_step,
                 step_time=args.step_time,
                 timeout=args.timeout,
+                state_mb=args.state_mb,
+                persist_every=args.persist_every,
             )
             runs[name].append(r)
             print(

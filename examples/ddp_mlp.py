@@ -51,6 +51,7 @@ def parse() -> argparse.Namespace:
         "--flash", action="store_true", help="use phalanx's flash checkpoint instead of torch.save"
     )
     p.add_argument("--persist-every", type=int, default=10, help="with --flash: persist every N steps")
+    p.add_argument("--state-mb", type=int, default=0, help="checkpoint this many MiB more (a big state)")
     return p.parse_args()
 
 
@@ -70,6 +71,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    extra = torch.zeros(args.state_mb * 2**18)  # float32: stands in for a big model's optimizer state
     start = 0
     flash = None
     ckpt = Path(args.ckpt) if args.ckpt and not args.flash else None
@@ -84,6 +86,7 @@ def main() -> None:
         if loaded is not None:
             model.load_state_dict(loaded[1]["model"])
             opt.load_state_dict(loaded[1]["opt"])
+            extra.copy_(loaded[1]["extra"])
             start = loaded[0] + 1
             info = flash.last_load
             print(f"flash: loaded step {loaded[0]} from {info.get('source')} "
@@ -92,6 +95,7 @@ def main() -> None:
         state = torch.load(ckpt, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
+        extra.copy_(state["extra"])
         start = int(state["step"]) + 1
     ddp = DistributedDataParallel(model)
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -126,11 +130,12 @@ def main() -> None:
             if step % 10 == 0:
                 print(f"step {step} loss {loss.item():.4f}", flush=True)
         if rank == 0 and ckpt is not None:
-            save(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step})
+            save(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "extra": extra, "step": step})
         if flash is not None:  # every rank holds its own snapshot in memory
             persist = flash.storage is not None and args.persist_every > 0 and step % args.persist_every == 0
             try:
-                flash.save(step, {"model": model.state_dict(), "opt": opt.state_dict()}, persist=persist)
+                state = {"model": model.state_dict(), "opt": opt.state_dict(), "extra": extra}
+                flash.save(step, state, persist=persist)
             except PersistError as exc:  # the snapshot is in memory; the next persist tries again
                 print(f"flash: {exc}", flush=True)
     if flash is not None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,12 +25,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def minio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A MinIO server on loopback; yields its endpoint URL. boto3 finds it through the standard variables,
-    as a Pod would (set for the session's tests, and inherited by the processes they start)."""
+@contextlib.contextmanager
+def minio_server(data: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A MinIO server on loopback storing under ``data``; yields its endpoint URL and process."""
     binary = go_built("minio-binary", cached="minio-*/minio", unchecked="S3 checkpoint storage unchecked")
-    data = tmp_path_factory.mktemp("minio")
     port = _free_port()
     env = {
         **os.environ,
@@ -35,34 +36,52 @@ def minio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "MINIO_ROOT_PASSWORD": MINIO_PASSWORD,
         "MINIO_BROWSER": "off",
     }
-    with (data.parent / "minio.log").open("wb") as log:
+    log_path = data.parent / f"{data.name}.log"
+    with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [binary, "server", str(data), "--address", f"127.0.0.1:{port}", "--quiet"],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     endpoint = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in _AWS}
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID=MINIO_USER,
-        AWS_SECRET_ACCESS_KEY=MINIO_PASSWORD,
-        AWS_REGION="us-east-1",
-    )
     try:
         deadline = time.monotonic() + 60
         while not _live(endpoint):
-            assert proc.poll() is None, (data.parent / "minio.log").read_text()
+            assert proc.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, "MinIO did not start"
             time.sleep(0.2)
-        yield endpoint
+        yield endpoint, proc
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGCONT)  # a test that stopped it, to play a storage outage
         proc.terminate()
         proc.wait(20)
+
+
+def aws_env(endpoint: str) -> dict[str, str]:
+    """The standard variables that point boto3 at a MinIO server, as a Pod would set them."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": MINIO_USER,
+        "AWS_SECRET_ACCESS_KEY": MINIO_PASSWORD,
+        "AWS_REGION": "us-east-1",
+    }
+
+
+@pytest.fixture(scope="session")
+def minio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A MinIO server on loopback; yields its endpoint URL. boto3 finds it through the standard variables,
+    as a Pod would (set for the session's tests, and inherited by the processes they start)."""
+    with minio_server(tmp_path_factory.mktemp("minio")) as (endpoint, _):
+        saved = {k: os.environ.get(k) for k in _AWS}
+        os.environ.update(aws_env(endpoint))
+        try:
+            yield endpoint
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 _AWS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")

@@ -223,6 +223,61 @@ def test_host_lifecycle_persists_agreed_step_and_unlinks(tmp_path: Path) -> None
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
+def test_a_queued_save_at_breakpoint_is_pinned_while_new_workers_save(tmp_path: Path) -> None:
+    """After a worker failure the agent restarts the workers once the breakpoint step is queued, not
+    written: the restarted workers' saves must not overwrite the snapshot the host still has to persist."""
+    from phalanx.checkpoint import Checkpointer
+    from phalanx.checkpoint import storage as storage_lib
+
+    said: list[str] = []
+    host, storage, shm_root = started_host(tmp_path, said, job="pinned", node_id="n0")
+    ckpts: list[Checkpointer] = []
+    try:
+        env = host.env()
+        for rank in (0, 1):
+            ckpts.append(
+                Checkpointer(
+                    storage=str(storage), job_id=env[protocol.ENV_JOB], host_socket=env[protocol.ENV_SOCKET],
+                    shm_dir=str(shm_root), rank=rank, world_size=2,
+                )
+            )  # fmt: skip
+
+        def state(step: int, rank: int) -> dict[str, Any]:
+            # Rank 1's shard is big: the host is still writing it while rank 0's waits in its queue.
+            return {"w": torch.full((1 << 16 if rank == 0 else 1 << 26,), float(step)), "step": step}
+
+        for step in (1, 2, 3):
+            for rank, ckpt in enumerate(ckpts):
+                ckpt.save(step, state(step, rank))
+        queued = host.queue_at_breakpoint("worker failure", ranks=[1, 0])
+        assert queued is not None
+        assert queued.step == 3
+        os.kill(host.handle.pid, signal.SIGSTOP)  # storage is slow: rank 0's step 3 is not written yet
+        try:
+            for step in (4, 5, 6):  # the restarted workers train on and save
+                ckpts[0].save(step, state(step, 0))
+        finally:
+            os.kill(host.handle.pid, signal.SIGCONT)
+        assert host.finish_breakpoint(queued) == {"ok": True, "step": 3, "errors": []}, said
+        store = storage_lib.open_storage(str(storage))
+        assert storage_lib.committed_steps(store) == [3], said
+        (tmp_path / "empty").mkdir()
+        loaded = Checkpointer(storage=str(storage), shm_dir=str(tmp_path / "empty"), rank=0, world_size=2)
+        step, got = loaded.load()  # type: ignore[misc]
+        assert step == 3  # from storage, the new node's way
+        assert loaded.last_load["source"] == "storage"
+        assert torch.equal(got["w"], state(3, 0)["w"])
+        loaded.close()
+        # Steps 4 to 6 all went to the other slot: the one holding step 3 stayed pinned until it was written.
+        assert checkpointing.held_steps(shm_root, job_id=env[protocol.ENV_JOB], ranks=[0]) == {0: {3, 6}}
+    finally:
+        for ckpt in ckpts:
+            ckpt.close()
+        host.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
 def test_a_host_that_dies_or_hangs_is_replaced_with_the_nodes_snapshots(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,6 +5,7 @@ job outlives the agent."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,12 +14,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from phalanx.checkpoint import storage as storage_lib
 from tests.agent.helpers import DDP, master_process, phalanx_local
+from tests.conftest import aws_env, minio_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -366,3 +370,73 @@ def test_a_checkpoint_host_that_dies_or_hangs_is_replaced_and_training_never_not
     committed = _committed_steps(storage)
     assert max(committed) == 165, committed  # ... and after both
     assert not _job_leftovers(result["job_id"]), _job_leftovers(result["job_id"])
+
+
+@pytest.mark.timeout(150)
+def test_a_restart_in_place_does_not_wait_for_a_hung_storage(tmp_path: Path) -> None:
+    """The checkpoint bucket stops answering (its server SIGSTOPped) just before a worker is SIGKILLed.
+    The save at breakpoint cannot be written, yet the workers restart at once and train on, loading from
+    memory; once the storage is back the breakpoint step reaches it. Before, the restart waited for the
+    write (up to its 120 s limit)."""
+    job = f"flash-hung-{os.getpid()}"
+    log, pids = tmp_path / "steps.jsonl", tmp_path / "pids"
+    pids.mkdir()
+    bucket = f"ckpt-{os.getpid()}"
+    with minio_server(tmp_path / "minio") as (endpoint, server):
+        env = aws_env(endpoint)
+        with mock_env(env):
+            storage_lib.S3Storage(bucket).client.create_bucket(Bucket=bucket)
+        proc = _agent(
+            [
+                "--standalone", "--rdzv-id", job, "--nproc-per-node", "2", "--max-restarts", "2",
+                "--checkpoint-dir", f"s3://{bucket}/run", "--log-dir", str(tmp_path / "logs"),
+                str(DDP), "--flash", "--persist-every", "1000", "--steps", "150", "--step-time", "0.05",
+                "--step-log", str(log), "--pid-dir", str(pids),
+            ],
+            cwd=tmp_path,
+            env=env,
+        )  # fmt: skip
+        try:
+            _wait_for(log, step=8, timeout_s=40)
+            server.send_signal(signal.SIGSTOP)
+            try:
+                os.kill(int((pids / "rank1.pid").read_text()), signal.SIGKILL)
+                deadline = time.monotonic() + 60
+                while not any(e["restart"] == 1 for e in _steps(log)):
+                    assert proc.poll() is None, proc.communicate()
+                    assert time.monotonic() < deadline, "the restart waited for the stopped storage"
+                    time.sleep(0.1)
+            finally:
+                server.send_signal(signal.SIGCONT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            _end(proc)
+        assert proc.returncode == 0, out + err
+        resumed = [e for e in _steps(log) if e["restart"] == 1]
+        assert resumed[0]["step"] >= 8
+        assert re.search(r"\[rank1\]:flash: loaded step \d+ from memory \(storage reads 0\)", out), out
+        persisted = re.search(r"save at breakpoint \(worker failure\): persisted step (\d+) of ranks", err)
+        assert persisted, err
+        with mock_env(env):
+            committed = storage_lib.committed_steps(storage_lib.open_storage(f"s3://{bucket}/run"))
+        assert int(persisted.group(1)) in committed, committed
+    assert not _job_leftovers(job), _job_leftovers(job)
+
+
+def _steps(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+
+
+@contextlib.contextmanager
+def mock_env(values: dict[str, str]) -> Iterator[None]:
+    """Sets environment variables for this process (boto3 reads them) and restores them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -4,7 +4,10 @@
 loading must agree on the newest step both hold. ``load``: ranks load from a node without memory; with
 ``--replicas`` ranks r and r+2 share shard r % 2 and one of them reads it from storage. ``save-ddp``: every
 rank saves the same state (data-parallel replicas) at steps 1 to 3, memory only; ``load-ddp``: a world of
-another size loads it, ``--replicated`` or not.
+another size loads it, ``--replicated`` or not. ``save-late``: 2 ranks save steps 1 to 4 and persist step 2,
+and rank 0 step 4 too (uncommitted: rank 1's shard is missing); ``load-late``: rank 0 is a newcomer without
+memory and loads at once, rank 1 first persists step 4 (committing it), as an agent that restarts its
+workers only once its save at breakpoint is on storage.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,7 +30,7 @@ def shard(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load", "save-ddp", "load-ddp"])
+    parser.add_argument("mode", choices=["save", "load", "save-ddp", "load-ddp", "save-late", "load-late"])
     parser.add_argument("--storage", required=True)
     parser.add_argument("--shm-dir", default=None)
     parser.add_argument("--replicas", action="store_true")
@@ -41,6 +45,26 @@ def main() -> int:
             ckpt.save(step, {"model": shard(rank, step), "step": step}, persist=step == 2)
         ckpt.wait()
         dist.barrier()  # every shard of step 2 is persisted before anyone loads
+        step, state = ckpt.load()  # type: ignore[misc]
+        result.update(
+            step=step,
+            source=ckpt.last_load["source"],
+            ok=all(torch.equal(state["model"][k], v) for k, v in shard(rank, step).items()),
+        )
+        ckpt.close()
+    elif args.mode == "save-late":
+        ckpt = Checkpointer(storage=args.storage)
+        for step in (1, 2, 3, 4):
+            persist = step == 2 or (step == 4 and rank == 0)
+            ckpt.save(step, {"model": shard(rank, step), "step": step}, persist=persist)
+        ckpt.wait()
+        ckpt.close()
+    elif args.mode == "load-late":
+        ckpt = Checkpointer(storage=args.storage, shm_dir=args.shm_dir if rank == 0 else None)
+        if rank == 1:
+            time.sleep(2.0)
+            ckpt.persist(4)
+            ckpt.wait()
         step, state = ckpt.load()  # type: ignore[misc]
         result.update(
             step=step,

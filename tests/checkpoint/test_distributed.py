@@ -77,3 +77,16 @@ def test_data_parallel_replicas_load_from_memory_when_ranks_move(
     assert [r["step"] for r in plain] == [None, None, None]
     shared = run_ranks(host, 3, "load-ddp", f"--storage={store}", "--replicated")
     assert [(r["step"], r["source"], r["reads"], r["ok"]) for r in shared] == [(3, "memory", 0, True)] * 3
+
+
+def test_a_newcomer_sees_the_step_a_peer_committed_before_its_workers_started(
+    host: host_mod.HostHandle, store: Path, tmp_path: Path
+) -> None:
+    """Ranks list storage only once all of them are loading: a newcomer that got there first still finds
+    the step the other node committed before starting its workers (its save at breakpoint), instead of
+    agreeing with it on an older one."""
+    run_ranks(host, 2, "save-late", f"--storage={store}")
+    empty = tmp_path / "new-node-shm"
+    empty.mkdir()
+    loaded = run_ranks(host, 2, "load-late", f"--storage={store}", f"--shm-dir={empty}")
+    assert [(r["step"], r["source"], r["ok"]) for r in loaded] == [(4, "storage", True), (4, "memory", True)]

@@ -3,11 +3,11 @@
 The agent starts one :mod:`phalanx.checkpoint.host` process when it starts, so the shared-memory
 snapshots outlive every training process it restarts: a restarted worker loads its last step from memory
 instead of storage. Workers find the host through the environment (:meth:`NodeCheckpointHost.env`). When
-workers fail, :meth:`NodeCheckpointHost.save_at_breakpoint` persists the newest complete snapshot of
-every local rank before they are restarted or the agent gives up; :meth:`NodeCheckpointHost.stop`
-drains persistence and unlinks every segment when the agent exits for any reason. The host runs detached
-and holds on to its memory only while the agent (or a worker) is connected: an agent killed with SIGKILL
-leaves a host that releases everything :data:`IDLE_EXIT_S` later.
+workers fail, the newest complete snapshot of every local rank is persisted: it is pinned and queued
+(:meth:`NodeCheckpointHost.queue_at_breakpoint`) before they are restarted, and written while they run.
+:meth:`NodeCheckpointHost.stop` drains persistence and unlinks every segment when the agent exits for any
+reason. The host runs detached and holds on to its memory only while the agent (or a worker) is
+connected: an agent killed with SIGKILL leaves a host that releases everything :data:`IDLE_EXIT_S` later.
 
 :class:`Breakpoints` settles the step of a save at breakpoint with the master, so that nodes straddling a
 step all persist the one they share (see :mod:`phalanx.master.breakpoints`).
@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,18 @@ def agreed_step(held: dict[int, set[int]]) -> int | None:
         return None
     common = set.intersection(*held.values())
     return max(common) if common else None
+
+
+@dataclass
+class QueuedBreakpoint:
+    """A save at breakpoint the host queued (and pinned) but may still be writing."""
+
+    reason: str
+    step: int
+    ranks: list[int]
+    started: float  # time.monotonic()
+    timeout_s: float
+    errors: list[str] = field(default_factory=list)
 
 
 class NodeCheckpointHost:
@@ -276,10 +289,25 @@ class NodeCheckpointHost:
         agree: Agree | None = None,
         timeout_s: float = PERSIST_NOW_LIMIT_S,
     ) -> dict[str, Any]:
-        """Persists the newest step that every one of ``ranks`` (this node's current ranks; see
-        :func:`breakpoint_ranks`) holds complete in memory, or ``step`` when given; bounded by
-        ``timeout_s``. Logs and returns ``{"ok", "step", "errors"}`` ({} without a host, storage or a
-        common step).
+        """:meth:`queue_at_breakpoint`, then :meth:`finish_breakpoint`: returns once the step is on
+        storage, or failed, or ``timeout_s`` passed. Logs and returns ``{"ok", "step", "errors"}`` ({}
+        when nothing was queued)."""
+        queued = self.queue_at_breakpoint(reason, ranks=ranks, step=step, agree=agree, timeout_s=timeout_s)
+        return self.finish_breakpoint(queued) if queued is not None else {}
+
+    def queue_at_breakpoint(
+        self,
+        reason: str,
+        *,
+        ranks: list[int],
+        step: int | None = None,
+        agree: Agree | None = None,
+        timeout_s: float = PERSIST_NOW_LIMIT_S,
+    ) -> QueuedBreakpoint | None:
+        """Queues the persist of the newest step that every one of ``ranks`` (this node's current ranks;
+        see :func:`breakpoint_ranks`) holds complete in memory, or of ``step`` when given. Returns once the
+        host queued it, which pins those snapshots: the next workers' saves cannot overwrite them, so they
+        may start at once while storage is written. None without a host, storage or a common step.
 
         The host's own ``persist_now`` takes each rank's newest snapshot, which differ by one step when a
         rank died mid-save; a step is committed on storage only when every rank wrote it, so the ranks
@@ -287,7 +315,7 @@ class NodeCheckpointHost:
         ranks hold and returns the step every node of the broken round holds, or None while the master
         does not know it yet (see :mod:`phalanx.master.breakpoints`)."""
         if not self.running or not self.handle.storage or self.shm_dir is None:
-            return {}
+            return None
         slot_ranks = sorted(shm.list_job_slots(self.shm_dir, self.handle.job_id))
         ranks = breakpoint_ranks(local_ranks=ranks, slot_ranks=slot_ranks)
         held = held_steps(self.shm_dir, job_id=self.handle.job_id, ranks=ranks)
@@ -302,34 +330,51 @@ class NodeCheckpointHost:
                 chosen = told
         if chosen is None:
             self._say(f"save at breakpoint ({reason}): no step that ranks {ranks} all hold in memory")
-            return {}
-        started = time.monotonic()
-        errors: list[str] = []
+            return None
+        queued = QueuedBreakpoint(
+            reason=reason, step=chosen, ranks=ranks, started=time.monotonic(), timeout_s=timeout_s
+        )
         try:
             client = protocol.HostClient(str(self.handle.socket_path), timeout_s=5.0)
             try:
-                for rank in ranks:  # queue all first: the host persists while we wait
-                    reply = client.call({"op": "persist", "rank": rank, "step": chosen}, timeout_s=timeout_s)
-                    if not reply.get("ok"):
-                        errors.append(str(reply.get("error")))
                 for rank in ranks:
-                    left = max(0.1, timeout_s - (time.monotonic() - started))
-                    msg = {"op": "wait", "rank": rank, "step": chosen, "timeout": left}
-                    reply = client.call(msg, timeout_s=left + 5.0)
+                    msg = {"op": "persist", "rank": rank, "step": chosen}
+                    reply = client.call(msg, timeout_s=min(timeout_s, PING_LIMIT_S))  # queued at once
                     if not reply.get("ok"):
-                        errors.append(str(reply.get("error")))
+                        queued.errors.append(str(reply.get("error")))
             finally:
                 client.close()
         except CheckpointError as exc:
-            errors.append(str(exc))
-        took = time.monotonic() - started
+            queued.errors.append(str(exc))
+        return queued
+
+    def finish_breakpoint(self, queued: QueuedBreakpoint) -> dict[str, Any]:
+        """Waits until the queued step is on storage (or failed, or its time limit passed); logs and
+        returns ``{"ok", "step", "errors"}``."""
+        errors = queued.errors
+        if not errors and self.handle is not None:
+            try:
+                client = protocol.HostClient(str(self.handle.socket_path), timeout_s=5.0)
+                try:
+                    for rank in queued.ranks:
+                        left = max(0.1, queued.timeout_s - (time.monotonic() - queued.started))
+                        msg = {"op": "wait", "rank": rank, "step": queued.step, "timeout": left}
+                        reply = client.call(msg, timeout_s=left + 5.0)
+                        if not reply.get("ok"):
+                            errors.append(str(reply.get("error")))
+                        # Overwritten before it was written (the slot was not pinned in time): not on storage.
+                        errors += [str(r["skipped"]) for r in reply.get("results", []) if r.get("skipped")]
+                finally:
+                    client.close()
+            except CheckpointError as exc:
+                errors.append(str(exc))
+        took = time.monotonic() - queued.started
+        what = f"save at breakpoint ({queued.reason})"
         if errors:
-            self._say(f"save at breakpoint ({reason}) of step {chosen} failed after {took:.2f}s: {errors}")
+            self._say(f"{what} of step {queued.step} failed after {took:.2f}s: {errors}")
         else:
-            self._say(
-                f"save at breakpoint ({reason}): persisted step {chosen} of ranks {ranks} in {took:.2f}s"
-            )
-        self.last_persist = {"ok": not errors, "step": chosen, "errors": errors}
+            self._say(f"{what}: persisted step {queued.step} of ranks {queued.ranks} in {took:.2f}s")
+        self.last_persist = {"ok": not errors, "step": queued.step, "errors": errors}
         return self.last_persist
 
     def stop(self) -> None:
@@ -387,9 +432,13 @@ class Breakpoints:
         """The round and ranks of the last save at breakpoint, for the master's requests about it."""
         self.unsettled: pb.ReportCheckpointRequest | None = None
         """The last report the master could not answer yet (other nodes had not reported)."""
+        self._pending: threading.Thread | None = None
 
-    def save(self, reason: str, *, round_no: int, ranks: list[int]) -> None:
-        """Persists the broken round's newest in-memory step (round 0: no round ran, nothing to settle)."""
+    def save(self, reason: str, *, round_no: int, ranks: list[int], wait: bool = True) -> None:
+        """Persists the broken round's newest in-memory step (round 0: no round ran, nothing to settle).
+
+        With ``wait=False`` it returns once the host queued the step, which pins its snapshots, and the
+        write goes on behind: new workers may start and save meanwhile (:meth:`finish_pending`)."""
         self.last = (round_no, ranks)
         self.unsettled = None
 
@@ -415,10 +464,27 @@ class Breakpoints:
                 return None
             return answer.persist_step
 
+        self.finish_pending()  # one save at breakpoint at a time: its snapshots are pinned until it ends
         try:
-            self._host.save_at_breakpoint(reason, ranks=ranks, agree=agree if round_no else None)
+            queued = self._host.queue_at_breakpoint(reason, ranks=ranks, agree=agree if round_no else None)
         except RetiredError as exc:
             self._say(f"save at breakpoint ({reason}) skipped: {exc}")
+            return
+        if queued is None:
+            return
+        if wait:
+            self._host.finish_breakpoint(queued)
+            return
+        self._pending = threading.Thread(
+            target=self._host.finish_breakpoint, args=(queued,), name="breakpoint", daemon=True
+        )
+        self._pending.start()
+
+    def finish_pending(self) -> None:
+        """Waits for a save at breakpoint that :meth:`save` left writing (bounded by its time limit)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.join()
 
     def persist_asked(self, action: pb.Action, *, current_ranks: list[int]) -> None:
         """PERSIST_CHECKPOINT, in the background (monitoring and the rendezvous go on). The host pins the
@@ -436,6 +502,7 @@ class Breakpoints:
     def await_agreement(self, *, limit_s: float) -> None:
         """Before leaving a job that ended: asks again until the master settles the step (at most
         ``limit_s``), and persists it when it is not the one this node chose."""
+        self.finish_pending()
         req, self.unsettled = self.unsettled, None
         if req is None or self.last is None:
             return

@@ -365,9 +365,9 @@ class Supervisor:
     def _persist_asked(self, action: pb.Action) -> None:
         self.breakpoints.persist_asked(action, current_ranks=self._local_ranks())
 
-    def _save_at_breakpoint(self, reason: str) -> None:
+    def _save_at_breakpoint(self, reason: str, *, wait: bool = True) -> None:
         round_no = self.round.round if self.round else 0
-        self.breakpoints.save(reason, round_no=round_no, ranks=self._local_ranks())
+        self.breakpoints.save(reason, round_no=round_no, ranks=self._local_ranks(), wait=wait)
 
     def _await_agreement(self) -> None:
         self.breakpoints.await_agreement(limit_s=self.config.grace_period_s + AGREEMENT_WAIT_S)
@@ -482,8 +482,10 @@ class Supervisor:
         )
         resp = self._retry(lambda: self.client.report_failure(request), "report failure")
         # Save at the breakpoint while the master decides: the restarted workers (or the next run) resume
-        # from the newest step, and storage holds it even if this node goes away.
-        self._save_at_breakpoint("worker failure")
+        # from the newest step, and storage holds it even if this node goes away. Only the queueing waits
+        # (it pins the snapshots): workers restarted on the same nodes load from memory, so they need not
+        # wait for storage; a round with other nodes waits for it (see _loop).
+        self._save_at_breakpoint("worker failure", wait=False)
         nxt = decisions.after_failure(
             resp.action, restarts_used=self.restarts, max_restarts=self.config.max_restarts
         )
@@ -590,6 +592,9 @@ class Supervisor:
                     self._stop_workers()
                 if previous is not None:
                     self.total_restarts += 1
+                    if set(info.members) != set(previous.members):
+                        # A newcomer loads from storage: it must find the step this node still writes.
+                        self.breakpoints.finish_pending()
                 self._start_workers(info)
             regroup = False
             self.link_publish(pb.NODE_STATE_RUNNING, info.round)
@@ -689,6 +694,7 @@ class Supervisor:
                         timeout=1.0,
                     )
             self.link.leave()  # after the logs: the master may forget a node that left
+        self.breakpoints.finish_pending()
         self.ckpt.stop()  # after the workers: nothing writes to the segments it unlinks
         for path in self._beacon_paths():
             with contextlib.suppress(OSError):

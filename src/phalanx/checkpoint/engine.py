@@ -23,6 +23,7 @@ import torch
 
 from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import codec, copier, protocol, shm
+from phalanx.checkpoint.persister import pin_queued
 from phalanx.checkpoint.storage import Storage, canonical_location, committed_steps, open_storage
 
 _GROWTH = 1.1  # headroom when a slot is (re)allocated, so a slightly bigger state does not reallocate
@@ -521,12 +522,7 @@ class Checkpointer:
         # Pin the slot now, not when the host gets to it: later saves then go to the other slot and
         # cannot overwrite this snapshot while it waits in the host's queue (unless the other slot is
         # being persisted: see _pick_slot). The host unpins it.
-        pinned = None
-        for seg in self.memory_slots(self.rank):
-            header = seg.header()
-            if header.complete and header.step == step:
-                pinned = seg
-                shm.set_pin(seg.buf, shm.PIN_QUEUED)
+        pinned = pin_queued(self.memory_slots(self.rank), step)
         with self._lock:
             self._persisting[step] = 0
             for old in list(self._persisting)[:-MAX_PENDING_STEPS]:  # a job that never waits

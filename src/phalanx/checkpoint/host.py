@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import protocol, shm
-from phalanx.checkpoint.persister import PersistResult, Superseded, choose_slot, persist_shard
+from phalanx.checkpoint.persister import PersistResult, Superseded, choose_slot, persist_shard, pin_queued
 from phalanx.checkpoint.storage import Storage, canonical_location, open_storage
 
 if TYPE_CHECKING:
@@ -174,6 +174,8 @@ class HostServer:
             if entry is None:
                 return {"ok": False, "error": f"rank {rank} has no shared memory on this node"}
             entry.pending += 1
+            if step is not None:  # the agent's saves at breakpoint: the restarted workers may save already
+                pin_queued(entry.segments, step)
         self._queue.put((rank, step))
         return {"ok": True}
 

@@ -77,6 +77,20 @@ def choose_slot(segments: list[shm.Segment], step: int | None) -> tuple[shm.Segm
     return best
 
 
+def pin_queued(segments: list[shm.Segment], step: int) -> shm.Segment | None:
+    """Pins the slot holding ``step`` while its persist waits in the host's queue, so that later saves go
+    to the other slot (see the Checkpointer's slot choice); returns it. A slot the persister is reading
+    keeps its stronger pin."""
+    pinned = None
+    for seg in segments:
+        header = seg.header()
+        if header.complete and header.step == step:
+            pinned = seg
+            if header.pin == 0:
+                shm.set_pin(seg.buf, shm.PIN_QUEUED)
+    return pinned
+
+
 def persist_shard(
     *, segments: list[shm.Segment], store: Storage, step: int | None, keep_last: int
 ) -> PersistResult:

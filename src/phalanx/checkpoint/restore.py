@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import warnings
 import zlib
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from phalanx.checkpoint.engine import Checkpointer
 
 log = logging.getLogger("phalanx.checkpoint")
+
+LIST_LIMIT_S = 10.0  # longest a load with snapshots in memory waits for storage to list its steps
 
 
 class CheckpointWarning(UserWarning):
@@ -288,20 +291,36 @@ def _read_step(
 
 
 def _stored_steps(store: storage.Storage | None, *, memory: Mapping[int, Any]) -> set[int]:
-    """The committed steps on storage. Storage that cannot be listed (a bucket gone, an outage) is done
-    without when the node's memory holds snapshots, with a warning; without them it is an error: a job must
-    not silently start from scratch because its checkpoints were out of reach for a moment."""
+    """The committed steps on storage. Storage that cannot be listed (a bucket gone, an outage), or does
+    not answer within :data:`LIST_LIMIT_S` (a hung mount, a stalled bucket), is done without when the
+    node's memory holds snapshots, with a warning: a restart in place must not wait for storage. Without
+    them it is an error: a job must not silently start from scratch because its checkpoints were out of
+    reach for a moment."""
     if store is None:
         return set()
-    try:
-        return set(storage.committed_steps(store))
-    except OSError as exc:
-        if not memory:
+    if not memory:
+        try:
+            return set(storage.committed_steps(store))
+        except OSError as exc:
             raise CheckpointError(
                 f"cannot list the checkpoints on {store.url('')}: {exc}; not starting from scratch"
             ) from exc
-        _warn(f"cannot list the checkpoints on {store.url('')} ({exc}); loading from memory only")
-        return set()
+    listed: dict[str, Any] = {}
+
+    def list_steps() -> None:
+        try:
+            listed["steps"] = set(storage.committed_steps(store))
+        except OSError as exc:
+            listed["error"] = exc
+
+    lister = threading.Thread(target=list_steps, name="phalanx-ckpt-list", daemon=True)
+    lister.start()
+    lister.join(LIST_LIMIT_S)
+    if "steps" in listed:
+        return set(listed["steps"])
+    why = listed.get("error", f"no answer in {LIST_LIMIT_S:g}s")
+    _warn(f"cannot list the checkpoints on {store.url('')} ({why}); loading from memory only")
+    return set()
 
 
 def _any_replica(ckpt: Checkpointer, own: dict[int, shm.Segment]) -> dict[int, shm.Segment]:
@@ -332,6 +351,9 @@ def load(
     memory = _memory_steps(ckpt.memory_slots(shard_rank))
     if replicated:
         memory = _any_replica(ckpt, memory)
+    # Storage is listed once every rank got here: a node whose workers restart in place while a newcomer
+    # joins starts them only after its save at breakpoint is on storage, and the newcomer must see it.
+    _all_reduce(0, dist.ReduceOp.MAX if _distributed() else None)
     on_storage = _stored_steps(ckpt.storage, memory=memory)
     candidates = set(memory) | on_storage
     bad: list[int] = []
