@@ -67,24 +67,27 @@ def aws_env(endpoint: str) -> dict[str, str]:
     }
 
 
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Sets variables in this process's environment (boto3 reads them there) and restores them after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def minio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A MinIO server on loopback; yields its endpoint URL. boto3 finds it through the standard variables,
     as a Pod would (set for the session's tests, and inherited by the processes they start)."""
-    with minio_server(tmp_path_factory.mktemp("minio")) as (endpoint, _):
-        saved = {k: os.environ.get(k) for k in _AWS}
-        os.environ.update(aws_env(endpoint))
-        try:
-            yield endpoint
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-
-
-_AWS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
+    with minio_server(tmp_path_factory.mktemp("minio")) as (endpoint, _), environment(aws_env(endpoint)):
+        yield endpoint
 
 
 def _live(endpoint: str) -> bool:

@@ -5,7 +5,6 @@ job outlives the agent."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -14,7 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ import pytest
 
 from phalanx.checkpoint import storage as storage_lib
 from tests.agent.helpers import DDP, master_process, phalanx_local
-from tests.conftest import aws_env, minio_server
+from tests.conftest import aws_env, environment, minio_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -384,7 +382,7 @@ def test_a_restart_in_place_does_not_wait_for_a_hung_storage(tmp_path: Path) -> 
     bucket = f"ckpt-{os.getpid()}"
     with minio_server(tmp_path / "minio") as (endpoint, server):
         env = aws_env(endpoint)
-        with mock_env(env):
+        with environment(env):
             storage_lib.S3Storage(bucket).client.create_bucket(Bucket=bucket)
         proc = _agent(
             [
@@ -417,7 +415,7 @@ def test_a_restart_in_place_does_not_wait_for_a_hung_storage(tmp_path: Path) -> 
         assert re.search(r"\[rank1\]:flash: loaded step \d+ from memory \(storage reads 0\)", out), out
         persisted = re.search(r"save at breakpoint \(worker failure\): persisted step (\d+) of ranks", err)
         assert persisted, err
-        with mock_env(env):
+        with environment(env):
             committed = storage_lib.committed_steps(storage_lib.open_storage(f"s3://{bucket}/run"))
         assert int(persisted.group(1)) in committed, committed
     assert not _job_leftovers(job), _job_leftovers(job)
@@ -425,18 +423,3 @@ def test_a_restart_in_place_does_not_wait_for_a_hung_storage(tmp_path: Path) -> 
 
 def _steps(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
-
-
-@contextlib.contextmanager
-def mock_env(values: dict[str, str]) -> Iterator[None]:
-    """Sets environment variables for this process (boto3 reads them) and restores them."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -28,6 +28,13 @@ def shard(rank: int, step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
 
 
+def load_own_shard(ckpt: Checkpointer, rank: int) -> dict[str, object]:
+    """Loads this rank's shard; where it came from, and whether it is the one saved at that step."""
+    step, state = ckpt.load()  # type: ignore[misc]
+    same = all(torch.equal(state["model"][k], v) for k, v in shard(rank, step).items())
+    return {"step": step, "source": ckpt.last_load["source"], "ok": same}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["save", "load", "save-ddp", "load-ddp", "save-late", "load-late"])
@@ -45,12 +52,7 @@ def main() -> int:
             ckpt.save(step, {"model": shard(rank, step), "step": step}, persist=step == 2)
         ckpt.wait()
         dist.barrier()  # every shard of step 2 is persisted before anyone loads
-        step, state = ckpt.load()  # type: ignore[misc]
-        result.update(
-            step=step,
-            source=ckpt.last_load["source"],
-            ok=all(torch.equal(state["model"][k], v) for k, v in shard(rank, step).items()),
-        )
+        result.update(load_own_shard(ckpt, rank))
         ckpt.close()
     elif args.mode == "save-late":
         ckpt = Checkpointer(storage=args.storage)
@@ -65,12 +67,7 @@ def main() -> int:
             time.sleep(2.0)
             ckpt.persist(4)
             ckpt.wait()
-        step, state = ckpt.load()  # type: ignore[misc]
-        result.update(
-            step=step,
-            source=ckpt.last_load["source"],
-            ok=all(torch.equal(state["model"][k], v) for k, v in shard(rank, step).items()),
-        )
+        result.update(load_own_shard(ckpt, rank))
         ckpt.close()
     elif args.mode == "save-ddp":
         ckpt = Checkpointer(storage=args.storage)
