@@ -8,10 +8,12 @@ steps that had to be redone. Medians over ``--runs`` runs each, printed as JSON.
 
 With ``--state-mb N`` every rank carries N MiB more state: torchrun's script torch.saves it every step
 (rank 0), and phalanx flash-checkpoints it every step and persists it every ``--persist-every`` steps, so
-its restart also saves the last in-memory step at the breakpoint.
+its restart also saves the last in-memory step at the breakpoint. A kill right after a step's log line then
+lands in the save that follows it; ``--kill-delay`` moves it past the save, into the next step.
 
     .venv/bin/python benchmarks/recovery.py --runs 5
-    .venv/bin/python benchmarks/recovery.py --state-mb 512 --out benchmarks/results/recovery-512mb.json
+    .venv/bin/python benchmarks/recovery.py --state-mb 512 --steps 40 --kill-step 20 --step-time 0.6 \
+        --kill-delay 0.45 --out benchmarks/results/recovery-512mb.json
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def one_run(
     *,
     steps: int,
     kill_step: int,
+    kill_delay: float,
     step_time: float,
     timeout: float,
     state_mb: int,
@@ -86,7 +89,8 @@ def one_run(
             while time.monotonic() < deadline and proc.poll() is None:
                 lines = read_steps(log)
                 if t_kill is None and lines and lines[-1]["step"] >= kill_step:
-                    killed_after = lines[-1]["step"]
+                    time.sleep(kill_delay)
+                    killed_after = read_steps(log)[-1]["step"]
                     victim = int((pids / "rank1.pid").read_text())
                     t_kill = time.time()
                     os.kill(victim, signal.SIGKILL)
@@ -130,6 +134,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--kill-step", type=int, default=120, help="kill after rank 0 logged this step")
     p.add_argument("--step-time", type=float, default=0.05)
+    p.add_argument(
+        "--kill-delay",
+        type=float,
+        default=0.0,
+        help="kill this long after the step's log line (with a big state, past the save that follows it)",
+    )
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--launchers", default="torchrun,phalanx")
     p.add_argument(
@@ -149,6 +159,7 @@ def main() -> None:
             "backend": "gloo",
             "steps": args.steps,
             "kill_step": args.kill_step,
+            "kill_delay_s": args.kill_delay,
             "step_time_s": args.step_time,
             "runs": args.runs,
             "state_mb": args.state_mb,
@@ -164,6 +175,7 @@ def main() -> None:
                 name,
                 steps=args.steps,
                 kill_step=args.kill_step,
+                kill_delay=args.kill_delay,
                 step_time=args.step_time,
                 timeout=args.timeout,
                 state_mb=args.state_mb,
