@@ -301,6 +301,37 @@ def test_a_save_never_waits_for_storage_and_a_waiting_persist_gives_way(
     ckpt.close()
 
 
+def test_a_persist_overtaken_by_a_save_still_copying_is_superseded_not_failed(
+    host: host_mod.HostHandle, store: Path
+) -> None:
+    """As above, but the persister reaches step 3 while step 4's copy into its slot is still running (a
+    save behind training: on a GPU its copy can outlast several steps): step 3 is reported superseded by
+    step 4, not as a failure the master would show as an event."""
+    ckpt = Checkpointer()
+    for step in (1, 2, 3):
+        ckpt.save(step, {"w": torch.full((1024,), float(step))})
+    slots = {seg.header().step: seg for seg in ckpt.memory_slots(0)}
+    shm.set_pin(slots[2].buf, shm.PIN_WRITING)
+    shm.set_pin(slots[3].buf, shm.PIN_QUEUED)
+    ckpt.save(4, {"w": torch.full((1024,), 4.0)})
+    taken = slots[3].header()
+    assert taken.step == 4
+    # What save() writes before it starts copying; the copy's end writes the complete header.
+    shm.pack_header(
+        slots[3].buf,
+        shm.SlotHeader(state=shm.STATE_WRITING, seq=taken.seq, step=4, rank=0, world_size=1),
+    )
+    reply = ckpt.client().call({"op": "persist", "rank": 0, "step": 3})
+    assert reply["ok"], reply
+    done = ckpt.client().call({"op": "wait", "rank": 0, "step": None})
+    assert done["ok"], done
+    assert [(r["step"], r.get("skipped"), r.get("error")) for r in done["results"]] == [
+        (3, "step 3 was superseded by step 4 before it was persisted", None)
+    ]
+    shm.set_pin(slots[2].buf, 0)
+    ckpt.close()
+
+
 def test_corrupt_persisted_file_falls_back_with_a_warning(
     host: host_mod.HostHandle, store: Path, tmp_path: Path
 ) -> None:

@@ -336,3 +336,24 @@ def test_device_state_round_trips_through_pinned_shared_memory(
     assert step == 1
     assert_same(expected["model"], {k: v.cpu() for k, v in got["model"].items()})
     ckpt.close()
+
+
+@needs_cuda
+def test_prepared_device_slots_are_pinned_before_the_first_save(host: host_mod.HostHandle) -> None:
+    """prepare() pins both slots for the GPU's copies off the training path, so a first save costs a copy,
+    not a cudaHostRegister of the whole slot (measured ~0.19 s for 4 GiB against a 0.08 s copy)."""
+    model, opt, forward_backward = small_training(width=256, device="cuda")
+    forward_backward()
+    opt.step()
+    state = {"model": model.state_dict(), "opt": opt.state_dict()}
+    ckpt = Checkpointer()
+    ckpt.prepare(state)
+    ckpt.wait_prepared()
+    assert ckpt._slots is not None
+    assert ckpt._slots._registered == {0, 1}
+    ckpt.save(1, state)
+    step, got = ckpt.load()  # type: ignore[misc]
+    assert step == 1
+    on_host = {k: v.cpu() for k, v in got["model"].items()}
+    assert_same({k: v.cpu() for k, v in model.state_dict().items()}, on_host)
+    ckpt.close()

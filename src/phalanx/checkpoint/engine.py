@@ -42,11 +42,13 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value else default
 
 
-MAX_COPY_THREADS = 4  # past this, memory bandwidth, not threads, limits a copy
+# Measured on a 16-core host: 1 GiB in 0.061 s with 4 threads, 0.033 s with 16 (DLRover's torch copy on its
+# 16 intra-op threads: 0.034 s). Memory bandwidth caps a copy eventually, but later than 4 threads.
+MAX_COPY_THREADS = 16
 
 
 def copy_threads_for(*, local_world_size: int) -> int:
-    """Copy threads per rank: the node's cores shared by its ranks, 1 to 4."""
+    """Copy threads per rank: the node's cores shared by its ranks, 1 to 16."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -65,11 +67,16 @@ class _Slots:
         self.views = [torch.frombuffer(s.buf, dtype=torch.uint8) for s in self.segments]
         self.size = min(s.size for s in self.segments)
         self._registered: set[int] = set()
+        self._register_lock = threading.Lock()
         self._populating: dict[int, threading.Thread] = {}
+        # Set once a save copied device tensors: the slots readied off the training path are then pinned
+        # there too (pinning 4 GiB takes ~0.19 s on an H200's host, over twice the copy itself).
+        self.pin_for_cuda = False
 
     def populate_async(self, indices: list[int]) -> None:
-        """Allocates and maps some slots, each on a background thread of its own, while training goes on;
-        a failure shows again, with its cause, when a save needs that slot (:meth:`writable`)."""
+        """Allocates and maps some slots (and pins them for a GPU's copies, see :attr:`pin_for_cuda`), each
+        on a background thread of its own, while training goes on; a failure shows again, with its cause,
+        when a save needs that slot (:meth:`writable`)."""
         for i in indices:
             if i in self._populating:
                 continue
@@ -87,6 +94,9 @@ class _Slots:
     def _populate_quietly(self, index: int) -> None:
         with contextlib.suppress(OSError, ValueError):
             self.segments[index].populate()
+            if self.pin_for_cuda:
+                with contextlib.suppress(RuntimeError):  # the save pins it again, and raises then
+                    self.register_cuda(index)
 
     def writable(self, index: int, *, threads: int) -> None:
         """Returns once slot ``index`` has all its memory (populating it on ``threads`` threads if the
@@ -107,12 +117,16 @@ class _Slots:
             ) from exc
 
     def register_cuda(self, index: int) -> None:
-        """Pins a slot for fast device-to-host copies (cudaHostRegister)."""
-        if index in self._registered or not torch.cuda.is_available():
-            return
-        view = self.views[index]
-        torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), 0)  # type: ignore[no-untyped-call]
-        self._registered.add(index)
+        """Pins a slot for fast device-to-host copies (cudaHostRegister); a pinned slot stays pinned."""
+        with self._register_lock:
+            if index in self._registered or not torch.cuda.is_available():
+                return
+            self.pin_for_cuda = True
+            view = self.views[index]
+            torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+                view.data_ptr(), view.numel(), 0
+            )
+            self._registered.add(index)
 
     def close(self) -> None:
         self.wait_populated()  # never unmap under a running madvise
@@ -361,6 +375,7 @@ class Checkpointer:
         self.fence()  # a reallocation must not unmap a slot under a running copy
         flat = codec.flatten(state)
         size = int(self._needed(flat, 2 * len(json.dumps(flat.skeleton)) + 65536) * _GROWTH)
+        on_device = any(t.is_cuda for t in flat.tensors)
 
         def run() -> None:
             try:
@@ -369,8 +384,10 @@ class Checkpointer:
                 slots = self._slots
                 if slots is None or slots.size < size:
                     slots = self._allocate(size)
-                for seg in slots.segments:  # one thread: training runs beside it
+                for index, seg in enumerate(slots.segments):  # one thread: training runs beside it
                     seg.populate()
+                    if on_device:
+                        slots.register_cuda(index)
             except BaseException as exc:
                 self._prepare_error = exc
 

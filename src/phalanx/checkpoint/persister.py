@@ -102,9 +102,11 @@ def persist_shard(
     started = time.monotonic()
     chosen = choose_slot(segments, step)
     if chosen is None:
-        newest = choose_slot(segments, None)
-        if step is not None and newest is not None and newest[1].step > step:
-            raise Superseded(f"step {step} was superseded by step {newest[1].step} before it was persisted")
+        # A newer save took the slot; it may still be copying (a save behind training, whose copy on a
+        # GPU can outlast several short steps), so a slot being written counts as newer too.
+        newer = [h.step for h in (seg.header() for seg in segments) if h.state != shm.STATE_EMPTY]
+        if step is not None and newer and max(newer) > step:
+            raise Superseded(f"step {step} was superseded by step {max(newer)} before it was persisted")
         raise PersistError(f"no complete in-memory snapshot of step {step} to persist")
     seg, header = chosen
     shm.set_pin(seg.buf, shm.PIN_WRITING)  # no save may take this slot until it is persisted
