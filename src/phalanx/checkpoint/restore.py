@@ -14,15 +14,15 @@ import logging
 import threading
 import time
 import warnings
-import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from phalanx.api.errors import CheckpointCorruptError, CheckpointError
-from phalanx.checkpoint import codec, shm, storage
+from phalanx.checkpoint import codec, crc, shm, storage
 from phalanx.checkpoint.persister import safetensors_header
 
 if TYPE_CHECKING:
@@ -101,13 +101,14 @@ def _fits(dst: torch.Tensor | None, entry: dict[str, Any]) -> bool:
 
 
 def read_memory(
-    seg: shm.Segment, step: int, *, into: Mapping[str, torch.Tensor] | None = None
+    seg: shm.Segment, step: int, *, into: Mapping[str, torch.Tensor] | None = None, threads: int = 1
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Copies a snapshot out of a slot, verifying its checksum when the host recorded one.
 
     ``into`` maps tensor names (as :func:`codec.flatten` names them) to tensors to fill in place: a tensor
     of the same dtype and shape is copied into and returned as itself, which spares allocating (and
-    first-touching) fresh memory and the caller's second copy. On an error they hold partial data.
+    first-touching) fresh memory and the caller's second copy. On an error they hold partial data. The
+    checksum runs on ``threads`` threads beside the copies (it costs far more than they do).
     """
     header = seg.header()
     if not header.complete or header.step != step:
@@ -116,27 +117,32 @@ def read_memory(
         meta = json.loads(bytes(seg.buf[shm.HEADER_SIZE : shm.HEADER_SIZE + header.meta_len]))
     except ValueError as exc:
         raise CheckpointCorruptError(f"{seg.path}: unreadable metadata: {exc}") from exc
-    view = torch.frombuffer(seg.buf, dtype=torch.uint8)
-    tensors = []
-    crc = zlib.crc32(safetensors_header(meta))
     check = header.crc_seq == header.seq
-    for entry in meta["tensors"]:
-        start = header.data_off + entry["offset"]
-        raw = view[start : start + entry["nbytes"]]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-verify") as verifier:
+        checksum = None
         if check:
-            with memoryview(seg.buf) as mv:
-                crc = zlib.crc32(mv[start : start + entry["nbytes"]], crc)
-        dst = into.get(entry["name"]) if into is not None else None
-        if dst is not None and _fits(dst, entry):
-            with torch.no_grad():
-                dst.view(-1).view(torch.uint8).copy_(raw)
-            tensors.append(dst)
-        else:
-            tensors.append(raw.clone().view(codec.DTYPES[entry["dtype"]]).view(entry["shape"]))
-    del view
+            slot = memoryview(seg.buf)
+            ranges = [(header.data_off + e["offset"], e["nbytes"]) for e in meta["tensors"]]
+            parts: list[crc.Bytes] = [safetensors_header(meta), *(slot[a : a + n] for a, n in ranges)]
+            checksum = verifier.submit(crc.crc32, parts, threads=threads)
+            del parts, slot  # the pool holds them until it is done; the mapping must be closable after
+        view = torch.frombuffer(seg.buf, dtype=torch.uint8)
+        tensors = []
+        for entry in meta["tensors"]:
+            start = header.data_off + entry["offset"]
+            raw = view[start : start + entry["nbytes"]]
+            dst = into.get(entry["name"]) if into is not None else None
+            if dst is not None and _fits(dst, entry):
+                with torch.no_grad():
+                    dst.view(-1).view(torch.uint8).copy_(raw)
+                tensors.append(dst)
+            else:
+                tensors.append(raw.clone().view(codec.DTYPES[entry["dtype"]]).view(entry["shape"]))
+        del view
+        computed = checksum.result() if checksum is not None else None
     if seg.header().seq != header.seq:
         raise CheckpointCorruptError(f"{seg.path}: the snapshot of step {step} changed while it was read")
-    if check and crc != header.crc:
+    if check and computed != header.crc:
         raise CheckpointCorruptError(
             f"{seg.path}: checksum mismatch in the in-memory snapshot of step {step}"
         )
@@ -179,8 +185,11 @@ def stored_shard(store: storage.Storage, step: int, rank: int) -> int:
     return rank
 
 
-def read_storage(store: storage.Storage, step: int, rank: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Reads a persisted shard and checks its size and crc32 against the manifest."""
+def read_storage(
+    store: storage.Storage, step: int, rank: int, *, threads: int = 1
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Reads a persisted shard and checks its size and crc32 (on ``threads`` threads) against the
+    manifest."""
     manifest_path = storage.manifest_file(step, rank)
     file = storage.shard_file(step, rank)
     try:
@@ -188,7 +197,7 @@ def read_storage(store: storage.Storage, step: int, rank: int) -> tuple[dict[str
         data = bytearray(store.read(file))
     except (OSError, ValueError) as exc:
         raise CheckpointCorruptError(f"{store.url(manifest_path)}: cannot read the shard: {exc}") from exc
-    if len(data) != manifest["size"] or zlib.crc32(data) != manifest["crc32"]:
+    if len(data) != manifest["size"] or crc.crc32([data], threads=threads) != manifest["crc32"]:
         raise CheckpointCorruptError(f"{store.url(file)}: checksum mismatch (the file is corrupt)")
     meta = manifest["meta"]
     header_len = int.from_bytes(data[:8], "little")
@@ -268,14 +277,13 @@ def _read_step(
     def local() -> tuple[tuple[dict[str, Any], list[torch.Tensor]] | None, str]:
         if step in memory:
             try:
-                return read_memory(memory[step], step, into=into), "memory"
+                return read_memory(memory[step], step, into=into, threads=ckpt.copy_threads), "memory"
             except CheckpointCorruptError as exc:
                 _warn(f"skipping the in-memory snapshot of step {step}: {exc}")
         if ckpt.storage is not None and step in on_storage:  # the same step, persisted
             try:
-                return read_storage(
-                    ckpt.storage, step, stored_shard(ckpt.storage, step, shard_rank)
-                ), "storage"
+                shard = stored_shard(ckpt.storage, step, shard_rank)
+                return read_storage(ckpt.storage, step, shard, threads=ckpt.copy_threads), "storage"
             except CheckpointCorruptError as exc:
                 _warn(f"skipping the persisted checkpoint step {step}: {exc}")
         return None, "memory" if step in memory else "storage"

@@ -153,12 +153,14 @@ class FlashCheckpoint:
         seg = self._memory(ckpt).get(step)
         if seg is not None:
             try:
-                got, self.last_source = read_memory(seg, step, into=into), "memory"
+                got = read_memory(seg, step, into=into, threads=ckpt.copy_threads)
+                self.last_source = "memory"
             except CheckpointCorruptError as exc:
                 problems.append(str(exc))
         if got is None and ckpt.storage is not None and step in storage.committed_steps(ckpt.storage):
             try:
-                got, self.last_source = read_storage(ckpt.storage, step, ckpt.rank), "storage"
+                got = read_storage(ckpt.storage, step, ckpt.rank, threads=ckpt.copy_threads)
+                self.last_source = "storage"
             except CheckpointCorruptError as exc:
                 problems.append(str(exc))
         if got is None:
