@@ -50,26 +50,18 @@ def _gf2_square(matrix: list[int]) -> list[int]:
 
 
 def combine_python(crc1: int, crc2: int, len2: int) -> int:
-    """zlib's ``crc32_combine``: the CRC-32 of A + B from crc(A), crc(B) and len(B) (zlib's algorithm: apply
-    len2 zero bytes to crc1 by repeated squaring of the one-zero-bit operator)."""
-    if len2 <= 0:
-        return crc1
-    odd = [_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:
-        even = _gf2_square(odd)
+    """zlib's ``crc32_combine``: the CRC-32 of A + B from crc(A), crc(B) and len(B). Appending a zero byte
+    to a message is a linear map of its CRC; the map for ``len2`` zero bytes is built by squaring the map
+    for one byte, and applied to crc(A) bit by bit of ``len2``."""
+    operator = [_POLY] + [1 << n for n in range(31)]  # one zero bit
+    for _ in range(3):  # two, four, eight zero bits: one zero byte
+        operator = _gf2_square(operator)
+    while len2 > 0:
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(operator, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        if len2:
+            operator = _gf2_square(operator)
     return crc1 ^ crc2
 
 
