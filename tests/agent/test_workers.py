@@ -163,12 +163,12 @@ def test_a_rank_that_raised_before_the_stop_reports_its_error_not_the_stop(tmp_p
     while not (raised.paths and raised.paths.error_file.exists()) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)  # the second has installed its handler
-    stopped_at_ns = time.time_ns()
+    marks = failures.mark_stop({0: raised, 1: stopped})
     workers.stop([raised, stopped], grace_period_s=5)
     assert stopped.proc.returncode == 1
     assert stopped.paths is not None
     assert stopped.paths.error_file.exists()
-    late = failures.raised_before({0: raised, 1: stopped}, unix_ns=stopped_at_ns)
+    late = failures.raised_before({0: raised, 1: stopped}, marks)
     assert late == {0: raised}
     entry = failures.worker_failure(
         0, raised, hung=False, reason="", history=None, stopped_after_raising=True

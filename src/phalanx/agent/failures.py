@@ -28,17 +28,43 @@ def classify_local(w: workers.Worker) -> FailureClass:
     )
 
 
-def raised_before(running: Mapping[int, workers.Worker], *, unix_ns: int) -> dict[int, workers.Worker]:
-    """The workers that wrote their error file before ``unix_ns`` (when the agent stopped them): they had
-    raised on their own and were still tearing down, which can take seconds on a loaded machine or in an
-    NCCL abort. A file written later is the stop's own doing (a SIGTERM handler that raised)."""
+STOP_MARK = "stop.mark"
+
+
+def mark_stop(running: Mapping[int, workers.Worker]) -> dict[int, int]:
+    """Writes a mark beside each running worker's error file just before the agent stops them; returns each
+    mark's modification time: the stop, as the filesystem's clock saw it. File times come from the kernel's
+    coarse clock, up to a tick behind ``time.time_ns()``, so an error file a SIGTERM handler wrote just after
+    the stop could look older than a stamp the agent took before it (one CI run saw exactly that); against a
+    file time from the same clock it cannot."""
+    marks = {}
+    for lr, w in running.items():
+        if w.paths is None:
+            continue
+        mark = w.paths.error_file.with_name(STOP_MARK)
+        try:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.write_bytes(b"")
+            marks[lr] = mark.stat().st_mtime_ns
+        except OSError:  # no mark: that worker's error file cannot be dated, and counts as the stop's
+            continue
+    return marks
+
+
+def raised_before(
+    running: Mapping[int, workers.Worker], marks: Mapping[int, int]
+) -> dict[int, workers.Worker]:
+    """The workers that wrote their error file before the stop marked by :func:`mark_stop`: they had raised
+    on their own and were still tearing down, which can take seconds on a loaded machine or in an NCCL
+    abort. A file written later, or in the same clock tick, is taken for the stop's own doing (a SIGTERM
+    handler that raised): a rank then reports the stop, as it did before this check existed."""
     raised = {}
     for lr, w in running.items():
         try:
             written_ns = w.paths.error_file.stat().st_mtime_ns if w.paths else None
         except OSError:
             written_ns = None
-        if written_ns is not None and written_ns < unix_ns:
+        if written_ns is not None and lr in marks and written_ns < marks[lr]:
             raised[lr] = w
     return raised
 

@@ -459,12 +459,12 @@ class Supervisor:
         ]
         self.link_publish(pb.NODE_STATE_RESTARTING, self.round.round if self.round else 0)
         running = {lr: w for lr, w in self.workers.items() if lr not in event.local_ranks}
-        stopped_at_ns = time.time_ns()
+        marks = failures.mark_stop(running) if not hung else {}
         self._stop_workers()
         if not hung:
             # Ranks that raised too but were slower than the settle to exit: the master needs every rank's
             # error to tell a bug on every rank (fail at once) from one bad rank (restart).
-            late = failures.raised_before(running, unix_ns=stopped_at_ns)
+            late = failures.raised_before(running, marks)
             entries += [
                 failures.worker_failure(
                     lr, w, hung=False, reason="", history=self.histories.get(lr), stopped_after_raising=True
