@@ -9,6 +9,7 @@ joined with ``crc32_combine``, so the result is the same CRC-32 that the persist
 from __future__ import annotations
 
 import ctypes
+import functools
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,7 @@ def _libz_combine() -> Callable[[int, int, int], int] | None:
 _COMBINE = _libz_combine()
 
 
-def _gf2_times(matrix: list[int], vector: int) -> int:
+def _gf2_times(matrix: Sequence[int], vector: int) -> int:
     total, row = 0, 0
     while vector:
         if vector & 1:
@@ -49,20 +50,30 @@ def _gf2_square(matrix: list[int]) -> list[int]:
     return [_gf2_times(matrix, matrix[n]) for n in range(32)]
 
 
-def combine_python(crc1: int, crc2: int, len2: int) -> int:
-    """zlib's ``crc32_combine``: the CRC-32 of A + B from crc(A), crc(B) and len(B). Appending a zero byte
-    to a message is a linear map of its CRC; the map for ``len2`` zero bytes is built by squaring the map
-    for one byte, and applied to crc(A) bit by bit of ``len2``."""
-    operator = [_POLY] + [1 << n for n in range(31)]  # one zero bit
+@functools.lru_cache(maxsize=64)
+def _zero_bytes_operator(count: int) -> tuple[int, ...]:
+    """The linear map that appending ``count`` zero bytes applies to a CRC (zlib's method: square the map
+    for one byte, compose the powers that ``count``'s bits select). Cached: a snapshot's pieces share one
+    length, so the Python fallback pays the squarings once per length, not once per piece."""
+    power = [_POLY] + [1 << n for n in range(31)]  # one zero bit
     for _ in range(3):  # two, four, eight zero bits: one zero byte
-        operator = _gf2_square(operator)
-    while len2 > 0:
-        if len2 & 1:
-            crc1 = _gf2_times(operator, crc1)
-        len2 >>= 1
-        if len2:
-            operator = _gf2_square(operator)
-    return crc1 ^ crc2
+        power = _gf2_square(power)
+    result = [1 << n for n in range(32)]  # identity
+    while count > 0:
+        if count & 1:
+            result = [_gf2_times(power, column) for column in result]
+        count >>= 1
+        if count:
+            power = _gf2_square(power)
+    return tuple(result)
+
+
+def combine_python(crc1: int, crc2: int, len2: int) -> int:
+    """zlib's ``crc32_combine``: the CRC-32 of A + B from crc(A), crc(B) and len(B); appending zero bytes is
+    a linear map of a CRC."""
+    if len2 <= 0:
+        return crc1
+    return _gf2_times(_zero_bytes_operator(len2), crc1) ^ crc2
 
 
 def combine(crc1: int, crc2: int, len2: int) -> int:
