@@ -82,9 +82,7 @@ class Supervisor:
             script_args=config.script_args,
             module=config.module,
             no_python=config.no_python,
-            # torch._dynamo too: a training script's first optimizer imports it (3.1 s here, more than
-            # torch itself), so a spare without it pays that on every restart.
-            preimport="torch,torch._dynamo" if config.warm_spares else "",
+            preimport="torch" if config.warm_spares else "",
         )
         self.shipper = LogShipper(config.logs)
         self.link: Link | None = None
