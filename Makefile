@@ -35,14 +35,16 @@ fmt: setup
 	$(BIN)/ruff format $(PY_SOURCES)
 	$(BIN)/ruff check --fix $(PY_SOURCES)
 
-# The Kubernetes, Helm, Prometheus and MinIO tests run against binaries built from the official Go modules; the
-# first build takes ~30-40 minutes on 2 cores, a warm cache returns at once. Without Go they skip loudly (fail
-# under CI).
+# The Kubernetes, Helm, Prometheus and MinIO tests run against binaries built from the official Go modules (the
+# kubelet and kube-proxy of the container nodes, and CoreDNS, included); the first build takes ~15 minutes on 2
+# cores, a warm cache returns at once. Without Go they skip loudly (fail under CI). The container images are
+# built before pytest too (mk/images.mk).
 # pytest exits 5 when it collected nothing; that is a failure here, as is any other non-zero code.
 test: setup lint
 	@if command -v go >/dev/null 2>&1 || [ -x /usr/local/go/bin/go ]; then \
 		scripts/k8s-binaries >/dev/null && scripts/helm-binary >/dev/null \
-			&& scripts/prometheus-binary >/dev/null && scripts/minio-binary >/dev/null; \
+			&& scripts/prometheus-binary >/dev/null && scripts/minio-binary >/dev/null \
+			&& scripts/coredns-binary >/dev/null; \
 	else echo "WARNING: Go not found; the Kubernetes, Helm, Prometheus and S3 tests will be skipped (a failure under CI=true)"; fi
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -4,19 +4,21 @@ install` of charts/phalanx (the operator Deployment, its RBAC, the CRD).
 * ``PHALANX_E2E_KUBECONFIG`` set: that cluster (kind, or any other), with the images named by
   ``PHALANX_E2E_IMAGE`` (the Dockerfile's ``base`` target: operator and masters) and
   ``PHALANX_E2E_TRAIN_IMAGE`` (``train``: workers). See e2e/README.md.
-* Otherwise (``make test``, CI): a control plane started here from the binaries of scripts/k8s-binaries,
-  with the test kubelet of tests/k8s, which runs each Pod as a process of this checkout. Without the
-  binaries or helm the scenarios skip with a loud reason, except under CI=true, where that is a failure.
+* Otherwise (``make test``, CI): a control plane started here from the binaries of scripts/k8s-binaries and
+  two real nodes (a kubelet each, with containerd and runc, CNI, kube-proxy and CoreDNS: see
+  tests/k8s/k8s_harness/nodes.py) running the images scripts/images builds here. Without the binaries, the
+  host packages or helm the scenarios skip with a loud reason, except under CI=true, where that is a failure.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,17 @@ class Target:
     """The workers' image."""
     chart_values: tuple[str, ...] = ()
     """Extra ``--set`` values of the chart for this cluster."""
+    power_off: Callable[[str], None] | None = None
+    """Kills a Node's machine (kubelet, runtime, containers) by name, where the cluster lets the tests."""
+    power_on: Callable[[str], None] | None = None
+    """Brings a Node that :attr:`power_off` killed back, empty, as a rebooted machine."""
+    storage: Callable[[str], str] | None = None
+    """Makes a ReadWriteMany PersistentVolumeClaim in a namespace that every node mounts; returns its name."""
+
+    def shared_storage(self, namespace: str) -> str:
+        if self.storage is None:
+            pytest.fail("this cluster gives the scenarios no shared storage (Target.storage)")
+        return self.storage(namespace)
 
 
 def _missing(reason: str) -> None:
@@ -72,32 +85,108 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
             pytest.fail("PHALANX_E2E_KUBECONFIG needs PHALANX_E2E_IMAGE and PHALANX_E2E_TRAIN_IMAGE too")
         kubeconfig = Path(external).expanduser()
         kube = Kube(os.environ.get("PHALANX_E2E_KUBECTL", "kubectl"), kubeconfig)
-        yield Target(kube, Helm(_helm_binary(), home, kubeconfig), image, train)
+        helm = Helm(_helm_binary(), home, kubeconfig)
+        kind = os.environ.get("PHALANX_E2E_KIND_CLUSTER")
+        if not kind:
+            yield Target(kube, helm, image, train)
+            return
+        # kind (e2e/kind/): a node is a Docker container; e2e/kind/cluster.yaml mounts one host folder into
+        # every node at /shared, for the shared volume.
+        shared = Path(os.environ.get("PHALANX_E2E_KIND_SHARED", "/tmp/phalanx-kind-shared"))
+        yield Target(
+            kube, helm, image, train,
+            power_off=lambda node: subprocess.run(["docker", "kill", node], check=True),
+            power_on=lambda node: subprocess.run(["docker", "start", node], check=True),
+            storage=lambda namespace: _host_claim(kube, shared, Path("/shared"), namespace),
+        )  # fmt: skip
         return
+    yield from _own_cluster(home)
+
+
+def _host_claim(kube: Kube, here: Path, on_nodes: Path, namespace: str) -> str:
+    """A claim bound to a folder of this machine that every node mounts (``here`` on this machine,
+    ``on_nodes`` on the nodes), as an NFS share would be on a real cluster (a PersistentVolumeClaim is
+    allowed at the restricted level; a hostPath volume is not)."""
+    directory = here / namespace
+    directory.mkdir(parents=True)
+    directory.chmod(0o777)  # the image's user writes there; hostPath volumes ignore fsGroup
+    name = f"shared-{namespace}"[:63]
+    volume = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name},
+        "spec": {
+            "capacity": {"storage": "10Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": "",
+            "hostPath": {"path": str(on_nodes / namespace), "type": "Directory"},
+            "claimRef": {"namespace": namespace, "name": "shared"},
+        },
+    }
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "shared", "namespace": namespace},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "volumeName": name,
+            "resources": {"requests": {"storage": "10Gi"}},
+        },
+    }
+    kube(
+        "apply",
+        "-f",
+        "-",
+        input_text=json.dumps({"apiVersion": "v1", "kind": "List", "items": [volume, claim]}),
+    )
+    return "shared"
+
+
+def _own_cluster(home: Path) -> Iterator[Target]:
+    """A control plane and two real nodes (kubelet, containerd, runc) on this machine, the images built and
+    imported into each node's containerd."""
     sys.path.insert(0, str(ROOT / "tests" / "k8s"))
-    from k8s_harness.cluster import Cluster
-    from k8s_harness.controlplane import ControlPlane, find_binaries, free_port
+    from k8s_harness.controlplane import ControlPlane, find_binaries
+    from k8s_harness.images import built_images, example_images
+    from k8s_harness.nodes import BRIDGE_IP, ContainerNodes, missing_host_tools
 
     bin_dir = find_binaries()
-    if bin_dir is None:
-        _missing("no Kubernetes control plane under ~/.cache/phalanx/k8s; run `make k8s-binaries` (needs Go)")
+    if bin_dir is None or not (bin_dir / "kubelet").exists():
+        _missing("no Kubernetes binaries under ~/.cache/phalanx/k8s; run `make k8s-binaries` (needs Go)")
     assert bin_dir is not None
+    if missing := missing_host_tools():
+        _missing(f"this machine cannot run container nodes: missing {missing} (scripts/host-packages)")
     helm = _helm_binary()
+    images = built_images()
     state = Path(tempfile.mkdtemp(prefix="phalanx-e2e-"))
-    cp = ControlPlane(bin_dir=bin_dir, state_dir=state)
-    cluster = Cluster(cp=cp)
+    ContainerNodes.prepare_network()
+    # A lost node is noticed after 20 s rather than the default 50 s: the scenarios wait for it.
+    cp = ControlPlane(bin_dir=bin_dir, state_dir=state, bind_address=BRIDGE_IP, node_monitor_grace_s=20)
+    nodes = ContainerNodes(
+        cp, images=[i.tarball for i in images.values()], pause_image=images["phalanx-pause"].ref
+    )
     try:
         cp.start()
-        cluster.start_kubelet()
-        # The test kubelet runs this checkout whatever the image says; the names only have to be valid.
+        nodes.start()
+        for name in example_images():  # the example runs as written, its image name included
+            nodes.tag(images["phalanx-train"].ref, name)
         kube = Kube(str(bin_dir / "kubectl"), cp.kubeconfig)
-        # Its Pods share this machine's network: the operator's port must not clash with another cluster's.
-        values = (f"operator.httpPort={free_port()}",)
         yield Target(
-            kube, Helm(helm, home, cp.kubeconfig), "phalanx:checkout", "phalanx-train:checkout", values
+            kube,
+            Helm(helm, home, cp.kubeconfig),
+            images["phalanx"].ref,
+            images["phalanx-train"].ref,
+            # Nothing is ever pulled: a missing image is an error, not a pull. The operator runs on the first
+            # node, so a scenario can lose the other one without losing it.
+            ("image.pullPolicy=Never", f"operator.nodeSelector.kubernetes\\.io/hostname={nodes.names[0]}"),
+            power_off=nodes.power_off,
+            power_on=nodes.power_on,
+            storage=lambda namespace: _host_claim(kube, state / "volumes", state / "volumes", namespace),
         )
     finally:
-        cluster.stop()
+        nodes.stop()
         cp.stop()
         if os.environ.get("PHALANX_K8S_KEEP") == "1":
             print(f"\nkept the e2e control plane's state in {state}")

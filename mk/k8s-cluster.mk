@@ -1,8 +1,9 @@
 # mk/k8s-cluster.mk -- a local Kubernetes test cluster for people, and the Kubernetes tests.
 #
-#   make k8s-up     etcd + kube-apiserver + controller-manager + scheduler on loopback, the test kubelet
-#                   (2 nodes running Pods as local processes, 4 simulated) and the phalanx operator;
-#                   prints `export KUBECONFIG=...`. Then: kubectl apply -f examples/elasticjob.yaml
+#   make k8s-up     etcd + kube-apiserver + controller-manager + scheduler, two real nodes (kubelet, containerd,
+#                   runc, CNI, kube-proxy, CoreDNS) running the images built here, and phalanx installed by its
+#                   Helm chart; prints `export KUBECONFIG=...`. Then: kubectl apply -f examples/elasticjob.yaml
+#                   (needs root). K8S_UP_ARGS=--processes: the tests' process kubelet instead (no root, faster).
 #   make k8s-down   stops it and removes its state.
 #   make test-k8s   the tests under tests/k8s (they start their own cluster; CI=true makes a missing
 #                   control plane a failure instead of a skip).
@@ -13,7 +14,7 @@
 .PHONY: k8s-up k8s-down test-k8s e2e crds crds-check
 
 k8s-up: setup k8s-binaries
-	@$(BIN)/python scripts/k8s-cluster up
+	@$(BIN)/python scripts/k8s-cluster up $(K8S_UP_ARGS)
 
 k8s-down:
 	@$(BIN)/python scripts/k8s-cluster down

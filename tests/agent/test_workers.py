@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -176,3 +177,41 @@ def test_a_rank_that_raised_before_the_stop_reports_its_error_not_the_stop(tmp_p
     assert entry.exit_code == -signal.SIGTERM
     assert entry.failure_class == int(FailureClass.USER)
     assert entry.error_message == "ValueError: bad batch"
+
+
+# The agent's side of a worker's start, run as PID 1 of a PID namespace of its own: in a container the agent
+# is the container's command, so every worker's parent is PID 1.
+AS_PID_1 = """
+import os, sys
+from pathlib import Path
+from phalanx.agent import workers
+from phalanx.agent.env import WorkerPaths
+
+assert os.getpid() == 1, os.getpid()
+tmp = Path(sys.argv[1])
+spec = workers.LaunchSpec(script=str(tmp / "prog.py"), script_args=[], preimport="json")
+w = workers.spawn(spec, local_rank=0, env=dict(os.environ), cwd=str(tmp), max_line_bytes=100)
+d = tmp / "w0"
+paths = WorkerPaths(
+    beacon=d / "beacon", error_file=d / "error.json", stack_file=d / "stacks.txt",
+    regroup_file=d / "regroup.pid", stdout_log=d / "stdout.log", stderr_log=d / "stderr.log",
+)
+lines = []
+w.hand_over(env={}, paths=paths, rank=0, sink=lambda r, lr, s, t: lines.append(t))
+code = w.proc.wait(60)
+w.close_logs(5)
+print("exit", code, "lines", lines, flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a PID namespace of its own needs root (CI runs as root)")
+def test_a_worker_runs_under_an_agent_that_is_pid_1_as_in_a_container(tmp_path: Path) -> None:
+    (tmp_path / "prog.py").write_text("print('trained', flush=True)\n")
+    driver = tmp_path / "agent.py"
+    driver.write_text(AS_PID_1)
+    result = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(driver), str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "exit 0" in result.stdout and "trained" in result.stdout, result.stdout + result.stderr[-2000:]

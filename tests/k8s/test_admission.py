@@ -60,7 +60,7 @@ INVALID = [
         _with("spec.heartbeat", {"interval": "5s", "timeout": "8s"}),
         "heartbeat.timeout must be at least twice heartbeat.interval",
     ),
-    ("nproc-zero", _with("spec.nprocPerNode", 0), "should be greater than or equal to 1"),
+    ("nproc-zero", _with("spec.nprocPerNode", 0), "nprocPerNode must be a whole number from 1, or auto"),
     ("negative-restarts", _with("spec.restart", {"maxRestarts": -1}), "should be greater than or equal to 0"),
     (
         "unknown-clean-policy",

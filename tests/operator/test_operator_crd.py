@@ -102,11 +102,18 @@ def test_health_checks_defaults_are_consistent_with_settings() -> None:
 
 
 def test_structural_schema_outside_the_template() -> None:
-    """Every node has a type (or int-or-string), and unknown fields are kept only under the template."""
+    """Every node has a type (or int-or-string), and unknown fields are kept only under the worker template
+    and in the Kubernetes types of the master template (the API server checks them with the Pod)."""
+    kept = {
+        "spec.master.template.spec.tolerations[]",
+        "spec.master.template.spec.affinity",
+        "spec.master.template.spec.securityContext",
+        "spec.master.template.spec.containers[].securityContext",
+    }
 
     def walk(node: dict[str, Any], path: str) -> None:
         if node.get("x-kubernetes-preserve-unknown-fields"):
-            assert path.startswith("spec.template"), path
+            assert path.startswith("spec.template") or path in kept, path
         if "x-kubernetes-int-or-string" not in node:
             assert "type" in node, path
         for key, child in (node.get("properties") or {}).items():

@@ -8,6 +8,7 @@ pyproject.toml, the runtime user is not root, nothing is fetched with ADD.
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -53,18 +54,69 @@ def _installed_extras(name: str) -> set[str]:
 
 def test_targets_and_base_images() -> None:
     assert {"base", "train"} <= STAGES.keys()
-    assert _chain("train")[1].name == "base", "train must build on base (one tested install, plus torch)"
+    # Both targets build on the same `runtime` stage (the Python base and the uid), not on each other: train
+    # puts torch below the phalanx wheel, so that a source change never rebuilds the torch layer.
+    assert "runtime" in {s.name for s in _chain("base")}
+    assert "runtime" in {s.name for s in _chain("train")}
     arg = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", TEXT, flags=re.MULTILINE)
     assert arg
-    assert arg[1] == "python:3.11-slim"
+    # The public slim image by its exact tag (a patch release and a Debian release), or by digest.
+    assert re.fullmatch(r"python:3\.\d+\.\d+-slim-[a-z]+(@sha256:[0-9a-f]{64})?", arg[1]), (
+        f"PYTHON_IMAGE={arg[1]} is not pinned"
+    )
     minimum = PYPROJECT["project"]["requires-python"].removeprefix(">=")
     assert tuple(map(int, arg[1].split(":")[1].split("-")[0].split("."))) >= tuple(
         map(int, minimum.split("."))
     )
     for stage in STAGES.values():
-        assert stage.base in STAGES or stage.base == "${PYTHON_IMAGE}", (
+        assert stage.base in STAGES or stage.base in ("${PYTHON_IMAGE}", "scratch"), (
             f"{stage.name}: unpinned base {stage.base}"
         )
+
+
+def test_torch_layer_comes_before_anything_of_the_repository() -> None:
+    """The torch layer's stage and its ancestors copy nothing from the build context or the wheel stage."""
+    chain = _chain("train")
+    names = [s.name for s in chain]
+    assert "torch" in names
+    wheel_copy = next(
+        i
+        for i, s in enumerate(chain)
+        for kw, args in s.instructions
+        if kw == "COPY" and "--from=wheel" in args
+    )
+    assert wheel_copy < names.index("torch"), "the wheel must be copied above the torch layer"
+    for stage in _chain("torch"):
+        for kw, args in stage.instructions:
+            assert kw != "COPY", f"{stage.name}: COPY {args} below the torch layer"
+            if kw == "RUN":
+                mounts = re.findall(r"--mount=(\S+)", args)
+                assert all("from=torch-wheels" in m for m in mounts), mounts
+    runs = [args for kw, args in STAGES["torch"].instructions if kw == "RUN"]
+    assert len(runs) == 1, "torch is installed in one layer"
+    # Offline from a bind-mounted wheel folder (TORCH_FROM=wheels), else from the index.
+    assert "--mount=type=bind,from=torch-wheels" in runs[0]
+    assert "--no-index --find-links /tmp/torch-wheels ${TORCH_REQUIREMENTS}" in runs[0]
+    assert STAGES["torch-wheels"].base == "scratch"
+    assert not STAGES["torch-wheels"].instructions, "an empty stage that --build-context replaces"
+
+
+def test_torch_requirements_default_to_the_train_extra() -> None:
+    default = re.search(r'^ARG TORCH_REQUIREMENTS="([^"]+)"$', TEXT, flags=re.MULTILINE)
+    assert default
+    assert default[1].split() == PYPROJECT["project"]["optional-dependencies"]["train"]
+
+
+def test_context_of_scripts_images_is_what_dockerignore_lets_in() -> None:
+    """scripts/images hashes (for its tags) and stages exactly the files a `docker build .` would send."""
+    listed = subprocess.run(
+        [str(ROOT / "scripts" / "images"), "--context-files"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    admitted = {f for f in tracked if not IGNORE.excluded(f)} | {"Dockerfile", ".dockerignore"}
+    assert admitted == {f for f in listed if f in tracked}
 
 
 def test_copy_sources_exist_and_are_in_the_build_context() -> None:
@@ -136,8 +188,9 @@ def test_runs_as_non_root_with_the_phalanx_entrypoint(target: str) -> None:
     assert str(builders.IMAGE_GID) == gid
 
 
-def test_labels_name_the_image() -> None:
-    labels = " ".join(args for kw, args in STAGES["base"].instructions if kw == "LABEL")
+@pytest.mark.parametrize("target", ["base", "train"])
+def test_labels_name_the_image(target: str) -> None:
+    labels = " ".join(args for kw, args in STAGES[target].instructions if kw == "LABEL")
     for key in ("title", "source", "licenses", "version"):
         assert f"org.opencontainers.image.{key}=" in labels
     assert f'licenses="{PYPROJECT["project"]["license"]}"' in labels

@@ -23,16 +23,21 @@ from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 READY_ENV_VAR = "PHALANX_BOOTSTRAP_READY_FILE"
+AGENT_PID_ENV_VAR = "PHALANX_AGENT_PID"
 
 
 def _die_with_parent() -> None:
-    """A worker must not outlive its agent (a killed node takes its workers with it)."""
+    """A worker must not outlive its agent (a killed node takes its workers with it). The death signal
+    covers an agent that dies from now on; one that died before it was set shows as a parent that is not the
+    agent any more. The agent names its pid: in a container the agent is PID 1, so "my parent is init" would
+    say nothing."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:
+    agent = os.environ.pop(AGENT_PID_ENV_VAR, "")
+    if agent.isdigit() and os.getppid() != int(agent):
         os._exit(1)
 
 

@@ -25,7 +25,8 @@ from typing import IO
 from phalanx.agent.env import WorkerPaths
 
 TAIL_LINES = 40
-READY_ENV_VAR = "PHALANX_BOOTSTRAP_READY_FILE"  # same name as in phalanx.agent.bootstrap
+READY_ENV_VAR = "PHALANX_BOOTSTRAP_READY_FILE"  # same names as in phalanx.agent.bootstrap
+AGENT_PID_ENV_VAR = "PHALANX_AGENT_PID"
 
 LineSink = Callable[[int, int, int, str], None]
 """Called with (rank, local_rank, stream 1=stdout 2=stderr, text) for every worker output line."""
@@ -145,7 +146,7 @@ def spawn(
     ready_file: Path | None = None,
 ) -> Worker:
     """Starts a bootstrap that imports the heavy modules and waits for its round."""
-    env = dict(env)
+    env = {**env, AGENT_PID_ENV_VAR: str(os.getpid())}
     if ready_file is not None:
         ready_file.parent.mkdir(parents=True, exist_ok=True)
         ready_file.unlink(missing_ok=True)

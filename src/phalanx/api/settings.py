@@ -528,6 +528,43 @@ class AgentSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class JobPodSettings:
+    """How the operator shapes an ElasticJob's Pods beyond its template: the defaults of
+    ``spec.sharedMemory``, ``spec.terminationGracePeriod`` and ``spec.createRefusedTimeout``."""
+
+    shared_memory: bool = setting(
+        True,
+        doc="Mount a memory-backed emptyDir at /dev/shm in the worker containers (a container runtime's own "
+        "/dev/shm is 64Mi, too small for any flash checkpoint).",
+    )
+    shared_memory_per_process_mib: int = setting(
+        2048,
+        doc="Size of /dev/shm per training process when sharedMemory.sizeLimit is not given (capped at "
+        "the first container's memory limit): each rank keeps two slots of its state (x1.1), so about "
+        "0.9Gi of checkpointed state per rank.",
+        unit="MiB",
+    )
+    persist_on_exit_s: float = setting(
+        130.0,
+        doc="Time a terminated worker Pod gets beyond restart.gracePeriod to persist its newest in-memory "
+        "snapshot and exit: the agent waits up to 120s for that write; 10s more let its checkpoint host "
+        "stop.",
+        unit="s",
+    )
+    create_refused_timeout_s: float = setting(
+        600.0,
+        doc="How long the API server may go on refusing to create one of the job's Pods or objects "
+        "(Forbidden, Invalid, quota exceeded) before the job fails.",
+        unit="s",
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self.shared_memory_per_process_mib, "shared_memory_per_process_mib")
+        _positive(self.persist_on_exit_s, "persist_on_exit_s")
+        _positive(self.create_refused_timeout_s, "create_refused_timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
 class OperatorSettings:
     """The Kubernetes operator (`phalanx operator`)."""
 

@@ -13,13 +13,14 @@ is a local process with its own loopback address.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings, ProbeSettings
-from phalanx.operator import names
+from phalanx.operator import names, resources, security
 from phalanx.operator.crd import API_VERSION, GROUP, KIND, PLURAL
 from phalanx.operator.crd import format_duration as _dur
 from phalanx.operator.spec import JobSpec
@@ -168,18 +169,32 @@ def _field_env(name: str, path: str) -> Obj:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-IMAGE_GID = 10001  # the Dockerfile's group; the master Pod's fsGroup
+IMAGE_GID = 10001
+"""The images' uid and gid (the Dockerfile's numeric ``USER 10001:10001``, which ``runAsNonRoot`` can check).
+No Pod of a job names it: a fixed runAsUser or fsGroup is what OpenShift-style policies refuse."""
+SHM_VOLUME = "phalanx-shm"
+SHM_PATH = "/dev/shm"
+MASTER_POD_FIELDS = ("tolerations", "nodeSelector", "affinity", "priorityClassName", "imagePullSecrets")
+"""Fields of ``spec.master.template.spec`` copied onto the master Pod as they are."""
 
 
-def _token_volume(job_name: str, *, mode: int) -> Obj:
-    return {"name": "phalanx-token", "secret": {"secretName": names.secret(job_name), "defaultMode": mode}}
+def _token_volume(job_name: str) -> Obj:
+    # Secret files belong to root and the images run as uid 10001. Without an fsGroup (OpenShift's restricted
+    # policy assigns its own and refuses others) only a world-readable mode lets the image's user read the
+    # token; the container's users are the image's own, and the Secret's RBAC guards it outside the Pod.
+    return {"name": "phalanx-token", "secret": {"secretName": names.secret(job_name), "defaultMode": 0o444}}
 
 
 _TOKEN_MOUNT = {"name": "phalanx-token", "mountPath": TOKEN_DIR, "readOnly": True}
 
 
 def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSettings) -> Obj:
-    """The job's master: rendezvous, membership, failure policy; state in the job's ConfigMap."""
+    """The job's master: rendezvous, membership, failure policy; state in the job's ConfigMap.
+
+    ``spec.master.template`` places and dresses it (tolerations, nodeSelector, affinity, priorityClassName,
+    imagePullSecrets, the Pod's and the container's securityContext, resources); the command, image, ports
+    and volumes stay the operator's. Security fields the template leaves out get the restricted defaults.
+    """
     meta = job["metadata"]
     job_name, ns = meta["name"], meta["namespace"]
     command = [
@@ -194,6 +209,9 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
     ]  # fmt: skip
     if settings.metrics_token_file:
         command += ["--metrics-token-file", f"{TOKEN_DIR}/{METRICS_TOKEN_KEY}"]
+    template = spec.master_template
+    template_spec: Mapping[str, Any] = template.get("spec") or {}
+    given: Mapping[str, Any] = next(iter(template_spec.get("containers") or []), {})
     container: Obj = {
         "name": "master",
         "image": settings.image,
@@ -205,24 +223,30 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
         ],
         "volumeMounts": [dict(_TOKEN_MOUNT)],
     }
-    if spec.master_resources:
-        container["resources"] = copy.deepcopy(dict(spec.master_resources))
+    if resources_ := (given.get("resources") or spec.master_resources):
+        container["resources"] = copy.deepcopy(dict(resources_))
+    if given.get("securityContext"):
+        container["securityContext"] = copy.deepcopy(dict(given["securityContext"]))
     pod_meta = _meta(job, names.master(job_name), component="master")
-    pod_meta["annotations"] = {names.NODES_ANNOTATION: f"{spec.min_nodes}:{spec.max_nodes}"}
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": pod_meta,
-        "spec": {
-            "serviceAccountName": names.master(job_name),
-            "restartPolicy": "Never",
-            "containers": [container],
-            # Secret files belong to root; the image runs as uid 10001. fsGroup makes the token group-owned
-            # by a group the master's processes get, so 0440 keeps it from everyone else.
-            "securityContext": {"fsGroup": IMAGE_GID},
-            "volumes": [_token_volume(job_name, mode=0o440)],
-        },
+    given_meta: Mapping[str, Any] = template.get("metadata") or {}
+    pod_meta["labels"] = {**(given_meta.get("labels") or {}), **pod_meta["labels"]}
+    pod_meta["annotations"] = {
+        **(given_meta.get("annotations") or {}),
+        names.NODES_ANNOTATION: f"{spec.min_nodes}:{spec.max_nodes}",
     }
+    pod_spec: Obj = {
+        "serviceAccountName": names.master(job_name),
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [_token_volume(job_name)],
+    }
+    for key in MASTER_POD_FIELDS:
+        if template_spec.get(key):
+            pod_spec[key] = copy.deepcopy(template_spec[key])
+    if template_spec.get("securityContext"):
+        pod_spec["securityContext"] = copy.deepcopy(dict(template_spec["securityContext"]))
+    security.pod_defaults(pod_spec)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": pod_spec}
 
 
 def _settings_env(spec: JobSpec, *, master: bool) -> list[Obj]:
@@ -343,12 +367,20 @@ def worker_pod(
     ]
     container["volumeMounts"] = [*(container.get("volumeMounts") or []), dict(_TOKEN_MOUNT)]
     # Readable whatever user the training image runs as: an fsGroup of ours would re-own the user's volumes.
-    pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), _token_volume(job_name, mode=0o444)]
+    pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), _token_volume(job_name)]
+    if spec.shared_memory is not None:
+        _shared_memory(pod_spec, spec.shared_memory)
     pod_spec["restartPolicy"] = "Never"  # a failed node is replaced by a new Pod, never restarted in place
     pod_spec.setdefault("automountServiceAccountToken", False)  # workers never call the Kubernetes API
+    if pod_spec.get("hostNetwork") is True:
+        # On the host's network a Pod gets the node's resolv.conf, which cannot resolve the master's
+        # Service name (<job>-master.<ns>.svc): ClusterFirstWithHostNet keeps the cluster DNS.
+        pod_spec.setdefault("dnsPolicy", "ClusterFirstWithHostNet")
     # A SIGTERMed agent stops its workers (up to gracePeriod), then persists its newest in-memory snapshot
-    # (save at breakpoint) before it exits; the 30 s are for that write. A template's own value still wins.
-    pod_spec.setdefault("terminationGracePeriodSeconds", int(r.grace_period_s) + 30)
+    # (save at breakpoint) before it exits: spec.terminationGracePeriod covers both. The template's own
+    # terminationGracePeriodSeconds still wins.
+    pod_spec.setdefault("terminationGracePeriodSeconds", math.ceil(spec.termination_grace_s))
+    security.pod_defaults(pod_spec)
     if excluded_machines:
         _keep_off(pod_spec, sorted(set(excluded_machines)))
     if spec.gang_min_nodes is not None:
@@ -365,6 +397,24 @@ def worker_pod(
         },
         "spec": pod_spec,
     }
+
+
+def _shared_memory(pod_spec: Obj, size: int) -> None:
+    """A memory-backed emptyDir of ``size`` bytes at /dev/shm in every container that does not mount
+    something there itself: the flash checkpoint's slots (two per rank), NCCL's shared-memory transport and
+    DataLoader workers live there, and a container runtime's own /dev/shm is 64Mi. Its pages count against
+    the memory limit of the container that writes them."""
+    containers = [c for c in pod_spec["containers"] if not _mounts(c, SHM_PATH)]
+    if not containers:
+        return
+    volume = {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": resources.format_mib(size)}}
+    pod_spec["volumes"] = [*pod_spec["volumes"], volume]
+    for c in containers:
+        c["volumeMounts"] = [*(c.get("volumeMounts") or []), {"name": SHM_VOLUME, "mountPath": SHM_PATH}]
+
+
+def _mounts(container: Mapping[str, Any], path: str) -> bool:
+    return any(str(m.get("mountPath", "")).rstrip("/") == path for m in container.get("volumeMounts") or [])
 
 
 def pod_group(job: Mapping[str, Any], spec: JobSpec) -> Obj:

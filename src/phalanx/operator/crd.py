@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from phalanx.api import settings as s
+from phalanx.operator.resources import AUTO, GPU_RESOURCE, MIN_SHARED_MEMORY
 
 GROUP = "phalanx.dev"
 VERSION = "v1alpha1"
@@ -30,7 +31,8 @@ MAX_JOB_NAME = 40
 """Longest job name: worker Pod names append ``-worker-<slot>-<incarnation>`` and must stay DNS labels."""
 
 CONDITION_TYPES = (
-    "Created", "MasterReady", "GangScheduled", "Running", "Restarting", "Suspended", "Succeeded", "Failed"
+    "Created", "MasterReady", "GangScheduled", "ReplicaFailure", "Running", "Restarting", "Suspended",
+    "Succeeded", "Failed",
 )  # fmt: skip
 PHASES = ("Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 CLEAN_POD_POLICIES = ("None", "Running", "All")
@@ -61,8 +63,20 @@ SETTINGS_FIELDS: dict[tuple[str, ...], tuple[type, str]] = {
     ("healthChecks", "interval"): (s.ProbeSettings, "interval_s"),
     ("healthChecks", "timeout"): (s.ProbeSettings, "timeout_s"),
     ("healthChecks", "confirmRounds"): (s.StragglerSettings, "confirm_rounds"),
+    ("sharedMemory", "enabled"): (s.JobPodSettings, "shared_memory"),
+    ("createRefusedTimeout",): (s.JobPodSettings, "create_refused_timeout_s"),
 }
 """CRD spec path -> (settings class, field). The single mapping between the spec and the settings."""
+
+
+_C0 = "self.template.spec.containers[0]"
+_C0_LIMITS = f"{_C0}.resources.limits"
+_HAS_C0_LIMITS = f"has({_C0}.resources) && has({_C0_LIMITS})"
+
+
+def _quantity() -> dict[str, Any]:
+    """A Kubernetes quantity (``8``, ``"16Gi"``), a new dict each time (the YAML then has no aliases)."""
+    return {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]}
 
 
 def _field(cls: type, name: str) -> dataclasses.Field[Any]:
@@ -157,6 +171,81 @@ def _int(description: str, *, default: int | None = None, minimum: int | None = 
     if minimum is not None:
         prop["minimum"] = minimum
     return prop
+
+
+def _kept(description: str, kind: str = "object") -> dict[str, Any]:
+    """A Kubernetes type kept as given (the API server validates it when the Pod is created)."""
+    if kind == "array":
+        items = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        return {"type": "array", "description": description, "items": items}
+    return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
+
+
+def _strings() -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": {"type": "string"}}
+
+
+def _master_template() -> dict[str, Any]:
+    """``spec.master.template``: a Pod template like the workers', of which the operator takes the fields a
+    platform needs to place and admit the master. Anything else is refused (the schema has no place for
+    it), since the master's command, image, ports and volumes are the operator's."""
+    container = _obj(
+        "The master container: only its resources and securityContext are taken.",
+        {
+            "name": {"type": "string", "enum": ["master"]},
+            "resources": _obj(
+                "Resources of the master container.",
+                {
+                    "requests": {"type": "object", "additionalProperties": _quantity()},
+                    "limits": {"type": "object", "additionalProperties": _quantity()},
+                },
+            ),
+            "securityContext": _kept(
+                "Container securityContext; fields left out get the restricted Pod Security defaults."
+            ),
+        },
+    )
+    return _obj(
+        "Pod template of the master Pod. Security fields left out get the defaults of the restricted Pod "
+        "Security level (runAsNonRoot, seccompProfile RuntimeDefault, allowPrivilegeEscalation false, "
+        "capabilities drop ALL); no runAsUser or fsGroup is fixed.",
+        {
+            "metadata": _obj(
+                "Labels and annotations added to the master Pod (the operator's own win).",
+                {"labels": _strings(), "annotations": _strings()},
+            ),
+            "spec": _obj(
+                "The master Pod's scheduling, pull secrets and security.",
+                {
+                    "tolerations": _kept("Tolerations of the master Pod.", "array"),
+                    "nodeSelector": {**_strings(), "description": "Node selector of the master Pod."},
+                    "affinity": _kept("Affinity of the master Pod."),
+                    "priorityClassName": {
+                        "type": "string",
+                        "description": "Priority class of the master Pod.",
+                    },
+                    "imagePullSecrets": {
+                        "type": "array",
+                        "description": "Secrets to pull the master image (the operator's image) with.",
+                        "items": _obj(
+                            "A Secret in the job's namespace.",
+                            {"name": {"type": "string"}},
+                            required=["name"],
+                        ),
+                    },
+                    "securityContext": _kept(
+                        "Pod securityContext; fields left out get the restricted Pod Security defaults."
+                    ),
+                    "containers": {
+                        "type": "array",
+                        "description": "At most one: the master container's resources and securityContext.",
+                        "maxItems": 1,
+                        "items": container,
+                    },
+                },
+            ),
+        },
+    )
 
 
 def _spec_schema() -> dict[str, Any]:
@@ -295,7 +384,20 @@ def _spec_schema() -> dict[str, Any]:
                     "containers": {
                         "type": "array",
                         "minItems": 1,
-                        "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                        "items": {
+                            "type": "object",
+                            "x-kubernetes-preserve-unknown-fields": True,
+                            # Declared (and still kept whole) so that the CEL rules can read the limits.
+                            "properties": {
+                                "resources": {
+                                    "type": "object",
+                                    "x-kubernetes-preserve-unknown-fields": True,
+                                    "properties": {
+                                        "limits": {"type": "object", "additionalProperties": _quantity()}
+                                    },
+                                }
+                            },
+                        },
                     }
                 },
             }
@@ -322,25 +424,102 @@ def _spec_schema() -> dict[str, Any]:
         },
         default={},
     )
-    quantity = {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]}
     master = _obj(
-        "The job's master Pod.",
+        "The job's master Pod (one per job: no GPU, about 100Mi of memory).",
         {
             "resources": _obj(
-                "Resources of the master container.",
+                "Resources of the master container (or in template.spec.containers[0].resources).",
                 {
-                    "requests": {"type": "object", "additionalProperties": quantity},
-                    "limits": {"type": "object", "additionalProperties": quantity},
+                    "requests": {"type": "object", "additionalProperties": _quantity()},
+                    "limits": {"type": "object", "additionalProperties": _quantity()},
                 },
             ),
+            "template": _master_template(),
+        },
+        default={},
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.resources) || !has(self.template) || !has(self.template.spec) || "
+                    "!has(self.template.spec.containers) || size(self.template.spec.containers) == 0 || "
+                    "!has(self.template.spec.containers[0].resources)",
+                    "message": "give the master's resources in master.resources or in "
+                    "master.template.spec.containers[0].resources, not both",
+                }
+            ]
+        },
+    )
+    shared_memory = _obj(
+        "A memory-backed emptyDir mounted at /dev/shm in the worker containers. A container runtime gives a "
+        "container 64Mi of /dev/shm, and the flash checkpoint keeps two slots of every rank's state there "
+        "(each allocated 1.1x the state), beside NCCL's shared-memory transport and DataLoader workers. Its "
+        "pages count against the memory limit of the container that writes them.",
+        {
+            "enabled": _setting_prop(("sharedMemory", "enabled")),
+            "sizeLimit": {
+                **_quantity(),
+                "description": "Size of /dev/shm, a quantity such as 16Gi; at least "
+                f"{MIN_SHARED_MEMORY}. Default: "
+                f"{s.JobPodSettings().shared_memory_per_process_mib // 1024}Gi per process (nprocPerNode), "
+                "never more than the first container's memory limit. Size it as nprocPerNode x 2 x 1.1 x the "
+                "checkpointed state of one rank, plus room for NCCL and DataLoader workers. A save that "
+                "does not fit fails the job with reason SharedMemoryExhausted.",
+                "x-kubernetes-validations": [
+                    {
+                        "rule": "isQuantity(string(self))",
+                        "message": "sharedMemory.sizeLimit must be a quantity such as 16Gi",
+                    },
+                    {
+                        "rule": "!isQuantity(string(self)) || "
+                        f"quantity(string(self)).compareTo(quantity('{MIN_SHARED_MEMORY}')) >= 0",
+                        "message": f"sharedMemory.sizeLimit must be at least {MIN_SHARED_MEMORY}: a "
+                        "container has that much /dev/shm without the volume; leave sizeLimit out for the "
+                        "default, or set sharedMemory.enabled to false for no volume",
+                    },
+                ],
+            },
         },
         default={},
     )
+    grace = s.JobPodSettings().persist_on_exit_s
+    termination_grace = _optional_duration(
+        "terminationGracePeriodSeconds of the worker Pods: a deleted, evicted or suspended worker's agent "
+        "stops its workers (up to restart.gracePeriod), then persists the newest in-memory snapshot to "
+        "storage before it exits. Must be longer than restart.gracePeriod. Default: restart.gracePeriod "
+        f"+ {format_duration(grace)} (the agent waits up to 2m for that write, and 10s more for its "
+        "checkpoint host to stop). A template's own terminationGracePeriodSeconds wins.",
+    )
+    refused = _setting_prop(("createRefusedTimeout",))
+    refused["description"] += (
+        " The job's ReplicaFailure condition carries the API server's own message meanwhile; then the job "
+        "fails with reason FailedCreate. Errors the API server may recover from (timeouts, 5xx, 429) never "
+        "count."
+    )
+    refused["x-kubernetes-validations"].append(
+        {
+            "rule": f"!self.matches('{DURATION_RE}') || duration(self) > duration('0s')",
+            "message": "createRefusedTimeout must be greater than 0",
+        }
+    )
+    nproc = _setting_prop(("nprocPerNode",))
+    for key in ("type", "format"):
+        nproc.pop(key)
+    nproc.update(_quantity())
+    nproc["description"] += (
+        f" Or {AUTO}: the first container's {GPU_RESOURCE} limit, 1 without one. A number above that limit "
+        "is refused: every process needs a GPU of its own."
+    )
+    nproc["x-kubernetes-validations"] = [
+        {
+            "rule": f"type(self) == string ? self == '{AUTO}' : int(self) >= 1",
+            "message": f"nprocPerNode must be a whole number from 1, or {AUTO}",
+        }
+    ]
     return _obj(
         "Desired state of an elastic training job.",
         {
             "nodes": nodes,
-            "nprocPerNode": _setting_prop(("nprocPerNode",), minimum=1),
+            "nprocPerNode": nproc,
             "parallelism": parallelism,
             "restart": restart,
             "heartbeat": heartbeat,
@@ -349,6 +528,9 @@ def _spec_schema() -> dict[str, Any]:
             "checkpoint": checkpoint,
             "template": template,
             "master": master,
+            "sharedMemory": shared_memory,
+            "terminationGracePeriod": termination_grace,
+            "createRefusedTimeout": refused,
             "gangScheduling": gang,
             "cordonBadNodes": {
                 "type": "boolean",
@@ -392,11 +574,39 @@ def _spec_schema() -> dict[str, Any]:
         **{
             "x-kubernetes-validations": [
                 {
-                    "rule": "(self.nprocPerNode * self.nodes.unit) % "
+                    # With auto the operator checks it once it knows the number (reason InvalidSpec).
+                    "rule": "type(self.nprocPerNode) == string || "
+                    "(int(self.nprocPerNode) * self.nodes.unit) % "
                     "(self.parallelism.tensor * self.parallelism.pipeline) == 0",
                     "message": "parallelism.tensor x parallelism.pipeline must divide "
                     "nprocPerNode x nodes.unit, "
                     "so that every model replica fits in one unit of nodes",
+                },
+                {
+                    "rule": f"type(self.nprocPerNode) == string || !({_HAS_C0_LIMITS}) || "
+                    f"!('{GPU_RESOURCE}' in {_C0_LIMITS}) || "
+                    f"!string({_C0_LIMITS}['{GPU_RESOURCE}']).matches('^[0-9]+$') || "
+                    f"int(self.nprocPerNode) <= int(string({_C0_LIMITS}['{GPU_RESOURCE}']))",
+                    "message": f"nprocPerNode must not be greater than the first container's {GPU_RESOURCE} "
+                    f"limit: every process needs a GPU of its own; lower it, or set it to {AUTO}",
+                },
+                {
+                    "rule": f"!has(self.sharedMemory.sizeLimit) || !({_HAS_C0_LIMITS}) || "
+                    f"!('memory' in {_C0_LIMITS}) || !isQuantity(string(self.sharedMemory.sizeLimit)) || "
+                    f"!isQuantity(string({_C0_LIMITS}['memory'])) || "
+                    "quantity(string(self.sharedMemory.sizeLimit)).compareTo("
+                    f"quantity(string({_C0_LIMITS}['memory']))) <= 0",
+                    "message": "sharedMemory.sizeLimit must not be more than the first container's memory "
+                    "limit: pages in /dev/shm count against it, so the container would be OOM-killed before "
+                    "/dev/shm is full; raise the limit or lower sizeLimit",
+                },
+                {
+                    "rule": "!has(self.terminationGracePeriod) || self.terminationGracePeriod == '' || "
+                    f"!self.terminationGracePeriod.matches('{DURATION_RE}') || "
+                    "duration(self.terminationGracePeriod) > duration(self.restart.gracePeriod)",
+                    "message": "terminationGracePeriod must be longer than restart.gracePeriod: an agent "
+                    "first stops its workers (up to gracePeriod), then persists the newest in-memory "
+                    "snapshot in the time left",
                 },
                 {
                     "rule": "self.nprocPerNode == oldSelf.nprocPerNode",
@@ -489,6 +699,12 @@ def _status_schema() -> dict[str, Any]:
                 "description": "Evictions requested by the master.",
             },
             "replacements": _int("Worker Pods the operator replaced (failed, lost or evicted)."),
+            "refusedPods": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "Pods the API server refused to create (see the ReplicaFailure condition); "
+                "they are asked for again under the same names, and count as no replacement.",
+            },
             "excludedMachines": {
                 "type": "array",
                 "items": {"type": "string"},

@@ -13,9 +13,11 @@ from typing import Any
 
 from phalanx.api.errors import ConfigError, KubernetesError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import names
+from phalanx.operator import names, refusals
 from phalanx.operator.builders import POD_GROUP_GROUP, POD_GROUP_PLURAL, POD_GROUP_VERSION
+from phalanx.operator.conditions import rfc3339
 from phalanx.operator.crd import GROUP, KIND, PLURAL, VERSION
+from phalanx.operator.events import Aggregator
 from phalanx.operator.reconcile import (
     Action,
     CordonNode,
@@ -92,6 +94,7 @@ class Executor:
         self.rbac: Any = client.RbacAuthorizationV1Api(api)
         self.custom: Any = client.CustomObjectsApi(api)
         self._pod_group_api = False
+        self._events = Aggregator()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._dirty: set[tuple[str, str]] = set()
         self._guard = threading.Lock()
@@ -228,10 +231,16 @@ class Executor:
         return frozenset(found)
 
     def apply(self, job: Mapping[str, Any], actions: Sequence[Action]) -> None:
+        """Carries out the actions in order. A create the API server refuses (Forbidden, Invalid, quota) is
+        recorded in the job's status (:mod:`phalanx.operator.refusals`), and the Events that would have
+        reported that object's creation are dropped."""
         from kubernetes.client.exceptions import ApiException
 
         ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        refused: list[refusals.Refusal] = []
         for action in actions:
+            if isinstance(action, Event) and any(r.kind == "Pod" and r.name == action.about for r in refused):
+                continue
             kind = type(action).__name__
             self.metrics.actions.labels(action=kind).inc()
             try:
@@ -240,8 +249,38 @@ class Executor:
                 self.metrics.action_failures.labels(action=kind).inc()
                 log.warning("%s/%s: %s failed: %s %s", ns, name, kind, exc.status, exc.reason)
                 if isinstance(action, Create):
-                    what = action.obj["kind"]
-                    self._event(job, Event("Warning", "CreateFailed", f"cannot create {what}: {exc.reason}"))
+                    what, obj_name = action.obj["kind"], action.obj["metadata"]["name"]
+                    message = refusals.api_message(exc.body, fallback=str(exc.reason))
+                    if refusals.is_refusal(exc.status):
+                        refused.append(refusals.Refusal(what, obj_name, int(exc.status), message))
+                    else:  # the API server may recover: the next pass tries again
+                        self._event(job, Event("Warning", "CreateFailed", f"cannot create {what}: {message}"))
+        if refused:
+            self._record_refusals(job, actions, refused)
+
+    def _record_refusals(
+        self, job: Mapping[str, Any], actions: Sequence[Action], refused: Sequence[refusals.Refusal]
+    ) -> None:
+        """Sets the ReplicaFailure condition and status.refusedPods on the status as this pass left it, and
+        records one (aggregated) Warning Event per refusal."""
+        from kubernetes.client.exceptions import ApiException
+
+        meta = job["metadata"]
+        status = dict(job.get("status") or {})
+        for action in actions:
+            if isinstance(action, PatchStatus):
+                status.update(action.status)
+        patch = refusals.refused_status(
+            status, refused, now=time.time(), generation=int(meta.get("generation", 1))
+        )
+        try:
+            self._apply_one(job, PatchStatus(patch))
+        except ApiException as exc:
+            log.warning(
+                "%s/%s: cannot record refused creates: %s", meta["namespace"], meta["name"], exc.reason
+            )
+        for r in refused:
+            self._event(job, Event("Warning", refusals.REASON, r.text))
 
     def _apply_one(self, job: Mapping[str, Any], action: Action) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -338,33 +377,55 @@ class Executor:
         self.core.patch_node(action.node, {"spec": {"unschedulable": True, "taints": taints}})
 
     def _event(self, job: Mapping[str, Any], event: Event) -> None:
+        """Records an Event on the job; a repeat of a recent one counts that one up (see
+        :mod:`phalanx.operator.events`) instead of adding another."""
         from kubernetes.client.exceptions import ApiException
 
         meta = job["metadata"]
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        ns = meta["namespace"]
+        message = event.message[:1024]
+        now = time.time()
+        stamp = rfc3339(now)
+        key = (ns, meta["uid"], event.type, event.reason, message)
+        log.info("%s/%s: %s %s: %s", ns, meta["name"], event.type, event.reason, event.message)
+        seen = self._events.record(key, now=now, stamp=stamp, new_name=self._event_name(meta))
+        if not seen.new:
+            try:
+                self.core.patch_namespaced_event(seen.name, ns, {"count": seen.count, "lastTimestamp": stamp})
+                return
+            except ApiException as exc:
+                if exc.status != 404:
+                    log.warning("cannot count up event %s: %s", event.reason, exc.reason)
+                    return
+            self._events.forget(key)  # expired meanwhile (--event-ttl): a new one
+            seen = self._events.record(key, now=now, stamp=stamp, new_name=self._event_name(meta))
         body = {
-            "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": meta["namespace"]},
+            "metadata": {"name": seen.name, "namespace": ns},
             "involvedObject": {
                 "apiVersion": f"{GROUP}/{VERSION}",
                 "kind": KIND,
                 "name": meta["name"],
-                "namespace": meta["namespace"],
+                "namespace": ns,
                 "uid": meta["uid"],
             },
             "type": event.type,
             "reason": event.reason,
-            "message": event.message[:1024],
+            "message": message,
             "source": {"component": "phalanx-operator"},
             "reportingComponent": "phalanx-operator",
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
+            "firstTimestamp": seen.first,
+            "lastTimestamp": stamp,
+            "count": seen.count,
         }
-        log.info("%s/%s: %s %s: %s", meta["namespace"], meta["name"], event.type, event.reason, event.message)
         try:
-            self.core.create_namespaced_event(meta["namespace"], body)
+            self.core.create_namespaced_event(ns, body)
         except ApiException as exc:
+            self._events.forget(key)
             log.warning("cannot record event %s: %s", event.reason, exc.reason)
+
+    @staticmethod
+    def _event_name(meta: Mapping[str, Any]) -> str:
+        return f"{meta['name']}.{secrets.token_hex(8)}"
 
 
 def _owned_by(refs: Sequence[Any] | None, uid: str) -> bool:

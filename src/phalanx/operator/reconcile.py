@@ -33,18 +33,25 @@ Rules, per pass:
   mirrored as the GangScheduled condition. A cluster without that API fails the job at once
   (GangSchedulingUnavailable) rather than placing its Pods one by one unannounced;
 * ``spec.ttlAfterFinished`` deletes the ElasticJob itself once it has been Succeeded or Failed that long
-  (its Pods and supporting objects are owned by it and go with it).
+  (its Pods and supporting objects are owned by it and go with it);
+* a create the API server refused (:mod:`phalanx.operator.refusals`: the executor records it in the
+  ReplicaFailure condition and ``status.refusedPods``) is asked for again under the same name, as no
+  replacement; the condition turns False once a pass has nothing left to create, and a refusal older than
+  ``spec.createRefusedTimeout`` fails the job (reason FailedCreate);
+* a worker Pod that exited 0 is a node that finished, not one lost: a job whose nodes finish one by one
+  before the master's verdict is not Restarting.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import builders, names
+from phalanx.operator import builders, names, refusals, resources
 from phalanx.operator.conditions import get_condition, is_true, parse_rfc3339, rfc3339, set_condition
 from phalanx.operator.crd import format_duration
 from phalanx.operator.spec import JobSpec, parse_spec, ttl_after_finished
@@ -58,6 +65,9 @@ NO_POD_GROUP_API = (
     "kube-apiserver and kube-scheduler and --runtime-config=scheduling.k8s.io/v1beta1=true on "
     "kube-apiserver. Enable it, or create the job without spec.gangScheduling"
 )
+EVICTED_GRACE_S = 10
+"""Seconds an evicted worker Pod gets beyond restart.gracePeriod: its agent stops its workers, has its
+persist refused by the master at once, and exits."""
 SUSPENDING_REASONS = ("Suspending", "Resuming")
 """Reasons of a False ``Suspended`` condition while a suspension (or the resume after one) is under way."""
 
@@ -138,6 +148,9 @@ class Event:
     type: str  # Normal or Warning
     reason: str
     message: str
+    about: str = ""
+    """The name of the object whose creation this Event reports: the executor drops it if the API server
+    refused that create (the ReplicaFailure condition and a FailedCreate Event tell that story)."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +228,10 @@ def reconcile(
     if spec.gang_min_nodes is not None and not observed.pod_group_api:
         return _fail(p, status, condition, reason="GangSchedulingUnavailable", message=NO_POD_GROUP_API,
                      job=job, pods=observed.pods, spec=spec, settings=settings)  # fmt: skip
+    if expired := _refused_for_too_long(job, status, spec, now=now):
+        return _fail(p, status, condition, reason=refusals.REASON, message=expired, job=job,
+                     pods=observed.pods, spec=spec, settings=settings)  # fmt: skip
+    refused = frozenset(str(n) for n in status.get("refusedPods") or [])
 
     # --- supporting objects ------------------------------------------------------------------------
     for obj in supporting_objects(job, settings=settings, token=new_token, metrics_token=metrics_token):
@@ -243,7 +260,8 @@ def reconcile(
         return _finish(p, status)
     if verdict == "failed":
         reason = str(master_status.get("reason") or "the master reported the job failed")
-        return _fail(p, status, condition, reason="MasterReportedFailure", message=reason, job=job,
+        kind, message = _master_failure(reason, spec)
+        return _fail(p, status, condition, reason=kind, message=message, job=job,
                      pods=observed.pods, spec=spec, settings=settings)  # fmt: skip
 
     # --- spec.activeDeadline -----------------------------------------------------------------------
@@ -262,18 +280,14 @@ def reconcile(
                          pods=observed.pods, spec=spec, settings=settings)  # fmt: skip
 
     if master is None:
+        master_name = names.master(job["metadata"]["name"])
         p.actions.append(Create(builders.master_pod(job, spec, settings=settings)))
-        if get_condition(p.status["conditions"], "MasterReady"):
-            p.actions.append(
-                Event(
-                    "Warning", "MasterRecreated", "started a new master Pod; it resumes from the saved state"
-                )
-            )
+        if get_condition(p.status["conditions"], "MasterReady") and master_name not in refused:
+            message = "started a new master Pod; it resumes from the saved state"
+            p.actions.append(Event("Warning", "MasterRecreated", message, about=master_name))
         else:
             p.actions.append(
-                Event(
-                    "Normal", "MasterCreated", f"created master Pod {names.master(job['metadata']['name'])}"
-                )
+                Event("Normal", "MasterCreated", f"created master Pod {master_name}", about=master_name)
             )
     elif master.live and master.nodes and master.nodes != f"{spec.min_nodes}:{spec.max_nodes}":
         # nodes.min/max changed: the master takes them as flags, so it restarts (and resumes from its
@@ -319,6 +333,7 @@ def reconcile(
         followed = int(master_status.get("observedGeneration") or 0)
         acked = verdict == "suspended" and followed >= generation
         _suspend(p, status, condition, workers, phase=phase, acked=acked, spec=spec)
+        _settle_refusals(p, condition)
         p.status["observedGeneration"] = generation
         return _finish(p, status)
     resuming = False
@@ -329,6 +344,7 @@ def reconcile(
             # now would resume from an older one.
             message = f"waiting for {len(stopping)} worker Pods to stop before creating new ones"
             condition("Suspended", False, "Resuming", message)
+            _settle_refusals(p, condition)
             p.status["observedGeneration"] = generation
             return _finish(p, status)
         resuming = True
@@ -342,7 +358,9 @@ def reconcile(
         p.status["startTime"] = rfc3339(now)  # spec.activeDeadline counts from the resume, as batch/v1 Job's
 
     # --- workers -----------------------------------------------------------------------------------
-    replaced = _reconcile_workers(p, job, spec, status, workers, resuming=resuming, settings=settings)
+    replaced = _reconcile_workers(
+        p, job, spec, status, workers, resuming=resuming, refused=refused, settings=settings
+    )
     budget = spec.restart.max_evictions
     used = int(status.get("replacements", 0)) + replaced
     p.status["replacements"] = used
@@ -356,7 +374,10 @@ def reconcile(
     # A job whose worker Pods the suspension deleted has too few nodes because of that, not because any were
     # lost: it starts again (Created, then Running) instead of Restarting.
     was_up = phase in ("Running", "Restarting") and not (resuming and not any(w.live for w in workers))
-    restarting = replaced > 0 or (was_up and running < spec.min_nodes)
+    # A slot whose newest Pod exited 0 is a node that finished training (the others follow within a
+    # heartbeat, then the master's verdict): it is neither lost nor replaced.
+    finished = _finished_slots(workers, spec.max_nodes)
+    restarting = replaced > 0 or (was_up and running + finished < spec.min_nodes)
     if restarting:
         new_phase = "Restarting"
     elif master_ready and running >= spec.min_nodes:
@@ -367,12 +388,76 @@ def reconcile(
         p.actions.append(Event("Normal" if new_phase != "Restarting" else "Warning", new_phase,
                                f"job is {new_phase} with {running} of {spec.max_nodes} nodes"))  # fmt: skip
     p.status["phase"] = new_phase
+    done = f", {finished} finished" if finished else ""
+    message = f"{running} of {spec.max_nodes} worker Pods running{done} (minimum {spec.min_nodes})"
     condition("Running", new_phase == "Running", "NodesRunning" if new_phase == "Running" else "NotRunning",
-              f"{running} of {spec.max_nodes} worker Pods running (minimum {spec.min_nodes})")  # fmt: skip
+              message)  # fmt: skip
     condition("Restarting", new_phase == "Restarting", "Replacing" if restarting else "Stable",
               "replacing lost nodes" if restarting else "no node is being replaced")  # fmt: skip
+    _settle_refusals(p, condition)
     p.status["observedGeneration"] = generation
     return _finish(p, status)
+
+
+def _finished_slots(workers: Sequence[PodView], slots: int) -> int:
+    """Worker slots whose newest Pod exited 0 (Succeeded): nodes that finished training."""
+    newest: dict[int, PodView] = {}
+    for w in workers:
+        if (
+            w.slot is not None
+            and w.slot < slots
+            and (w.slot not in newest or w.incarnation > newest[w.slot].incarnation)
+        ):
+            newest[w.slot] = w
+    return sum(1 for w in newest.values() if w.phase == "Succeeded" and not w.terminating)
+
+
+def _settle_refusals(p: _Pass, condition: SetCondition) -> None:
+    """A pass with nothing left to create ends a refusal: what the API server refused exists now, or is no
+    longer wanted (a scale-down, a suspension)."""
+    if is_true(p.status["conditions"], refusals.CONDITION) and not any(
+        isinstance(a, Create) for a in p.actions
+    ):
+        condition(refusals.CONDITION, False, "Created", "the API server accepted every object the job needs")
+        p.status["refusedPods"] = []
+
+
+def _refused_for_too_long(
+    job: Mapping[str, Any], status: Mapping[str, Any], spec: JobSpec, *, now: float
+) -> str:
+    """Why the job fails now because the API server has refused its objects for longer than
+    spec.createRefusedTimeout (counted from the ReplicaFailure condition's transition); "" if it does not."""
+    c = get_condition(status.get("conditions") or [], refusals.CONDITION)
+    if not c or c.get("status") != "True" or not c.get("lastTransitionTime"):
+        return ""
+    since = parse_rfc3339(str(c["lastTransitionTime"]))
+    if now - since < spec.create_refused_timeout_s:
+        return ""
+    limit = (job.get("spec") or {}).get("createRefusedTimeout") or format_duration(
+        spec.create_refused_timeout_s
+    )
+    return (
+        f"the API server refused to create the job's objects since {rfc3339(since)}, longer than "
+        f"spec.createRefusedTimeout ({limit}): {c.get('message') or 'no message'}"
+    )
+
+
+def _master_failure(reason: str, spec: JobSpec) -> tuple[str, str]:
+    """The Failed condition's reason and message for the master's verdict. A flash-checkpoint save that did
+    not fit in /dev/shm gets a reason of its own and says which field to raise."""
+    if not resources.shared_memory_exhausted(reason):
+        return "MasterReportedFailure", reason
+    if spec.shared_memory is None:
+        hint = "spec.sharedMemory is disabled: enable it (the container runtime's /dev/shm is 64Mi)"
+    else:
+        size = resources.format_mib(spec.shared_memory)
+        fits = resources.format_mib(resources.state_fits(spec.shared_memory, spec.nproc_per_node))
+        hint = (
+            f"/dev/shm is {size} (spec.sharedMemory.sizeLimit): two slots for each of {spec.nproc_per_node} "
+            f"ranks hold about {fits} of checkpointed state per rank; raise sizeLimit (and the container's "
+            "memory limit, which its pages count against)"
+        )
+    return "SharedMemoryExhausted", f"{reason}; {hint}"
 
 
 def _gang(
@@ -424,10 +509,12 @@ def _reconcile_workers(
     workers: Sequence[PodView],
     *,
     resuming: bool = False,
+    refused: frozenset[str] = frozenset(),
     settings: OperatorSettings,
 ) -> int:
     """Worker Pod actions; returns how many replacements this pass makes. ``resuming``: the slots' Pods
-    were deleted by a suspension, so a slot without a Pod is no replacement."""
+    were deleted by a suspension, so a slot without a Pod is no replacement. ``refused``: Pods the API
+    server refused to create, asked for again under the same name (no replacement either)."""
     evictions = [e for e in status.get("evictions") or [] if isinstance(e, Mapping)]
     evicted = {str(e.get("nodeId")): e for e in evictions}
     excluded = list(status.get("excludedMachines") or [])
@@ -453,36 +540,40 @@ def _reconcile_workers(
         evict = [w for w in live if w.name in evicted]
         keep = [w for w in live if w.name not in evicted]
         cause = ""
+        # The newest incarnation was refused by the API server and never existed: ask for it again.
+        retry = (
+            newest >= 0
+            and names.worker(job["metadata"]["name"], slot=slot, incarnation=newest) in refused
+            and not any(w.incarnation == newest for w in pods)
+        )
         if evict and not keep:
             e = evicted[evict[0].name]
             cause = f"evicted by the master: {e.get('reason') or 'no reason given'}"
-        elif not live and not done:
+        elif not live and not done and not retry:
             last = pods[-1] if pods else None
             if last:
                 cause = f"{last.name} {last.phase} ({_exit(last)})"
             elif newest >= 0 and not resuming:  # the slot had a Pod; a suspension did not delete it
                 cause = "Pod vanished"
         if not keep and not done:
-            inc = newest + 1
+            inc = newest if retry else newest + 1
             pod = builders.worker_pod(job, spec, slot=slot, incarnation=inc, settings=settings,
                                       excluded_machines=excluded)  # fmt: skip
+            name = pod["metadata"]["name"]
             p.actions.append(Create(pod))
             incarnations[slot] = inc
             if cause:
                 replaced += 1
-                p.actions.append(
-                    Event(
-                        "Warning",
-                        "WorkerReplaced",
-                        f"slot {slot}: {cause}; created {pod['metadata']['name']}",
-                    )
-                )
+                p.actions.append(Event("Warning", "WorkerReplaced", f"slot {slot}: {cause}; created {name}",
+                                       about=name))  # fmt: skip
             else:
-                p.actions.append(
-                    Event("Normal", "WorkerCreated", f"created worker Pod {pod['metadata']['name']}")
-                )
+                p.actions.append(Event("Normal", "WorkerCreated", f"created worker Pod {name}", about=name))
         for w in evict:
-            p.actions.append(DeletePod(w.name))
+            # An evicted node persists nothing (the master refuses what a bad node holds), so it needs no
+            # time for the write spec.terminationGracePeriod leaves: only to stop its workers.
+            p.actions.append(
+                DeletePod(w.name, grace_period_s=math.ceil(spec.restart.grace_period_s) + EVICTED_GRACE_S)
+            )
             p.actions.append(
                 Event(
                     "Warning",

@@ -18,12 +18,14 @@ from phalanx.api.settings import (
     CheckpointSettings,
     HangSettings,
     HeartbeatSettings,
+    JobPodSettings,
     ProbeSettings,
     RendezvousSettings,
     RestartSettings,
     StragglerSettings,
     parse_duration,
 )
+from phalanx.operator import resources
 from phalanx.operator.crd import CLEAN_POD_POLICIES
 
 
@@ -39,6 +41,7 @@ class JobSpec:
     probes: ProbeSettings = field(default_factory=ProbeSettings)
     """``spec.healthChecks`` as the master's probe settings (off unless ``healthChecks.enabled``)."""
     nproc_per_node: int = 1
+    """``spec.nprocPerNode`` resolved: ``auto`` is the first container's GPU limit, else 1."""
     tensor: int = 1
     pipeline: int = 1
     cordon_bad_nodes: bool = False
@@ -47,6 +50,14 @@ class JobSpec:
     """``spec.suspend``: worker Pods are deleted (after the master acknowledged) until it is false again."""
     template: Mapping[str, Any] = field(default_factory=dict)
     master_resources: Mapping[str, Any] = field(default_factory=dict)
+    master_template: Mapping[str, Any] = field(default_factory=dict)
+    """``spec.master.template``: scheduling, pull secrets, security and resources of the master Pod."""
+    shared_memory: int | None = None
+    """``spec.sharedMemory``: bytes of the memory-backed /dev/shm of the worker Pods; None: not mounted."""
+    termination_grace_s: float = RestartSettings().grace_period_s + JobPodSettings().persist_on_exit_s
+    """``spec.terminationGracePeriod``: the worker Pods' terminationGracePeriodSeconds."""
+    create_refused_timeout_s: float = JobPodSettings().create_refused_timeout_s
+    """``spec.createRefusedTimeout``: how long the API server may refuse the job's objects before it fails."""
     active_deadline_s: float | None = None
     """``spec.activeDeadline``: seconds the job may be active (from its start or last resume); None: none."""
     ttl_after_finished_s: float | None = None
@@ -164,6 +175,67 @@ def _probes(health: Mapping[str, Any]) -> ProbeSettings:
         raise ConfigError(message, field=f"spec.healthChecks.{spec_name}") from exc
 
 
+def _shared_memory(spec: Mapping[str, Any], nproc: int, container: Mapping[str, Any]) -> int | None:
+    """``spec.sharedMemory`` -> bytes of /dev/shm (None: disabled). The default is
+    :attr:`JobPodSettings.shared_memory_per_process_mib` per process, capped at the memory limit."""
+    group, default = _group(spec, "sharedMemory"), JobPodSettings()
+    enabled = group.get("enabled", default.shared_memory)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"expected true or false, got {enabled!r}", field="spec.sharedMemory.enabled")
+    if not enabled:
+        return None
+    where = "spec.template.spec.containers[0]"
+    if group.get("sizeLimit") in (None, ""):
+        return resources.default_shared_memory(
+            nproc, container, per_process_mib=default.shared_memory_per_process_mib, field=where
+        )
+    size = int(resources.parse_quantity(group["sizeLimit"], field="spec.sharedMemory.sizeLimit"))
+    floor = int(resources.parse_quantity(resources.MIN_SHARED_MEMORY, field="MIN_SHARED_MEMORY"))
+    if size < floor:
+        raise ConfigError(
+            f"must be at least {resources.MIN_SHARED_MEMORY} (a container has that much /dev/shm without "
+            f"the volume), got {group['sizeLimit']!r}; set enabled: false for no volume",
+            field="spec.sharedMemory.sizeLimit",
+        )
+    limit = resources.memory_limit(container, field=where)
+    if limit is not None and size > limit:
+        raise ConfigError(
+            f"{group['sizeLimit']} is more than the first container's memory limit "
+            f"({container['resources']['limits']['memory']}): pages in /dev/shm count against that "
+            "limit, so the container would be OOM-killed before /dev/shm is full; raise the limit or lower "
+            "sizeLimit",
+            field="spec.sharedMemory.sizeLimit",
+        )
+    return size
+
+
+def _termination_grace(spec: Mapping[str, Any], restart: RestartSettings) -> float:
+    """``spec.terminationGracePeriod``, by default restart.gracePeriod plus
+    :attr:`JobPodSettings.persist_on_exit_s`; it must leave time to persist after the workers stopped."""
+    grace = _optional_dur(spec, "terminationGracePeriod")
+    if grace is None:
+        return restart.grace_period_s + JobPodSettings().persist_on_exit_s
+    if grace <= restart.grace_period_s:
+        raise ConfigError(
+            f"must be longer than restart.gracePeriod ({restart.grace_period_s:g}s), got "
+            f"{spec['terminationGracePeriod']!r}: an agent first stops its workers (up to gracePeriod), then "
+            "persists the newest in-memory snapshot in the time left",
+            field="spec.terminationGracePeriod",
+        )
+    return grace
+
+
+def _create_refused_timeout(spec: Mapping[str, Any]) -> float:
+    seconds = _optional_dur(spec, "createRefusedTimeout")
+    if seconds is None:
+        return JobPodSettings().create_refused_timeout_s
+    if seconds <= 0:
+        raise ConfigError(
+            f"must be greater than 0, got {spec['createRefusedTimeout']!r}", field="spec.createRefusedTimeout"
+        )
+    return seconds
+
+
 def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     """Builds a :class:`JobSpec` from an ElasticJob's ``spec``; raises ConfigError naming the field."""
     nodes = _group(spec, "nodes")
@@ -220,6 +292,17 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     containers = (template.get("spec") or {}).get("containers") or []
     if not containers:
         raise ConfigError("the worker template needs at least one container", field="spec.template")
+    where = "spec.template.spec.containers[0]"
+    nproc = resources.nproc_per_node(spec.get("nprocPerNode", 1), containers[0], field=where)
+    tensor, pipeline = int(par.get("tensor", 1)), int(par.get("pipeline", 1))
+    if (nproc * rendezvous.unit) % (tensor * pipeline):
+        raise ConfigError(
+            f"parallelism.tensor x parallelism.pipeline ({tensor} x {pipeline}) must divide nprocPerNode x "
+            f"nodes.unit ({nproc} x {rendezvous.unit}), so that every model replica fits in one unit of "
+            "nodes",
+            field="spec.parallelism",
+        )
+    master = _group(spec, "master")
     return JobSpec(
         rendezvous=rendezvous,
         heartbeat=heartbeat,
@@ -227,14 +310,18 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         restart=restart,
         checkpoint=checkpoint,
         probes=probes,
-        nproc_per_node=int(spec.get("nprocPerNode", 1)),
-        tensor=int(par.get("tensor", 1)),
-        pipeline=int(par.get("pipeline", 1)),
+        nproc_per_node=nproc,
+        tensor=tensor,
+        pipeline=pipeline,
         cordon_bad_nodes=bool(spec.get("cordonBadNodes", False)),
         clean_pod_policy=policy,
         suspend=suspend,
         template=template,
-        master_resources=(_group(spec, "master").get("resources") or {}),
+        master_resources=(master.get("resources") or {}),
+        master_template=(master.get("template") or {}),
+        shared_memory=_shared_memory(spec, nproc, containers[0]),
+        termination_grace_s=_termination_grace(spec, restart),
+        create_refused_timeout_s=_create_refused_timeout(spec),
         active_deadline_s=deadline,
         ttl_after_finished_s=ttl,
         gang_min_nodes=gang,

@@ -46,12 +46,13 @@ def sign(directory: Path, *, name: str, subject: str, ext: str) -> ClientCert:
     return ClientCert(cert=crt, key=key)
 
 
-def serving_cert(directory: Path) -> ClientCert:
+def serving_cert(directory: Path, *, extra_ips: tuple[str, ...] = ()) -> ClientCert:
+    ips = "".join(f"IP:{ip}," for ip in extra_ips)
     return sign(
         directory,
         name="apiserver",
         subject="/CN=kube-apiserver",
-        ext="subjectAltName=IP:127.0.0.1,DNS:localhost,IP:10.0.0.1,DNS:kubernetes,"
+        ext=f"subjectAltName={ips}IP:127.0.0.1,DNS:localhost,IP:10.0.0.1,DNS:kubernetes,"
         "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
         "extendedKeyUsage=serverAuth",
     )

@@ -74,6 +74,11 @@ class ControlPlane:
 
     bin_dir: Path
     state_dir: Path
+    bind_address: str = "127.0.0.1"
+    """Where the API server listens. Loopback for the process kubelet; the container nodes' bridge address
+    (k8s_harness/nodes.py) when Pods reach it through the ``kubernetes`` Service, as in a cluster."""
+    node_monitor_grace_s: int = 50
+    """How long a silent kubelet's Node stays Ready (the controller manager's default is 50 s)."""
     server: str = ""
     kubeconfig: Path = Path()
     ca: Path = Path()
@@ -106,10 +111,12 @@ class ControlPlane:
         pki = d / "pki"
         pki.mkdir(parents=True, exist_ok=True)
         self.ca, _ = certs.make_ca(pki)
-        serving = certs.serving_cert(pki)
+        serving = certs.serving_cert(pki, extra_ips=(self.bind_address,))
         admin = certs.client_cert(pki, name="admin", cn="phalanx-admin", org="system:masters")
         kcm = certs.client_cert(pki, name="kcm", cn="system:kube-controller-manager")
         sched = certs.client_cert(pki, name="scheduler", cn="system:kube-scheduler")
+        # `kubectl logs/exec` go from the API server to a kubelet, which authenticates it by this certificate.
+        to_kubelet = certs.client_cert(pki, name="kubelet-client", cn="kube-apiserver", org="system:masters")
         sa_key, sa_pub = certs.service_account_keys(pki)
 
         etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
@@ -126,13 +133,14 @@ class ControlPlane:
                 "--log-level=warn",
             ],
         )
-        self.server = f"https://127.0.0.1:{api_port}"
+        self.server = f"https://{self.bind_address}:{api_port}"
+        loopback = self.bind_address.startswith("127.")
         self._start(
             "kube-apiserver",
             [
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={self.bind_address}",
+                f"--advertise-address={self.bind_address}",
                 f"--secure-port={api_port}",
                 f"--cert-dir={pki}",
                 f"--tls-cert-file={serving.cert}",
@@ -144,7 +152,12 @@ class ControlPlane:
                 f"--service-account-signing-key-file={sa_key}",
                 "--service-cluster-ip-range=10.0.0.0/24",
                 "--allow-privileged=true",
-                "--endpoint-reconciler-type=none",  # loopback is not a valid Endpoints address
+                # Loopback is not a valid Endpoints address; a bridge address is, and Pods then reach the API
+                # server through the `kubernetes` Service as in any cluster.
+                f"--endpoint-reconciler-type={'none' if loopback else 'lease'}",
+                f"--kubelet-client-certificate={to_kubelet.cert}",
+                f"--kubelet-client-key={to_kubelet.key}",
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--enable-priority-and-fairness=false",  # one client mix, 2 cores: APF only adds work
                 "--event-ttl=1h",
                 # Gang scheduling (spec.gangScheduling): the PodGroup API, beta and off by default in 1.37.
@@ -179,7 +192,9 @@ class ControlPlane:
                 "serviceaccount-token-controller,root-ca-certificate-publisher-controller,"
                 "namespace-controller,node-lifecycle-controller,endpointslice-controller,"
                 "deployment-controller,replicaset-controller,"  # the e2e suite installs the Helm chart
+                "persistentvolume-binder-controller,"  # and gives its jobs a shared volume
                 "podgroup-protection-controller",
+                f"--node-monitor-grace-period={self.node_monitor_grace_s}s",
                 f"--feature-gates={GATES}",
             ],
         )

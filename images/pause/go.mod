@@ -1,0 +1,3 @@
+module phalanx.dev/images/pause
+
+go 1.22

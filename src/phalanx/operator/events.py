@@ -1,0 +1,73 @@
+"""Event aggregation, as client-go's EventCorrelator does it: an Event equal to one recorded for the same
+object a short while ago (same type, reason and message) counts that one up (``count``,
+``lastTimestamp``) instead of adding another object. A refusal retried every pass then reads as one
+Warning with a growing count in ``kubectl describe ej``, not a screenful of copies.
+
+Kept in the operator's memory: after a restart the first repeat creates a new Event, which is harmless.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+WINDOW_S = 600.0
+"""How long an Event keeps being counted up after its last occurrence (client-go's default as well)."""
+MAX_KEYS = 4096
+"""Distinct Events remembered; the oldest are forgotten first."""
+
+Key = tuple[str, ...]
+
+
+@dataclass
+class Seen:
+    name: str
+    count: int
+    first: str
+    """RFC 3339 time of the first occurrence: the Event's firstTimestamp."""
+    last_at: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Create a new Event named ``name``, or patch that one to ``count`` (``first`` stays)."""
+
+    name: str
+    count: int
+    first: str
+
+    @property
+    def new(self) -> bool:
+        return self.count == 1
+
+
+class Aggregator:
+    """Decides, per occurrence, whether to create an Event or count up an earlier one."""
+
+    def __init__(self, *, window_s: float = WINDOW_S, max_keys: int = MAX_KEYS) -> None:
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self._seen: OrderedDict[Key, Seen] = OrderedDict()
+        self._lock = threading.Lock()  # passes of different jobs run on kopf's worker threads
+
+    def record(self, key: Key, *, now: float, stamp: str, new_name: str) -> Decision:
+        """One occurrence of the Event ``key`` at ``now`` (``stamp`` its RFC 3339 form); ``new_name`` is
+        the name a new Event object gets."""
+        with self._lock:
+            seen = self._seen.get(key)
+            if seen is None or now - seen.last_at > self.window_s:
+                seen = Seen(name=new_name, count=1, first=stamp, last_at=now)
+            else:
+                seen.count += 1
+                seen.last_at = now
+            self._seen[key] = seen
+            self._seen.move_to_end(key)
+            while len(self._seen) > self.max_keys:
+                self._seen.popitem(last=False)
+            return Decision(name=seen.name, count=seen.count, first=seen.first)
+
+    def forget(self, key: Key) -> None:
+        """The Event is gone (its TTL expired): the next occurrence creates a new one."""
+        with self._lock:
+            self._seen.pop(key, None)

@@ -1,0 +1,227 @@
+"""The container images, built for real by scripts/images (buildah, a debootstrap base, no registry), and run.
+
+`make test` builds them before pytest (mk/images.mk), so the fixture below finds them warm and returns in a
+second or two; run alone on a cold machine it builds them (~10 minutes on 2 cores). Without root, buildah or
+debootstrap the tests skip with a loud reason, except under CI=true, where that is a failure
+(scripts/host-packages installs what is missing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "images"
+NAMES = ("phalanx", "phalanx-train", "phalanx-pause")
+# A cold build: debootstrap, the torch layer (~6 GB unpacked), exports; far more on a busy 2-core machine.
+COLD_BUILD_S = 3000
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def _missing(reason: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"IMAGES CANNOT BE BUILT: {reason} (CI=true: a skipped image test is a failure)")
+    pytest.skip(f"IMAGES CANNOT BE BUILT: {reason}")
+
+
+def buildah(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """buildah on scripts/images' own storage."""
+    flags = subprocess.run(
+        [str(SCRIPT), "--buildah-flags"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    return subprocess.run(
+        ["buildah", *flags, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def images() -> dict[str, dict[str, str]]:
+    if os.geteuid() != 0:
+        _missing("not root (debootstrap and buildah's storage need it)")
+    for tool in ("buildah", "debootstrap"):
+        if not shutil.which(tool):
+            _missing(f"no {tool}: run scripts/host-packages (as root) or `make host-packages`")
+    result = subprocess.run(
+        [str(SCRIPT), "--json"], capture_output=True, text=True, timeout=COLD_BUILD_S, check=False
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    built: dict[str, dict[str, str]] = json.loads(result.stdout)
+    return built
+
+
+def run_in(image: str, *command: str, user: str = "10001:10001", timeout: float = 300) -> str:
+    """Run a command in a fresh container of the image (buildah from + run, runc isolation), as `user`."""
+    created = buildah("from", "--pull=never", "--quiet", f"localhost/{image}")
+    assert created.returncode == 0, created.stderr
+    container = created.stdout.strip()
+    try:
+        ran = buildah("run", "--user", user, container, "--", *command, timeout=timeout)
+        assert ran.returncode == 0, f"{command} in {image}: {ran.stderr[-3000:]}"
+        return ran.stdout
+    finally:
+        buildah("rm", container)
+
+
+@pytest.mark.timeout(COLD_BUILD_S + 60)
+def test_each_image_is_a_docker_archive_named_by_its_ref(images: dict[str, dict[str, str]]) -> None:
+    assert set(images) == set(NAMES)
+    for name, image in images.items():
+        ref, tar = image["ref"], Path(image["tarball"])
+        repo, _, tag = ref.partition(":")
+        assert repo == name
+        version, _, digest = tag.rpartition("-")
+        assert version, f"{ref}: the tag is <version>-<hash of the inputs>"
+        assert len(digest) == 12, f"{ref}: the tag is <version>-<hash of the inputs>"
+        assert tar.is_file(), tar
+        with tarfile.open(tar) as archive:
+            member = archive.extractfile("manifest.json")
+            assert member is not None
+            manifest = json.load(member)
+        # ctr import stores the image under these names; a Pod that says `phalanx:<tag>` gets the first.
+        assert f"docker.io/library/{ref}" in manifest[0]["RepoTags"]
+        assert buildah("inspect", "--type", "image", f"localhost/{ref}").returncode == 0
+
+
+@pytest.mark.timeout(COLD_BUILD_S + 60)
+def test_a_warm_run_returns_at_once_with_the_same_images(images: dict[str, dict[str, str]]) -> None:
+    started = time.monotonic()
+    result = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=120, check=False)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split("=", 1) for line in result.stdout.splitlines())
+    assert lines == {name: f"{i['ref']} {i['tarball']}" for name, i in images.items()}
+    assert elapsed < 15, f"a warm scripts/images took {elapsed:.1f} s"
+
+
+@pytest.mark.timeout(COLD_BUILD_S + 300)
+def test_base_image_runs_phalanx_as_uid_10001_without_torch(images: dict[str, dict[str, str]]) -> None:
+    ref = images["phalanx"]["ref"]
+    assert "usage" in run_in(ref, "phalanx", "--help").lower()
+    out = run_in(
+        ref,
+        "python",
+        "-c",
+        "import os, importlib.util, phalanx, kubernetes; "
+        "print(os.getuid(), os.getgid(), importlib.util.find_spec('torch') is None)",
+    )
+    assert out.split() == ["10001", "10001", "True"]
+
+
+@pytest.mark.timeout(COLD_BUILD_S + 300)
+def test_train_image_imports_torch_and_phalanx_as_uid_10001(images: dict[str, dict[str, str]]) -> None:
+    out = run_in(
+        images["phalanx-train"]["ref"],
+        "python",
+        "-c",
+        "import os, torch, phalanx, numpy, safetensors; "
+        "t = torch.ones(4) * 2; print(os.getuid(), torch.__version__, float(t.sum()))",
+    )
+    uid, version, total = out.split()
+    assert uid == "10001"
+    venv_torch = subprocess.run(
+        [
+            str(ROOT / ".venv" / "bin" / "python"),
+            "-c",
+            "import importlib.metadata as m; print(m.version('torch'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert version.split("+")[0] == venv_torch.split("+")[0], "the image has the torch the tests ran"
+    assert float(total) == 8.0
+
+
+@pytest.fixture
+def pause_binary(images: dict[str, dict[str, str]], tmp_path: Path) -> Path:
+    """The /pause program, copied out of the pause image (what a node would run)."""
+    created = buildah("from", "--pull=never", "--quiet", f"localhost/{images['phalanx-pause']['ref']}")
+    assert created.returncode == 0, created.stderr
+    container = created.stdout.strip()
+    try:
+        mounted = buildah("mount", container)
+        assert mounted.returncode == 0, mounted.stderr
+        files = sorted(p.name for p in Path(mounted.stdout.strip()).iterdir())
+        assert "pause" in files
+        out = tmp_path / "pause"
+        shutil.copy2(Path(mounted.stdout.strip()) / "pause", out)
+        config = json.loads(buildah("inspect", "--type", "container", container).stdout)
+        assert config["OCIv1"]["config"]["Entrypoint"] == ["/pause"]
+        assert config["OCIv1"]["config"]["User"] == "65535:65535"
+    finally:
+        buildah("umount", container)
+        buildah("rm", container)
+    return out
+
+
+@pytest.mark.timeout(COLD_BUILD_S + 60)
+def test_pause_is_static_exits_on_sigterm_and_reaps_orphans(pause_binary: Path) -> None:
+    with pause_binary.open("rb") as f:
+        assert f.read(4) == b"\x7fELF"
+    assert b"/lib64/ld-linux" not in pause_binary.read_bytes(), "pause must be static (FROM scratch)"
+    if not shutil.which("unshare") or not shutil.which("nsenter"):
+        pytest.skip("no unshare/nsenter to give pause a PID namespace")
+    # pause as PID 1 of a PID namespace, as in a Pod sandbox.
+    with subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--mount-proc", str(pause_binary)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        try:
+            pause_pid = _wait_for_child(proc.pid, pause_binary.name)
+            # An orphan in the namespace: sh starts a short sleep and exits at once, so the sleep is
+            # re-parented to PID 1 (pause); when it exits, only pause can reap it.
+            subprocess.run(
+                ["nsenter", "-t", str(pause_pid), "-p", "--", "sh", "-c", "sleep 0.3 & exit 0"],
+                check=True,
+                timeout=10,
+            )
+            time.sleep(1.5)
+            assert not _zombies_of(pause_pid), "pause left a zombie"
+            os.kill(pause_pid, signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=10)
+            assert proc.returncode == 0
+            assert "Shutting down, got signal: terminated" in stderr
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _wait_for_child(parent: int, name: str) -> int:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for status in Path("/proc").glob("[0-9]*/status"):
+            try:
+                fields = dict(
+                    line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line
+                )
+            except OSError:
+                continue
+            if fields.get("PPid", "").strip() == str(parent) and fields.get("Name", "").strip() == name:
+                return int(status.parent.name)
+        time.sleep(0.05)
+    raise AssertionError(f"{name} did not start under {parent}")
+
+
+def _zombies_of(parent: int) -> list[int]:
+    zombies = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+        if fields.get("PPid", "").strip() == str(parent) and fields.get("State", "").startswith("Z"):
+            zombies.append(int(status.parent.name))
+    return zombies
