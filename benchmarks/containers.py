@@ -13,8 +13,9 @@ ElasticJob's status (polled every 0.2 s):
 * ``start_s``: from creating the ElasticJob to its first reported step (Pods created, scheduled, started,
   ``import torch``, rendezvous, one step);
 * ``worker_kill_s``: from a SIGKILL of one training process (inside its container: ``kubectl exec``; as a
-  process: ``kill``) to the first step reported after it, the process restarted in place by its agent and
-  the step loaded from the node's memory.
+  process: ``kill``) to the first step completed after it (rank 0 prints each step with its time), the
+  process restarted in place by its agent and the step loaded from the node's memory; ``steps_lost``: the
+  steps completed before the kill that were trained again.
 
 Medians over ``--runs`` jobs per cluster, and the ratios containers / processes, as one JSON line.
 
@@ -28,6 +29,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -43,10 +45,9 @@ from e2e.faults import KILL_ONE_RANK
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "k8s"))
 
+from k8s_harness import containers as real_nodes  # noqa: E402
 from k8s_harness.cluster import Cluster  # noqa: E402
 from k8s_harness.controlplane import ControlPlane, find_binaries  # noqa: E402
-from k8s_harness.images import built_images, example_images  # noqa: E402
-from k8s_harness.nodes import BRIDGE_IP, ContainerNodes  # noqa: E402
 
 
 def _example(*, steps: int) -> str:
@@ -71,64 +72,71 @@ def _wait(what: str, probe: Callable[[], bool], *, timeout: float) -> float:
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def one_job(kubectl: Callable[..., str], kill: Callable[[str], None], ns: str) -> dict[str, float]:
+STEP_LINE = re.compile(r"step (\d+) loss \S+ world \d+ at (\d+\.\d+)")
+
+
+def _steps(logs: str) -> list[tuple[int, float]]:
+    return [(int(n), float(t)) for n, t in STEP_LINE.findall(logs)]
+
+
+def one_job(
+    kubectl: Callable[..., str], kill: Callable[[str], float], logs: Callable[[str], str], ns: str
+) -> dict[str, float]:
     kubectl("create", "namespace", ns)
     created = time.monotonic()
     kubectl("apply", "-n", ns, "-f", "-", input_text=_example(steps=60))
     first = _wait("the first step", lambda: _status(kubectl, ns).get("step", -1) >= 0, timeout=300)
     _wait("step 10", lambda: _status(kubectl, ns).get("step", -1) >= 10, timeout=300)
-    reached = int(_status(kubectl, ns)["step"])
-    killed = time.monotonic()
-    kill(ns)
-    resumed = _wait(
-        "a step after the kill", lambda: int(_status(kubectl, ns).get("step", -1)) > reached + 1, timeout=300
-    )
+    killed = kill(ns)
+
+    def after() -> list[tuple[int, float]]:
+        return [(n, t) for n, t in _steps(logs(ns)) if t > killed]
+
+    _wait("a step after the kill", lambda: bool(after()), timeout=300)
+    before = max(n for n, t in _steps(logs(ns)) if t <= killed)
+    resumed_step, resumed_at = min(after(), key=lambda s: s[1])
+    # Gone before the next job starts: as processes, two jobs of one name on one machine share /tmp.
     kubectl("delete", "namespace", ns, "--wait=false")
-    return {"start_s": round(first - created, 2), "worker_kill_s": round(resumed - killed, 2)}
+    _wait(f"namespace {ns} gone", lambda: ns not in kubectl("get", "namespaces", "-o", "name"), timeout=300)
+    return {
+        "start_s": round(first - created, 2),
+        "worker_kill_s": round(resumed_at - killed, 2),
+        "steps_lost": max(0, before - resumed_step + 1),
+    }
 
 
 @contextlib.contextmanager
-def containers(state: Path) -> Iterator[tuple[Callable[..., str], Callable[[str], None]]]:
-    bin_dir = find_binaries()
-    assert bin_dir is not None, "run scripts/k8s-binaries first"
-    images = built_images()
-    ContainerNodes.prepare_network()
-    cp = ControlPlane(bin_dir=bin_dir, state_dir=state, bind_address=BRIDGE_IP)
-    nodes = ContainerNodes(
-        cp, images=[i.tarball for i in images.values()], pause_image=images["phalanx-pause"].ref
-    )
-    try:
-        cp.start()
-        nodes.start()
-        for name in example_images():
-            nodes.tag(images["phalanx-train"].ref, name)
-        helm = subprocess.run(
-            [str(ROOT / "scripts" / "helm-binary")], capture_output=True, text=True, check=True
-        ).stdout.split()[-1]
-        repository, _, tag = images["phalanx"].ref.rpartition(":")
-        env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig), "HOME": str(state)}
-        subprocess.run(
-            [helm, "install", "phalanx", str(ROOT / "charts" / "phalanx"), "-n", "phalanx-system",
-             "--create-namespace", "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-             "--set", "image.pullPolicy=Never", "--set", "operator.reconcileIntervalSeconds=1", "--wait"],
-            check=True, env=env, capture_output=True,
-        )  # fmt: skip
+def containers(
+    state: Path,
+) -> Iterator[tuple[Callable[..., str], Callable[[str], float], Callable[[str], str]]]:
+    with real_nodes.running(state) as started:
+        real_nodes.helm_install(
+            started, namespace="phalanx-system", values=("operator.reconcileIntervalSeconds=1",)
+        )
+        cp = started[0]
 
-        def kill(ns: str) -> None:
+        def kill(ns: str) -> float:  # the time of the kill itself: `kubectl exec` takes a while to get there
             pods = json.loads(
                 cp.kubectl("get", "pods", "-n", ns, "-l", "phalanx.dev/role=worker", "-o", "json")
             )
             name = sorted(p["metadata"]["name"] for p in pods["items"])[0]
-            cp.kubectl("exec", "-n", ns, name, "--", "python", "-c", KILL_ONE_RANK)
+            return float(cp.kubectl("exec", "-n", ns, name, "--", "python", "-c", KILL_ONE_RANK).split()[1])
 
-        yield cp.kubectl, kill
-    finally:
-        nodes.stop()
-        cp.stop()
+        def logs(ns: str) -> str:
+            pods = json.loads(
+                cp.kubectl("get", "pods", "-n", ns, "-l", "phalanx.dev/role=worker", "-o", "json")
+            )
+            return "".join(
+                cp.kubectl("logs", "-n", ns, p["metadata"]["name"], check=False) for p in pods["items"]
+            )
+
+        yield cp.kubectl, kill, logs
 
 
 @contextlib.contextmanager
-def processes(state: Path) -> Iterator[tuple[Callable[..., str], Callable[[str], None]]]:
+def processes(
+    state: Path,
+) -> Iterator[tuple[Callable[..., str], Callable[[str], float], Callable[[str], str]]]:
     bin_dir = find_binaries()
     assert bin_dir is not None
     cp = ControlPlane(bin_dir=bin_dir, state_dir=state)
@@ -141,10 +149,18 @@ def processes(state: Path) -> Iterator[tuple[Callable[..., str], Callable[[str],
         cluster.install_operator_rbac()
         cluster.start_operator()
 
-        def kill(ns: str) -> None:  # one job runs at a time: any of its ranks, found as in a container
-            subprocess.run([sys.executable, "-c", KILL_ONE_RANK], check=True, capture_output=True)
+        def kill(ns: str) -> float:  # one job runs at a time: any of its ranks, found as in a container
+            out = subprocess.run(
+                [sys.executable, "-c", KILL_ONE_RANK], check=True, capture_output=True, text=True
+            )
+            return float(out.stdout.split()[1])
 
-        yield cp.kubectl, kill
+        def logs(ns: str) -> str:  # the test kubelet keeps each Pod's output in its sandbox
+            return "".join(
+                p.read_text(errors="replace") for p in cluster.kubelet_dir.glob(f"pods/{ns}_*/container.log")
+            )
+
+        yield cp.kubectl, kill, logs
     finally:
         cluster.stop()
         cp.stop()
@@ -159,12 +175,12 @@ def main() -> int:
     for mode, cluster in (("containers", containers), ("processes", processes)):
         with (
             tempfile.TemporaryDirectory(prefix=f"phalanx-bench-{mode}-") as d,
-            cluster(Path(d)) as (kubectl, kill),
+            cluster(Path(d)) as (kubectl, kill, logs),
         ):
-            results[mode] = [one_job(kubectl, kill, f"bench-{i}") for i in range(args.runs)]
+            results[mode] = [one_job(kubectl, kill, logs, f"bench-{i}") for i in range(args.runs)]
             print(mode, results[mode], file=sys.stderr, flush=True)
     medians = {
-        mode: {k: statistics.median(r[k] for r in runs) for k in ("start_s", "worker_kill_s")}
+        mode: {k: statistics.median(r[k] for r in runs) for k in ("start_s", "worker_kill_s", "steps_lost")}
         for mode, runs in results.items()
     }
     report = {

@@ -146,33 +146,22 @@ def _host_claim(kube: Kube, here: Path, on_nodes: Path, namespace: str) -> str:
 
 def _own_cluster(home: Path) -> Iterator[Target]:
     """A control plane and two real nodes (kubelet, containerd, runc) on this machine, the images built and
-    imported into each node's containerd."""
+    imported into each node's containerd (tests/k8s/k8s_harness/containers.py)."""
     sys.path.insert(0, str(ROOT / "tests" / "k8s"))
-    from k8s_harness.controlplane import ControlPlane, find_binaries
-    from k8s_harness.images import built_images, example_images
-    from k8s_harness.nodes import BRIDGE_IP, ContainerNodes, missing_host_tools
+    from k8s_harness import containers
+    from k8s_harness.controlplane import find_binaries
+    from k8s_harness.nodes import missing_host_tools
 
     bin_dir = find_binaries()
     if bin_dir is None or not (bin_dir / "kubelet").exists():
         _missing("no Kubernetes binaries under ~/.cache/phalanx/k8s; run `make k8s-binaries` (needs Go)")
-    assert bin_dir is not None
     if missing := missing_host_tools():
         _missing(f"this machine cannot run container nodes: missing {missing} (scripts/host-packages)")
     helm = _helm_binary()
-    images = built_images()
     state = Path(tempfile.mkdtemp(prefix="phalanx-e2e-"))
-    ContainerNodes.prepare_network()
-    # A lost node is noticed after 20 s rather than the default 50 s: the scenarios wait for it.
-    cp = ControlPlane(bin_dir=bin_dir, state_dir=state, bind_address=BRIDGE_IP, node_monitor_grace_s=20)
-    nodes = ContainerNodes(
-        cp, images=[i.tarball for i in images.values()], pause_image=images["phalanx-pause"].ref
-    )
-    try:
-        cp.start()
-        nodes.start()
-        for name in example_images():  # the example runs as written, its image name included
-            nodes.tag(images["phalanx-train"].ref, name)
-        kube = Kube(str(bin_dir / "kubectl"), cp.kubeconfig)
+    # A lost node is noticed after 20 s rather than the default 50 s: a scenario waits for it.
+    with containers.running(state, node_monitor_grace_s=20) as (cp, nodes, images):
+        kube = Kube(str(cp.bin_dir / "kubectl"), cp.kubeconfig)
         yield Target(
             kube,
             Helm(helm, home, cp.kubeconfig),
@@ -185,13 +174,10 @@ def _own_cluster(home: Path) -> Iterator[Target]:
             power_on=nodes.power_on,
             storage=lambda namespace: _host_claim(kube, state / "volumes", state / "volumes", namespace),
         )
-    finally:
-        nodes.stop()
-        cp.stop()
-        if os.environ.get("PHALANX_K8S_KEEP") == "1":
-            print(f"\nkept the e2e control plane's state in {state}")
-        else:
-            cp.remove()
+    if os.environ.get("PHALANX_K8S_KEEP") == "1":
+        print(f"\nkept the e2e control plane's state in {state}")
+    else:
+        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

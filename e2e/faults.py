@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 KILL_ONE_RANK = """
-import os, signal
+import os, signal, time
 
 def training(pid):
     # A training process has the script in its command line and has been handed its round: its stdin is
@@ -16,6 +16,7 @@ def training(pid):
 
 ranks = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid() and training(p))
 os.kill(ranks[-1], signal.SIGKILL)
-print(ranks[-1])
+print(ranks[-1], time.time())
 """
-"""Python that SIGKILLs one training process of examples/elasticjob.yaml where it runs, and prints its pid."""
+"""Python that SIGKILLs one training process of examples/elasticjob.yaml where it runs, and prints its pid
+and the time of the kill."""

@@ -29,7 +29,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(480)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "elasticjob.yaml"
 LOADED = re.compile(r"flash: loaded step (\d+) from (\w+)")
-STEP = re.compile(r"^step (\d+) ", re.MULTILINE)
 
 
 @pytest.fixture
