@@ -214,4 +214,5 @@ def test_a_worker_runs_under_an_agent_that_is_pid_1_as_in_a_container(tmp_path: 
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "exit 0" in result.stdout and "trained" in result.stdout, result.stdout + result.stderr[-2000:]
+    assert "exit 0" in result.stdout, result.stdout + result.stderr[-2000:]
+    assert "trained" in result.stdout, result.stdout
