@@ -360,9 +360,14 @@ class Kubelet:
         sandbox = self._sandbox(pod)
         sandbox.mkdir(parents=True, exist_ok=True)
         container = pod.spec.containers[0]
+        # A container's /tmp is its own, and so are the sockets its processes make there (a short path: a
+        # socket's must fit in 108 bytes).
+        tmp = self.state_dir / "t" / pod.metadata.uid[:8]
+        tmp.mkdir(parents=True, exist_ok=True)
         env: dict[str, str] = {
             "PATH": f"{ROOT / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(sandbox),
+            "TMPDIR": str(tmp),
             "HOSTNAME": pod.metadata.name,
             "KUBERNETES_SERVICE_HOST": self.api_host,
             "KUBERNETES_SERVICE_PORT": self.api_port,
@@ -378,6 +383,7 @@ class Kubelet:
         uid, gid, groups = _identity(pod, container)
         mounts = self._volumes(pod, sandbox, fs_group=_fs_group(pod))
         os.chown(sandbox, uid, gid)  # the container's HOME, as the image's home directory is its user's
+        os.chown(tmp, uid, gid)
         spec = {
             "mounts": mounts,
             "argv": argv,
