@@ -41,10 +41,12 @@ import logging
 import os
 import queue
 import re
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -311,6 +313,7 @@ class Kubelet:
                 body=client.V1DeleteOptions(grace_period_seconds=0, preconditions={"uid": pod.metadata.uid}),
             )
         self.pods.pop(key, None)
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"phalanx-pod-{pod.metadata.uid[:8]}", ignore_errors=True)
 
     def _kill_now(self, key: tuple[str, str]) -> None:
         current = self.pods.pop(key, None)
@@ -360,10 +363,11 @@ class Kubelet:
         sandbox = self._sandbox(pod)
         sandbox.mkdir(parents=True, exist_ok=True)
         container = pod.spec.containers[0]
-        # A container's /tmp is its own, and so are the sockets its processes make there (a short path: a
-        # socket's must fit in 108 bytes).
-        tmp = self.state_dir / "t" / pod.metadata.uid[:8]
-        tmp.mkdir(parents=True, exist_ok=True)
+        # A container's /tmp is its own, and so are the sockets its processes make there. Under /tmp itself:
+        # the Pod's user must reach it (the state directory is root's, 0700), and a socket's path must fit in
+        # 108 bytes.
+        tmp = Path(tempfile.gettempdir()) / f"phalanx-pod-{pod.metadata.uid[:8]}"
+        tmp.mkdir(mode=0o700, exist_ok=True)
         env: dict[str, str] = {
             "PATH": f"{ROOT / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(sandbox),
