@@ -114,6 +114,29 @@ class Cluster:
         )
         (self.cp.state_dir / "operator.pid").write_text(str(self.operator.pid))
 
+    def power_off(self, node: str) -> None:
+        """One process node's machine dies (see the test kubelet's docstring): its Pods' processes are
+        killed and its Lease goes stale; the other nodes run on."""
+        self._power(node, "off")
+
+    def power_on(self, node: str) -> None:
+        """A node :meth:`power_off` killed boots again, empty."""
+        self._power(node, "on")
+
+    def _power(self, node: str, state: str) -> None:
+        if node not in PROCESS_NODES:
+            raise ValueError(f"{node} is not one of the process nodes {PROCESS_NODES}")
+        power = self.kubelet_dir / "power"
+        power.mkdir(exist_ok=True)
+        (power / node).write_text(state)
+        applied = power / f"{node}.applied"
+        self.wait_for(
+            f"the test kubelet to power {node} {state}",
+            lambda: applied.exists() and applied.read_text() == state,
+            timeout=30,
+            interval=0.1,
+        )
+
     def kill_operator(self) -> None:
         _stop(self.operator, sig=signal.SIGKILL)
 

@@ -28,6 +28,11 @@ Run as its own process: ``python -m k8s_harness.kubelet --kubeconfig K --state-d
   The interpreter may live under a directory other users cannot enter (/root): ``podexec.py`` re-exposes
   it (and the checkout) inside the Pod's mount namespace before dropping root.
 * Simulated nodes: Pods bound to them are marked Running (with an IP) without a process, for scale tests.
+* Power: writing ``off`` to ``<state-dir>/power/<node>`` is that machine dying: its Pods' processes are
+  SIGKILLed, nothing is reported, its Lease is no longer renewed (the node controller marks it NotReady as
+  for a real lost node). ``on`` boots it again, empty: the Pods still bound to it are reported terminated
+  (ContainerStatusUnknown, as a real kubelet does after a reboot) or removed if they were being deleted.
+  The kubelet acknowledges by writing the state it applied to ``<node>.applied``.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class Running:
     proc: subprocess.Popen[bytes] | None
     uid: str
     started_at: str
+    node: str
     kill_at: float | None = None
     done: bool = False
 
@@ -111,12 +117,13 @@ class Kubelet:
     api_host: str
     api_port: str
     pods: dict[tuple[str, str], Running] = field(default_factory=dict)
+    powered_off: set[str] = field(default_factory=set)
     events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
     stop: threading.Event = field(default_factory=threading.Event)
 
     # --- nodes -------------------------------------------------------------------------------------
     def register_nodes(self) -> None:
-        for name in [*self.nodes, *self.simulated]:
+        for name in [n for n in [*self.nodes, *self.simulated] if n not in self.powered_off]:
             sim = name in self.simulated
             body = {
                 "metadata": {
@@ -168,7 +175,7 @@ class Kubelet:
         }
 
     def renew_leases(self) -> None:
-        for name in [*self.nodes, *self.simulated]:
+        for name in [n for n in [*self.nodes, *self.simulated] if n not in self.powered_off]:
             body = {
                 "metadata": {"name": name, "namespace": "kube-node-lease"},
                 "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": _micro_now()},
@@ -207,6 +214,8 @@ class Kubelet:
 
     def handle(self, ev: dict[str, Any]) -> None:
         pod = ev["object"]
+        if pod.spec.node_name in self.powered_off:
+            return  # a dead machine hears nothing
         key = (pod.metadata.namespace, pod.metadata.name)
         if ev["type"] == "DELETED":
             self._kill_now(key)
@@ -233,10 +242,12 @@ class Kubelet:
                 proc = self._launch(pod, ip)
             except Exception as exc:
                 log.exception("cannot start %s/%s", ns, name)
-                self.pods[key] = Running(proc=None, uid=pod.metadata.uid, started_at=started, done=True)
+                self.pods[key] = Running(
+                    proc=None, uid=pod.metadata.uid, started_at=started, node=pod.spec.node_name, done=True
+                )
                 self._patch_status(pod, self._terminated_status(pod, 128, "StartError", started, str(exc)))
                 return
-        self.pods[key] = Running(proc=proc, uid=pod.metadata.uid, started_at=started)
+        self.pods[key] = Running(proc=proc, uid=pod.metadata.uid, started_at=started, node=pod.spec.node_name)
         status = {
             "phase": "Running",
             "podIP": ip,
@@ -542,6 +553,40 @@ class Kubelet:
                     elif item.field_ref and item.field_ref.field_path == "metadata.name":
                         _write(d / item.path, pod.metadata.name.encode(), item.mode or default)
 
+    # --- power -------------------------------------------------------------------------------------
+    def apply_power(self) -> None:
+        """Applies what ``<state-dir>/power/<node>`` asks (see the module's docstring)."""
+        power = self.state_dir / "power"
+        for request in power.glob("*") if power.is_dir() else []:
+            node, wanted = request.name, request.read_text().strip()
+            if request.suffix or node not in self.nodes:
+                continue
+            if (wanted == "off") != (node in self.powered_off):
+                self.power_off(node) if wanted == "off" else self.power_on(node)
+            (power / f"{node}.applied").write_text(wanted)
+
+    def power_off(self, node: str) -> None:
+        self.powered_off.add(node)
+        for key, cur in list(self.pods.items()):
+            if cur.node == node:
+                self._kill_now(key)
+        log.info("node %s powered off", node)
+
+    def power_on(self, node: str) -> None:
+        self.powered_off.discard(node)
+        self.register_nodes()
+        self.renew_leases()
+        for pod in self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}").items:
+            if pod.metadata.deletion_timestamp is not None:
+                self._remove(pod)
+            elif pod.status.phase in ("Pending", "Running"):
+                started = pod.status.start_time.isoformat() if pod.status.start_time else now_rfc3339()
+                message = "The container could not be located when the pod was terminated"
+                self._patch_status(
+                    pod, self._terminated_status(pod, 137, "ContainerStatusUnknown", started, message)
+                )
+        log.info("node %s powered on", node)
+
     # --- main loop ---------------------------------------------------------------------------------
     def run(self) -> None:
         self.register_nodes()
@@ -559,6 +604,10 @@ class Kubelet:
             except Exception:
                 log.exception("event handling failed")
             self.reap()
+            try:
+                self.apply_power()
+            except Exception:
+                log.exception("power request failed")
             if time.monotonic() >= next_lease:
                 next_lease = time.monotonic() + 5
                 try:
