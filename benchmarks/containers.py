@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -240,12 +241,12 @@ def main() -> int:
     for mode, cluster in (("containers", containers), ("processes", processes)):
         if args.only not in (None, mode):
             continue
-        with (
-            tempfile.TemporaryDirectory(prefix=f"phalanx-bench-{mode}-") as d,
-            cluster(Path(d)) as target,
-        ):
+        state = Path(tempfile.mkdtemp(prefix=f"phalanx-bench-{mode}-"))
+        with cluster(state) as target:
             results[mode] = [one_job(target, f"bench-{i}") for i in range(args.runs)]
             print(mode, results[mode], file=sys.stderr, flush=True)
+        if os.environ.get("PHALANX_K8S_KEEP") != "1":  # else kept for a look at the logs
+            shutil.rmtree(state, ignore_errors=True)
     measures = ("start_s", "worker_kill_s", "steps_lost", "node_loss_s", "node_loss_steps_lost")
     medians = {
         mode: {k: statistics.median(r[k] for r in runs) for k in measures} for mode, runs in results.items()

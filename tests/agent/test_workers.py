@@ -79,6 +79,12 @@ def test_unhandled_exception_exits_1_with_traceback(tmp_path: Path) -> None:
     assert w.tail[0].startswith("Traceback")
 
 
+def test_a_spare_imports_what_an_optimizer_imports_before_its_round() -> None:
+    """torch.optim imports torch._dynamo when an optimizer is built: seconds a restart would wait for."""
+    command = workers.LaunchSpec(script="train.py", script_args=[]).command()
+    assert command[command.index("--preimport") + 1].split(",") == ["torch", "torch._dynamo"]
+
+
 def test_spare_without_hand_over_exits_quietly(tmp_path: Path) -> None:
     spec = workers.LaunchSpec(script="/nonexistent.py", script_args=[], preimport="")
     w = workers.spawn(spec, local_rank=0, env=dict(os.environ), cwd=None, max_line_bytes=100)

@@ -32,6 +32,13 @@ LineSink = Callable[[int, int, int, str], None]
 """Called with (rank, local_rank, stream 1=stdout 2=stderr, text) for every worker output line."""
 
 
+WARM_IMPORTS = "torch,torch._dynamo"
+"""What a warm spare imports before a round needs it. ``torch._dynamo`` too: every ``torch.optim`` optimizer
+imports it when built (sympy, triton, inductor: 3 s on an idle 2-core machine, 20 s on a busy one), so a
+spare that imported torch alone still left that on every restart's path, and recovery depended on whether
+the script builds an optimizer."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
     """How to run the user's program."""
@@ -40,7 +47,7 @@ class LaunchSpec:
     script_args: list[str]
     module: bool = False
     no_python: bool = False
-    preimport: str = "torch"
+    preimport: str = WARM_IMPORTS
 
     def command(self) -> list[str]:
         mode = "--exec" if self.no_python else "--module" if self.module else "--script"

@@ -176,6 +176,8 @@ class ContainerNodes:
     names: tuple[str, ...] = ("node-1", "node-2")
     nodes: list[Node] = field(default_factory=list)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Other names :meth:`tag` gave images (alias -> image), kept by a node that boots again."""
     _lock: IO[str] | None = None
 
     @property
@@ -448,6 +450,10 @@ disabled_plugins = [{cri_plugin if not cri else ""}]
                 if self.nodes and node is not self.nodes[0]:
                     _share_blobs(self.nodes[0].root, node.root)
                 node.ctr("images", "import", str(tarball))
+            for alias, ref in self.aliases.items():  # a node that boots again still knows them
+                if ref in current:
+                    node.ctr("images", "tag", "--force", ref, alias, timeout=60)
+                    current.add(alias)
             # Images of earlier builds (and names given to them) go, and with them their layers: only what
             # this run imported stays, or every source change would leave gigabytes behind.
             stale = sorted(set(node.ctr("images", "list", "-q").split()) - current)
@@ -550,6 +556,7 @@ disabled_plugins = [{cri_plugin if not cri else ""}]
     def tag(self, ref: str, alias: str) -> None:
         """Every node's runtime also knows image ``ref`` as ``alias``: what a team that built the image and
         pushed it to its own registry under that name has on its nodes."""
+        self.aliases[_normalized(alias)] = _normalized(ref)
         for node in self.nodes:
             node.ctr("images", "tag", "--force", _normalized(ref), _normalized(alias), timeout=60)
 
