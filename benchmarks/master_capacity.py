@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-TOKEN = "benchmark-token"
+TOKEN = "benchmark-token-0123"
 STEP_S = 0.1  # the simulated ranks' step time
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 

@@ -188,6 +188,9 @@ def phalanx(target: Target) -> Iterator[Target]:
         "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--create-namespace",
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
         "--set", "operator.reconcileIntervalSeconds=1",
+        # One replica: the node-loss scenario spares the operator's node (tests/k8s/test_operator_ha.py runs
+        # two replicas and kills the leader).
+        "--set", "operator.replicas=1",
         *(arg for value in target.chart_values for arg in ("--set", value)),
     )  # fmt: skip
     try:

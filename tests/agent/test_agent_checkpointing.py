@@ -27,6 +27,12 @@ from phalanx.checkpoint import protocol, shm
 from phalanx.checkpoint.host import process_running
 from tests.agent.helpers import master_process
 
+
+def _node_files(shm_root: Path) -> list[Path]:
+    """Every file the node keeps in its shared-memory root: beacons there, slots in the user's directory."""
+    return sorted(p for p in shm_root.rglob("*") if not p.is_dir())
+
+
 # ------------------------------------------------------------------------------------------------------
 # Pure decisions
 
@@ -212,12 +218,12 @@ def test_host_lifecycle_persists_agreed_step_and_unlinks(tmp_path: Path) -> None
         from phalanx.checkpoint import storage as storage_lib
 
         assert storage_lib.committed_steps(storage_lib.open_storage(str(storage))) == [7]
-        assert len(list(shm_root.iterdir())) == 4
+        assert len(_node_files(shm_root)) == 4
     finally:
         started = time.monotonic()
         host.stop()
     assert time.monotonic() - started < 5
-    assert not list(shm_root.iterdir())
+    assert not _node_files(shm_root)
     assert not Path(env[protocol.ENV_SOCKET]).exists()
 
 
@@ -325,7 +331,7 @@ def test_a_host_that_dies_or_hangs_is_replaced_with_the_nodes_snapshots(
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    assert not list(shm_root.iterdir())
+    assert not _node_files(shm_root)
     assert not any(process_running(pid) for pid in pids)
 
 
@@ -513,11 +519,11 @@ def test_host_outlives_a_killed_agent_only_to_release_the_memory(tmp_path: Path)
     try:
         with contextlib.closing(protocol.HostClient(host["socket"])) as client:
             assert client.call({"op": "alloc", "rank": 0, "size": 4096})["ok"]
-        assert len(list(shm_root.iterdir())) == 3  # two slots and the beacon
+        assert len(_node_files(shm_root)) == 3  # two slots and the beacon
     finally:
         _kill_agent(agent)
     assert _wait_gone(host["pid"], checkpointing.IDLE_EXIT_S + 10), "the orphaned host never exited"
-    assert not any(shm_root.iterdir()), list(shm_root.iterdir())
+    assert not _node_files(shm_root), _node_files(shm_root)
 
 
 @pytest.mark.integration
@@ -558,6 +564,6 @@ def test_agent_restarted_within_the_idle_limit_keeps_the_snapshot_in_memory(tmp_
         with contextlib.closing(protocol.HostClient(new["socket"])) as client:
             assert client.call({"op": "stop"})["ok"]
         assert _wait_gone(new["pid"], 30), "the new host did not stop"
-        assert not any(shm_root.iterdir()), list(shm_root.iterdir())
+        assert not _node_files(shm_root), _node_files(shm_root)
     finally:
         _kill_agent(second)

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from phalanx.checkpoint import shm
 from phalanx.checkpoint import storage as storage_lib
 from tests.agent.helpers import DDP, master_process, phalanx_local
 from tests.conftest import aws_env, environment, minio_server
@@ -29,7 +30,10 @@ STRADDLE = Path(__file__).with_name("straddle_worker.py")
 
 
 def _job_leftovers(job_id: str) -> list[Path]:
-    return [p for p in SHM.iterdir() if job_id in p.name]
+    """The job's files in /dev/shm: beacons at its root, slots in the user's directory there."""
+    private = shm.private_dir(SHM)
+    mine = list(private.iterdir()) if private.is_dir() else []
+    return [p for p in [*SHM.iterdir(), *mine] if job_id in p.name]
 
 
 def _committed_steps(storage: Path) -> list[int]:

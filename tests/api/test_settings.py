@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import typing
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from phalanx.api import settings as settings_module
 from phalanx.api.errors import ConfigError, PhalanxError
 from phalanx.api.settings import (
     AgentSettings,
@@ -218,3 +222,118 @@ def test_config_error_is_a_phalanx_error_and_a_value_error() -> None:
     assert isinstance(error, PhalanxError)
     assert isinstance(error, ValueError)
     assert str(error) == "x: must be positive"
+
+
+# ------------------------------------------------------------------------------------------------------
+# Non-finite numbers: refused in every float setting of every group, whichever way it was given.
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _groups() -> list[type]:
+    return [
+        obj
+        for obj in vars(settings_module).values()
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__name__.endswith("Settings")
+    ]
+
+
+def _float_fields() -> list[tuple[type, str]]:
+    return [
+        (cls, f.name) for cls in _groups() for f in dataclasses.fields(cls) if _hints(cls)[f.name] is float
+    ]
+
+
+def _root_and_path(cls: type, name: str) -> tuple[type, list[str]] | None:
+    """The top-level settings class holding ``cls`` and the path to its field ``name``, if any holds it."""
+    for root in (MasterSettings, AgentSettings, settings_module.OperatorSettings):
+        if root is cls:
+            return root, [name]
+        for f in dataclasses.fields(root):
+            sub = _hints(root)[f.name]
+            if sub is cls:
+                return root, [f.name, name]
+            if dataclasses.is_dataclass(sub):
+                for g in dataclasses.fields(sub):
+                    if _hints(sub)[g.name] is cls:
+                        return root, [f.name, g.name, name]
+    return None
+
+
+def test_every_settings_group_has_float_fields_to_check() -> None:
+    assert len(_groups()) >= 12
+    assert len(_float_fields()) >= 20
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_numbers_are_refused_in_every_float_setting_built_in_code(value: float) -> None:
+    for cls, name in _float_fields():
+        with pytest.raises(ConfigError, match=rf"^{name}: must be a finite number, got (nan|inf|-inf)"):
+            cls(**{name: value})
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN", "inf", "-inf", "Infinity", "1e999"])
+def test_non_finite_numbers_are_refused_from_flags_env_and_specs_naming_the_setting(text: str) -> None:
+    checked = 0
+    for cls, name in _float_fields():
+        found = _root_and_path(cls, name)
+        if found is None:
+            continue
+        root, path = found
+        tree: dict[str, object] = {}
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})  # type: ignore[assignment]
+        node[path[-1]] = text
+        job_id = {"job_id": "j"} if "job_id" in {f.name for f in dataclasses.fields(root)} else {}
+        tree.update(job_id)
+        dotted = ".".join(path)
+        with pytest.raises(ConfigError, match=rf"^{dotted}: ") as err:
+            from_mapping(root, tree)
+        assert "finite" in str(err.value) or "expected" in str(err.value), str(err.value)
+        env = {"PHALANX_" + "_".join(path).upper(): text}
+        with pytest.raises(ConfigError, match=rf"^{dotted}: "):
+            from_env(root, {**env, **{"PHALANX_JOB_ID": v for v in job_id.values()}})
+        checked += 1
+    assert checked >= 19  # JobPodSettings is built by the operator from the CRD only (tested above)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "nan", "1e999", "inf"])
+def test_parse_duration_refuses_non_finite_values(value: float | str) -> None:
+    with pytest.raises(ConfigError, match=r"^hang-floor: "):
+        parse_duration(value, name="hang-floor")
+
+
+def test_an_integer_setting_given_infinity_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match=r"^rendezvous.min_nodes: expected an integer"):
+        from_mapping(MasterSettings, {"job_id": "j", "rendezvous": {"min_nodes": math.inf}})
+
+
+def test_the_operators_trust_switches_are_operator_settings_off_unless_the_administrator_sets_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cordon_nodes, network_policy and monitoring_namespace live in OperatorSettings: one table gives
+    their PHALANX_OPERATOR_* variables (which the chart sets), their flags and their docs."""
+    from phalanx.cli.main import build_parser
+    from phalanx.cli.operator import settings_from
+
+    shipped = settings_module.OperatorSettings()
+    assert (shipped.cordon_nodes, shipped.network_policy, shipped.monitoring_namespace) == (
+        False, False, "monitoring",
+    )  # fmt: skip
+    names = env_names(settings_module.OperatorSettings, prefix="PHALANX_OPERATOR_")
+    assert "spec.cordonBadNodes" in names["PHALANX_OPERATOR_CORDON_NODES"]
+    assert {"PHALANX_OPERATOR_NETWORK_POLICY", "PHALANX_OPERATOR_MONITORING_NAMESPACE"} <= names.keys()
+    for name in ("PHALANX_OPERATOR_CORDON_NODES", "PHALANX_OPERATOR_NETWORK_POLICY"):
+        monkeypatch.setenv(name, "true")
+    monkeypatch.setenv("PHALANX_OPERATOR_MONITORING_NAMESPACE", "prom")
+    on = settings_from(build_parser().parse_args(["operator"]))
+    assert (on.cordon_nodes, on.network_policy, on.monitoring_namespace) == (True, True, "prom")
+    flagged = settings_from(build_parser().parse_args(["operator", "--cordon-nodes", "false"]))
+    assert flagged.cordon_nodes is False, "a flag overrides the environment"
+    monkeypatch.setenv("PHALANX_OPERATOR_CORDON_NODES", "maybe")
+    with pytest.raises(ConfigError, match="cordon_nodes"):
+        settings_from(build_parser().parse_args(["operator"]))

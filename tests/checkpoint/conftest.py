@@ -17,8 +17,8 @@ SHM = Path("/dev/shm")
 
 
 def job_segments(job_id: str) -> list[str]:
-    """The /dev/shm entries of a job."""
-    return sorted(p.name for p in SHM.iterdir() if p.name.startswith(shm.job_prefix(job_id)))
+    """The shared-memory files of a job (in this user's directory of /dev/shm)."""
+    return [p.name for p in shm.job_files(SHM, job_id)]
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def job_id() -> Iterator[str]:
     yield job
     left = job_segments(job)
     for name in left:  # clean up before failing, so one bad test does not leak into the next
-        (SHM / name).unlink(missing_ok=True)
+        (shm.private_dir(SHM) / name).unlink(missing_ok=True)
     assert not left, f"shared memory of job {job} left behind: {left}"
 
 

@@ -4,10 +4,12 @@
 loading must agree on the newest step both hold. ``load``: ranks load from a node without memory; with
 ``--replicas`` ranks r and r+2 share shard r % 2 and one of them reads it from storage. ``save-ddp``: every
 rank saves the same state (data-parallel replicas) at steps 1 to 3, memory only; ``load-ddp``: a world of
-another size loads it, ``--replicated`` or not. ``save-late``: 2 ranks save steps 1 to 4 and persist step 2,
-and rank 0 step 4 too (uncommitted: rank 1's shard is missing); ``load-late``: rank 0 is a newcomer without
-memory and loads at once, rank 1 first persists step 4 (committing it), as an agent that restarts its
-workers only once its save at breakpoint is on storage.
+another size loads it, ``--replicated`` or not; with ``--newcomer-shm-dir`` its last rank runs on a node of
+its own (that memory, empty), as a replacement node does. ``save-late``: 2 ranks save steps 1 to 4 and
+persist step 2, and rank 0 step 4 too (uncommitted: rank 1's shard is missing); ``load-late``: rank 0 is a
+newcomer without memory and loads at once, rank 1 first persists step 4 (committing it), as an agent that
+restarts its workers only once its save at breakpoint is on storage. ``corrupt-loads``: see
+:func:`corrupt_loads`.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from phalanx.checkpoint import Checkpointer
+from phalanx.api.errors import CheckpointError
+from phalanx.checkpoint import Checkpointer, storage
 
 
 def shard(rank: int, step: int) -> dict[str, torch.Tensor]:
@@ -35,13 +41,70 @@ def load_own_shard(ckpt: Checkpointer, rank: int) -> dict[str, object]:
     return {"step": step, "source": ckpt.last_load["source"], "ok": same}
 
 
+def _rewrite_manifest(store: str, step: int, rank: int, change: Callable[[dict[str, Any]], str]) -> None:
+    path = Path(store) / storage.manifest_file(step, rank)
+    path.write_text(change(json.loads(path.read_text())))
+
+
+def _load_from_storage(store: str, shm_dir: str, rank: int) -> dict[str, Any]:
+    """Loads on a node without memory: the step and whether it is this rank's shard of it, or the error
+    raised, and how long it took; then meets the other ranks (none may be left in a collective)."""
+    ckpt = Checkpointer(storage=store, shm_dir=shm_dir)
+    started = time.monotonic()
+    got: dict[str, Any] = {}
+    try:
+        step, state = ckpt.load()  # type: ignore[misc]
+        got.update(step=step, ok=all(torch.equal(state["model"][k], v) for k, v in shard(rank, step).items()))
+    except CheckpointError as exc:
+        got.update(error=type(exc).__name__, message=str(exc))
+    got["seconds"] = time.monotonic() - started
+    dist.barrier()
+    ckpt.close()
+    return got
+
+
+def corrupt_loads(store: str, shm_dir: str, rank: int) -> dict[str, Any]:
+    """2 ranks persist steps 1 and 2. Rank 0 then makes rank 1's manifest of step 2 malformed (a tensor's
+    shape is a string), and both load from a node without memory (``first``); then it breaks step 1 too
+    (a skeleton naming a tensor that does not exist in its own manifest, truncated JSON in rank 1's), and
+    both load again (``second``)."""
+    ckpt = Checkpointer(storage=store)
+    for step in (1, 2):
+        ckpt.save(step, {"model": shard(rank, step), "step": step}, persist=True)
+    ckpt.wait()
+    ckpt.close()
+    dist.barrier()
+
+    def bad_shape(manifest: dict[str, Any]) -> str:
+        manifest["meta"]["tensors"][0]["shape"] = "64x32"
+        return json.dumps(manifest)
+
+    def bad_skeleton(manifest: dict[str, Any]) -> str:
+        manifest["meta"]["skeleton"] = {"D": [[{"v": "model"}, {"T": 99}]]}
+        return json.dumps(manifest)
+
+    if rank == 0:
+        _rewrite_manifest(store, 2, 1, bad_shape)
+    dist.barrier()
+    first = _load_from_storage(store, shm_dir, rank)
+    if rank == 0:
+        _rewrite_manifest(store, 1, 0, bad_skeleton)
+        _rewrite_manifest(store, 1, 1, lambda manifest: json.dumps(manifest)[:40])
+    dist.barrier()
+    return {"first": first, "second": _load_from_storage(store, shm_dir, rank)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load", "save-ddp", "load-ddp", "save-late", "load-late"])
+    parser.add_argument(
+        "mode",
+        choices=["save", "load", "save-ddp", "load-ddp", "save-late", "load-late", "corrupt-loads"],
+    )
     parser.add_argument("--storage", required=True)
     parser.add_argument("--shm-dir", default=None)
     parser.add_argument("--replicas", action="store_true")
     parser.add_argument("--replicated", action="store_true")
+    parser.add_argument("--newcomer-shm-dir", default=None)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -69,13 +132,16 @@ def main() -> int:
             ckpt.wait()
         result.update(load_own_shard(ckpt, rank))
         ckpt.close()
+    elif args.mode == "corrupt-loads":
+        result.update(corrupt_loads(args.storage, args.shm_dir, rank))
     elif args.mode == "save-ddp":
         ckpt = Checkpointer(storage=args.storage)
         for step in (1, 2, 3):
             ckpt.save(step, {"model": shard(0, step), "step": step})
         ckpt.close()
     elif args.mode == "load-ddp":
-        ckpt = Checkpointer(storage=args.storage)
+        newcomer = args.newcomer_shm_dir if rank == world - 1 else None
+        ckpt = Checkpointer(storage=args.storage, shm_dir=newcomer)
         loaded = ckpt.load(replicated=args.replicated)
         result.update(step=None, source=ckpt.last_load["source"], reads=ckpt.last_load["storage_reads"])
         if loaded is not None:

@@ -79,6 +79,27 @@ def test_data_parallel_replicas_load_from_memory_when_ranks_move(
     assert [(r["step"], r["source"], r["reads"], r["ok"]) for r in shared] == [(3, "memory", 0, True)] * 3
 
 
+def test_a_replacement_node_gets_the_data_parallel_state_from_a_survivor_s_memory(
+    host: host_mod.HostHandle, store: Path, tmp_path: Path
+) -> None:
+    """A node was lost and its replacement's memory is empty; nothing was persisted. Its rank loads the
+    newest step from a survivor, instead of the whole job starting over: the lowest rank holding it reads
+    it from its memory and hands it to the others."""
+    run_ranks(host, 2, "save-ddp", f"--storage={store}")
+    empty = tmp_path / "replacement-node-shm"
+    empty.mkdir()
+    plain = run_ranks(host, 3, "load-ddp", f"--storage={store}", f"--newcomer-shm-dir={empty}")
+    assert [r["step"] for r in plain] == [None, None, None]
+    shared = run_ranks(
+        host, 3, "load-ddp", f"--storage={store}", f"--newcomer-shm-dir={empty}", "--replicated"
+    )
+    assert [(r["step"], r["source"], r["reads"], r["ok"]) for r in shared] == [
+        (3, "memory", 0, True),
+        (3, "peer", 0, True),
+        (3, "peer", 0, True),
+    ]
+
+
 def test_a_newcomer_sees_the_step_a_peer_committed_before_its_workers_started(
     host: host_mod.HostHandle, store: Path, tmp_path: Path
 ) -> None:
@@ -90,3 +111,21 @@ def test_a_newcomer_sees_the_step_a_peer_committed_before_its_workers_started(
     empty.mkdir()
     loaded = run_ranks(host, 2, "load-late", f"--storage={store}", f"--shm-dir={empty}")
     assert [(r["step"], r["source"], r["ok"]) for r in loaded] == [(4, "storage", True), (4, "memory", True)]
+
+
+def test_a_malformed_manifest_fails_every_rank_at_once(
+    host: host_mod.HostHandle, store: Path, tmp_path: Path
+) -> None:
+    """Only rank 1's manifest of step 2 is malformed: both ranks skip step 2 and load step 1, instead of
+    rank 1 raising while rank 0 waits in the vote. With step 1 broken too, differently on each rank (a
+    skeleton that does not decode, truncated JSON), nothing is left: every rank raises the same
+    CheckpointCorruptError, promptly (see dist_worker.corrupt_loads)."""
+    empty = tmp_path / "new-node-shm"
+    empty.mkdir()
+    ranks = run_ranks(host, 2, "corrupt-loads", f"--storage={store}", f"--shm-dir={empty}")
+    assert [(r["first"].get("step"), r["first"].get("ok")) for r in ranks] == [(1, True)] * 2, ranks
+    second = [r["second"] for r in ranks]
+    assert [r.get("error") for r in second] == ["CheckpointCorruptError"] * 2, second
+    assert second[0]["message"] == second[1]["message"]
+    assert "steps [1, 2]" in second[0]["message"]
+    assert all(r["seconds"] < 20 for r in second), second

@@ -489,4 +489,4 @@ def test_full_shared_memory_is_a_clear_error_and_the_last_snapshot_survives(
         ckpt.close()
     finally:
         handle.stop()
-    assert not [p for p in tiny_shm.iterdir() if p.name.startswith(shm.job_prefix(job_id))]
+    assert not shm.job_files(tiny_shm, job_id)

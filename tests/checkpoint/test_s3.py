@@ -142,7 +142,7 @@ def test_a_bucket_that_does_not_exist_is_a_clear_error_and_the_memory_snapshot_s
         ckpt = Checkpointer()
         state = {"w": torch.arange(1000, dtype=torch.float32)}
         ckpt.save(3, state, persist=True)
-        with pytest.raises(PersistError, match=r"s3://no-such-bucket/x/step-000000000003/.*NoSuchBucket"):
+        with pytest.raises(PersistError, match=r"s3://no-such-bucket/x/.*NoSuchBucket"):
             ckpt.wait()
         with pytest.warns(CheckpointWarning, match="s3://no-such-bucket/x.*loading from memory only"):
             step, got = ckpt.load()  # type: ignore[misc]

@@ -99,6 +99,21 @@ INVALID = [
         _with("spec.gangScheduling", {"enabled": True, "minNodes": 0}),
         "should be greater than or equal to 1",
     ),
+    # Bounds: the operator's memory and API calls grow with these (docs/security.md lists them all).
+    ("nodes-max", _with("spec.nodes", {"min": 1, "max": 2147483647}), "less than or equal to 5000"),
+    ("nproc-max", _with("spec.nprocPerNode", 1000), "nprocPerNode must be at most 128"),
+    ("restarts-max", _with("spec.restart", {"maxRestarts": 10**6}), "less than or equal to 10000"),
+    (
+        "interval-max",
+        _with("spec.heartbeat", {"interval": "2h", "timeout": "5h"}),
+        "heartbeat.interval must be at most 1m",
+    ),
+    ("deadline-max", _with("spec.activeDeadline", "100000h"), "activeDeadline must be at most 8760h"),
+    (
+        "shm-max",
+        _with("spec.sharedMemory", {"sizeLimit": "5Ti"}),
+        "sharedMemory.sizeLimit must be at most 4Ti",
+    ),
 ]
 
 

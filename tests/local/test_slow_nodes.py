@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from phalanx.checkpoint import shm
 from tests.agent.helpers import phalanx_local
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -97,4 +98,5 @@ def test_a_node_with_a_capped_cpu_is_found_by_the_matmul_probe_and_replaced(
     assert s["steps_completed"] == 500
     # The node's cgroup went with it, and so did its checkpoint memory (its host was killed in the group).
     assert not list(Path("/sys/fs/cgroup").glob(f"*/phalanx-{s['job_id']}-*")), "a cgroup was left behind"
-    assert not list(Path("/dev/shm").glob(f"phx-{s['job_id']}.*")), "checkpoint segments were left behind"
+    slots = shm.private_dir(Path("/dev/shm"))  # the user's directory of checkpoint slots
+    assert not list(slots.glob(f"phx-{s['job_id']}.*")), "checkpoint segments were left behind"

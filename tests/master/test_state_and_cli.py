@@ -100,3 +100,54 @@ def test_cli_refuses_to_start_without_token(tmp_path: Path, capsys: pytest.Captu
     assert "token" in capsys.readouterr().err
     (tmp_path / "t").write_text("two words")
     assert cli_main.main(["master", "--job-id", "j1", "--token-file", str(tmp_path / "t")]) == 1
+
+
+def test_a_short_token_is_refused_naming_the_setting_never_the_token(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "t").write_text("fifteen-chars-x\n")  # 15 characters: one short of the minimum
+    assert cli_main.main(["master", "--job-id", "j1", "--token-file", str(tmp_path / "t")]) == 1
+    err = capsys.readouterr().err
+    assert "token_file: " in err
+    assert "at least 16 characters" in err
+    assert "fifteen-chars-x" not in err
+    (tmp_path / "m").write_text("short-metrics")
+    (tmp_path / "t").write_text("sixteen-chars-ok")
+    argv = ["master", "--job-id", "j1", "--token-file", str(tmp_path / "t")]
+    assert cli_main.main([*argv, "--metrics-token-file", str(tmp_path / "m")]) == 1
+    assert "metrics_token_file" in capsys.readouterr().err
+
+
+def test_run_master_itself_refuses_a_short_token() -> None:
+    import asyncio
+
+    from phalanx.api.settings import MasterSettings
+    from phalanx.master.server import run_master
+    from phalanx.master.state import MemoryStateStore, NullStatusSink
+
+    with pytest.raises(ConfigError, match=r"^token_file: .*at least 16"):
+        asyncio.run(
+            run_master(
+                MasterSettings(job_id="j"), token="short", store=MemoryStateStore(), sink=NullStatusSink()
+            )
+        )
+
+
+def test_the_job_log_is_owner_only_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        logs = LogStore(ring_lines=3, max_line_bytes=80, path=tmp_path / "logs" / "job.log")
+        logs.add("n0", [pb.LogLine(rank=0, text="secret data")], dropped=0, now=1.0)
+        logs.close()
+        older = tmp_path / "older.log"  # left world-readable by an older version
+        older.write_text("x\n")
+        older.chmod(0o644)
+        again = LogStore(ring_lines=3, max_line_bytes=80, path=older)
+        again.add("n0", [pb.LogLine(rank=0, text="more")], dropped=0, now=1.0)
+        again.close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "logs").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(tmp_path / "logs" / "job.log").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(older).st_mode) == 0o600
+    assert older.read_text().endswith("r0 out| more\n")

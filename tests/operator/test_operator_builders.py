@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -101,22 +102,27 @@ def test_the_token_is_readable_by_the_images_user_without_a_fixed_fs_group() -> 
         assert "runAsUser" not in pod["securityContext"]
 
 
-def test_a_metrics_token_goes_into_the_secret_and_the_master_reads_it() -> None:
+def test_the_metrics_token_is_in_a_secret_only_the_master_mounts() -> None:
+    """The shared metrics token opens every job's /metrics: it never goes where the job author's code runs.
+    The job's token Secret (mounted by every worker) holds the job token only; the master mounts a Secret
+    of its own, <job>-metrics."""
     j = job()
-    assert (
-        "--metrics-token-file"
-        not in builders.master_pod(j, parse_spec(j["spec"]), settings=SETTINGS)["spec"]["containers"][0][
-            "command"
-        ]
-    )
+    plain = builders.master_pod(j, parse_spec(j["spec"]), settings=SETTINGS)
+    assert "--metrics-token-file" not in plain["spec"]["containers"][0]["command"]
+    assert [v["name"] for v in plain["spec"]["volumes"]] == ["phalanx-token"]
     assert builders.token_secret(j, token="t")["stringData"] == {"token": "t"}
     with_metrics = OperatorSettings(command_prefix="/opt/bin/", metrics_token_file="/var/run/m/token")
-    command = builders.master_pod(j, parse_spec(j["spec"]), settings=with_metrics)["spec"]["containers"][0][
-        "command"
-    ]
-    assert command[command.index("--metrics-token-file") + 1] == "/var/run/phalanx/token/metrics-token"
-    secret = builders.token_secret(j, token="t", metrics_token="m" * 20)
-    assert secret["stringData"] == {"token": "t", "metrics-token": "m" * 20}
+    master = builders.master_pod(j, parse_spec(j["spec"]), settings=with_metrics)
+    command = master["spec"]["containers"][0]["command"]
+    assert command[command.index("--metrics-token-file") + 1] == "/var/run/phalanx/metrics/token"
+    assert {"name": "phalanx-metrics", "secret": {"secretName": "j-metrics", "defaultMode": 0o444}} in master[
+        "spec"
+    ]["volumes"]
+    secret = builders.metrics_secret(j, metrics_token="m" * 20)
+    assert (secret["metadata"]["name"], secret["stringData"]) == ("j-metrics", {"token": "m" * 20})
+    worker = builders.worker_pod(j, parse_spec(j["spec"]), slot=0, incarnation=0, settings=with_metrics)
+    secrets = [v["secret"]["secretName"] for v in worker["spec"]["volumes"] if "secret" in v]
+    assert secrets == ["j-token"], "a worker mounts the job token and nothing else of the operator's"
 
 
 def test_the_operator_refuses_an_unreadable_or_empty_metrics_token(tmp_path: Path) -> None:
@@ -184,6 +190,15 @@ def test_worker_pod_wraps_the_template_in_phalanx_run() -> None:
     assert pod["spec"]["restartPolicy"] == "Never"
     assert {"name": "phalanx-token", "mountPath": builders.TOKEN_DIR, "readOnly": True} in c["volumeMounts"]
     assert "affinity" not in pod["spec"]
+
+
+def test_workers_know_their_job_s_namespace_and_uid() -> None:
+    """Two jobs ``j`` in two namespaces on one node must not share the flash checkpoint's files."""
+    j = job()
+    pod = builders.worker_pod(j, parse_spec(j["spec"]), slot=0, incarnation=0, settings=SETTINGS)
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["PHALANX_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["PHALANX_JOB_UID"]["value"] == "u-1"
 
 
 def test_worker_pod_grace_leaves_time_to_persist_the_newest_checkpoint() -> None:
@@ -261,3 +276,38 @@ def test_gang_scheduling_puts_every_worker_pod_in_one_pod_group() -> None:
     plain = job()
     pod = builders.worker_pod(plain, parse_spec(plain["spec"]), slot=0, incarnation=0, settings=SETTINGS)
     assert "schedulingGroup" not in pod["spec"]
+
+
+def test_the_network_policy_admits_the_job_and_monitoring_only() -> None:
+    """Tested as a built object: the test control plane has no network plugin that enforces policies."""
+    j = job()
+    policy = builders.master_network_policy(
+        j, settings=dataclasses.replace(SETTINGS, monitoring_namespace="prom")
+    )
+    assert policy["metadata"]["name"] == "j-master"
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == j["metadata"]["uid"]
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"phalanx.dev/job": "j", "phalanx.dev/role": "master"}}
+    assert spec["policyTypes"] == ["Ingress"], "egress stays open: the master calls the API server"
+    (rule,) = spec["ingress"]
+    assert rule["from"] == [
+        {"podSelector": {"matchLabels": {"phalanx.dev/job": "j"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "prom"}}},
+    ]
+    assert rule["ports"] == [
+        {"protocol": "TCP", "port": SETTINGS.master_grpc_port},
+        {"protocol": "TCP", "port": SETTINGS.master_http_port},
+    ]
+    worker = builders.worker_pod(j, parse_spec(j["spec"]), slot=0, incarnation=0, settings=SETTINGS)
+    assert worker["metadata"]["labels"]["phalanx.dev/job"] == "j", "the job's own Pods match the policy"
+    bare = builders.master_network_policy(j, settings=dataclasses.replace(SETTINGS, monitoring_namespace=""))
+    assert bare["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {"phalanx.dev/job": "j"}}}]
+
+
+def test_a_template_cannot_take_the_job_label_off_its_pods() -> None:
+    """The NetworkPolicy and the Pod lists rely on phalanx.dev/job: the operator's labels win."""
+    j = job()
+    j["spec"]["template"]["metadata"] = {"labels": {"phalanx.dev/job": "other", "team": "a"}}
+    worker = builders.worker_pod(j, parse_spec(j["spec"]), slot=0, incarnation=0, settings=SETTINGS)
+    assert worker["metadata"]["labels"]["phalanx.dev/job"] == "j"
+    assert worker["metadata"]["labels"]["team"] == "a"

@@ -21,6 +21,7 @@ from phalanx.operator.reconcile import (
     PatchStatus,
     PodView,
     reconcile,
+    supporting_objects,
 )
 
 SETTINGS = OperatorSettings()
@@ -50,6 +51,9 @@ class FakeCluster:
     deleted_job: list[DeleteJob] = field(default_factory=list)
     pod_group: dict[str, Any] | None = None
     pod_group_api: bool = True
+    settings: OperatorSettings = SETTINGS
+    """The operator's settings, its trust switches (cordon_nodes, network_policy) included."""
+    foreign: set[tuple[str, str]] = field(default_factory=set)
     graceful: bool = False
     """Pods deleted with a grace period stay, terminating, until :meth:`gone` (as their agents persist)."""
     now: float = 1000.0
@@ -61,8 +65,9 @@ class FakeCluster:
             existing=frozenset(self.objects),
             pod_group=copy.deepcopy(self.pod_group),
             pod_group_api=self.pod_group_api,
+            foreign=frozenset(self.foreign),
         )
-        actions = reconcile(observed, now=self.now, settings=SETTINGS, new_token="tok")
+        actions = reconcile(observed, now=self.now, settings=self.settings, new_token="tok")
         for a in actions:
             if isinstance(a, Create):
                 kind, name = a.obj["kind"], a.obj["metadata"]["name"]
@@ -213,7 +218,7 @@ def test_replacement_budget_exhausted_fails_the_job() -> None:
 
 
 def test_eviction_replaces_off_the_machine_and_cordons() -> None:
-    c = FakeCluster(job_obj(cordonBadNodes=True))
+    c = FakeCluster(job_obj(cordonBadNodes=True), settings=OperatorSettings(cordon_nodes=True))
     c.step()
     c.run_all(node="bad")
     c.master_says()
@@ -233,6 +238,92 @@ def test_eviction_replaces_off_the_machine_and_cordons() -> None:
     c.step()
     assert c.cordoned == ["bad"], "a machine is cordoned once"
     assert [a for a in c.step() if isinstance(a, Create)] == []
+
+
+def test_the_machine_an_agent_reports_is_never_cordoned_nor_excluded() -> None:
+    """A training script can read the job token and register a node named after any cluster node: the
+    operator cordons and excludes the spec.nodeName of the evicted Pod as it observed it, nothing else."""
+    c = FakeCluster(job_obj(cordonBadNodes=True), settings=OperatorSettings(cordon_nodes=True))
+    c.step()
+    c.run_all(node="bad")
+    c.master_says()
+    c.step()
+    c.job["status"]["evictions"] = [
+        {"nodeId": "j-worker-0-0", "machine": "control-plane-1", "reason": "no heartbeat"},
+        {"nodeId": "fake-node", "machine": "ingress-1", "reason": "a node no Pod of the job is"},
+    ]
+    c.step()
+    assert c.cordoned == ["bad"]
+    assert c.job["status"]["excludedMachines"] == ["bad"]
+
+
+def test_cordoning_needs_the_operators_switch_as_well_as_the_jobs() -> None:
+    c = FakeCluster(job_obj(cordonBadNodes=True))  # the operator's cordon_nodes is off, as shipped
+    c.step()
+    c.run_all(node="bad")
+    c.master_says()
+    c.step()
+    c.job["status"]["evictions"] = [{"nodeId": "j-worker-0-0", "machine": "bad", "reason": "no heartbeat"}]
+    c.step()
+    assert c.cordoned == []
+    assert c.job["status"]["excludedMachines"] == ["bad"], "the job's own replacements still avoid it"
+    (event,) = [e for e in c.events if e.reason == "NodeNotCordoned"]
+    assert "its cordon_nodes setting is off" in event.message
+    off = FakeCluster(job_obj(), settings=OperatorSettings(cordon_nodes=True))  # nor without the job's field
+    off.step()
+    off.run_all(node="bad")
+    off.master_says()
+    off.step()
+    off.job["status"]["evictions"] = [{"nodeId": "j-worker-0-0", "reason": "no heartbeat"}]
+    off.step()
+    assert off.cordoned == []
+
+
+def test_a_foreign_object_of_the_jobs_name_blocks_the_job_and_is_never_touched() -> None:
+    c = FakeCluster(job_obj(), foreign={("Secret", "j-token")})
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, Create | DeletePod)], "nothing created, nothing deleted"
+    created = next(x for x in c.job["status"]["conditions"] if x["type"] == "Created")
+    assert (created["status"], created["reason"]) == ("False", "ForeignObject")
+    assert "Secret ns/j-token already exists and is not this job's" in created["message"]
+    assert "Delete or rename it" in created["message"]
+    assert c.reasons().count("ForeignObject") == 1
+    c.step()
+    assert c.reasons().count("ForeignObject") == 1, "one Event, not one per pass"
+    c.foreign.clear()  # the owner deleted it
+    c.step()
+    created = next(x for x in c.job["status"]["conditions"] if x["type"] == "Created")
+    assert created["status"] == "True"
+    assert ("Secret", "j-token") in c.objects
+    assert "j-master" in c.pods
+
+
+def test_a_recorded_pass_error_is_cleared_by_the_next_pass_that_succeeds() -> None:
+    c = FakeCluster(job_obj())
+    c.job["status"]["conditions"] = [
+        {"type": "ReconcileError", "status": "True", "reason": "TypeError", "message": "boom",
+         "lastTransitionTime": "2024-01-01T00:00:00Z"},
+    ]  # fmt: skip
+    c.step()
+    error = next(x for x in c.job["status"]["conditions"] if x["type"] == "ReconcileError")
+    assert (error["status"], error["reason"]) == ("False", "Reconciled")
+
+
+def test_the_network_policy_and_the_metrics_secret_are_supporting_objects_when_switched_on() -> None:
+    job = job_obj()
+    names = [
+        (o["kind"], o["metadata"]["name"])
+        for o in supporting_objects(
+            job, settings=OperatorSettings(network_policy=True), token="t", metrics_token="m" * 20
+        )
+    ]  # fmt: skip
+    assert ("Secret", "j-metrics") in names
+    assert ("NetworkPolicy", "j-master") in names
+    plain = [
+        (o["kind"], o["metadata"]["name"]) for o in supporting_objects(job, settings=SETTINGS, token="t")
+    ]
+    assert ("Secret", "j-metrics") not in plain
+    assert ("NetworkPolicy", "j-master") not in plain
 
 
 def test_scaling_down_deletes_the_highest_slots() -> None:

@@ -10,7 +10,13 @@ import pytest
 
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import ProbeSettings, parse_duration
-from phalanx.operator.crd import DURATION_RE, build_crd
+from phalanx.operator.crd import (
+    DURATION_RE,
+    MAX_DURATIONS,
+    MAX_NODES,
+    MAX_NPROC_PER_NODE,
+    build_crd,
+)
 from phalanx.operator.spec import parse_spec
 
 
@@ -162,3 +168,75 @@ def test_gang_scheduling_is_off_by_default_and_its_minimum_follows_nodes_min() -
 def test_invalid_gang_scheduling_names_the_field(gang: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_spec(spec(gangScheduling=gang))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Bounds: every count, size and duration has a maximum, in the CRD and again in the operator
+
+
+def _integers(node: dict[str, Any], path: str = "spec") -> list[tuple[str, dict[str, Any]]]:
+    """Every integer property of the spec schema, with its path."""
+    found = []
+    if node.get("type") == "integer":
+        found.append((path, node))
+    for key, child in (node.get("properties") or {}).items():
+        found += _integers(child, f"{path}.{key}")
+    return found
+
+
+def test_every_count_of_the_crd_has_a_maximum() -> None:
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    counts = _integers(schema)
+    assert len(counts) >= 12
+    unbounded = [path for path, prop in counts if "maximum" not in prop]
+    assert unbounded == []
+
+
+def test_every_duration_of_the_crd_has_a_maximum() -> None:
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    durations = []
+    for key, prop in schema["properties"].items():
+        children = prop.get("properties") or {key: prop}
+        for child, leaf in children.items():
+            rules = leaf.get("x-kubernetes-validations") or []
+            if any(DURATION_RE in r["rule"] for r in rules):
+                durations.append((key, child, rules))
+    assert len(durations) == len(MAX_DURATIONS)
+    for key, child, rules in durations:
+        assert any("duration(self) <= duration(" in r["rule"] for r in rules), (key, child)
+
+
+def test_the_defaults_lie_within_the_bounds() -> None:
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    for path, prop in _integers(schema):
+        if "default" in prop:
+            assert prop["default"] <= prop["maximum"], path
+    parse_spec(spec())  # every default duration passes its bound
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        ({"nodes": {"min": 1, "max": 2147483647}}, "spec.nodes.max", f"at most {MAX_NODES}, got 2147483647"),
+        ({"nodes": {"min": 6000, "max": 6000}}, "spec.nodes.min", f"at most {MAX_NODES}"),
+        ({"nodes": {"min": 1, "max": "many"}}, "spec.nodes.max", "expected a whole number"),
+        ({"nodes": {"min": 1.5, "max": 2}}, "spec.nodes.min", "expected a whole number"),
+        ({"nprocPerNode": 1000}, "spec.nprocPerNode", f"at most {MAX_NPROC_PER_NODE}"),
+        ({"parallelism": {"tensor": 10**6}}, "spec.parallelism.tensor", "at most 4096"),
+        ({"restart": {"maxRestarts": 10**9}}, "spec.restart.maxRestarts", "at most 10000"),
+        ({"checkpoint": {"keepLast": 10**6}}, "spec.checkpoint.keepLast", "at most 1000"),
+        ({"hang": {"factor": 1e9}}, "spec.hang.factor", "at most 1000"),
+        ({"heartbeat": {"interval": "2h", "timeout": "5h"}}, "spec.heartbeat.interval", "at most 1m"),
+        ({"activeDeadline": "100000h"}, "spec.activeDeadline", "at most 8760h"),
+        ({"sharedMemory": {"sizeLimit": "5Ti"}}, "spec.sharedMemory.sizeLimit", "at most 4Ti"),
+    ],
+)
+def test_a_spec_past_a_bound_is_refused_by_the_operator_too(
+    fields: dict[str, Any], field: str, message: str
+) -> None:
+    """An object that slipped past admission (created before the CRD had these bounds) fails with the field
+    named, before anything is allocated for it."""
+    with pytest.raises(ConfigError) as exc:
+        parse_spec(spec(**fields))
+    assert field in str(exc.value)
+    assert message in str(exc.value)

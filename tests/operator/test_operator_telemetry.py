@@ -24,7 +24,7 @@ TOKEN = "operator-metrics-token-0123456789"
 
 @pytest.fixture
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    """An event loop running in a thread, as kopf's runs beside the server."""
+    """An event loop running in a thread, as the operator's asyncio loop runs beside the server's thread."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

@@ -18,7 +18,7 @@ import grpc
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.v1 import master_pb2_grpc as pb_grpc
 
-TOKEN = "dash-test-token"
+TOKEN = "dash-test-token-0123"
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import yaml
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import names
 from phalanx.operator.builders import master_service
+from phalanx.operator.leader import ENVIRONMENT as LEADER_ELECTION_ENV
 from tests.gotools import go_built
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,8 +105,12 @@ def test_default_render(helm: Helm) -> None:
         [
             "CustomResourceDefinition",
             "ServiceAccount",
-            "ClusterRole",
+            "ClusterRole",  # the operator's rules; no cluster-scoped one without operator.cordonNodes
             "ClusterRoleBinding",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
+            "Role",
+            "RoleBinding",
             "Deployment",
             "ConfigMap",
             "ConfigMap",
@@ -122,13 +127,17 @@ def test_default_render(helm: Helm) -> None:
         if obj["kind"] in ("ServiceAccount", "Deployment", "ConfigMap"):
             assert obj["metadata"]["namespace"] == NAMESPACE
 
+    # The CRD is a template (so `helm upgrade` upgrades it) that `helm uninstall` keeps: deleting it would
+    # delete every ElasticJob in the cluster.
     crd = _one(objs, "CustomResourceDefinition")
+    assert crd["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
     assert crd == yaml.safe_load((ROOT / "crds" / "elasticjobs.phalanx.dev.yaml").read_text())
 
 
 def test_rbac_equals_deploy(helm: Helm) -> None:
     objs = helm.render()
-    role, binding = _one(objs, "ClusterRole"), _one(objs, "ClusterRoleBinding")
+    role = _one(objs, "ClusterRole", "rel-phalanx-operator")
+    binding = _one(objs, "ClusterRoleBinding", "rel-phalanx-operator")
     account = _one(objs, "ServiceAccount")
     assert role["rules"] == _deploy("ClusterRole")["rules"]
     assert binding["roleRef"] == {
@@ -147,8 +156,9 @@ def test_operator_deployment(helm: Helm) -> None:
     deployment = _one(helm.render("operator.watchNamespace=team-a"), "Deployment")
     reference = _deploy("Deployment")
     spec = deployment["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    # Two replicas that elect a leader on a Lease (templates/leader-election-role.yaml), leases only.
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {"type": "RollingUpdate"}
     template_labels = spec["template"]["metadata"]["labels"]
     assert spec["selector"]["matchLabels"].items() <= template_labels.items()
     pod = spec["template"]["spec"]
@@ -157,11 +167,12 @@ def test_operator_deployment(helm: Helm) -> None:
     (ref_container,) = reference["spec"]["template"]["spec"]["containers"]
     assert container["image"] == ref_container["image"]  # the chart's appVersion is the released image
     assert container["command"] == ref_container["command"] == ["phalanx", "operator"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["PHALANX_OPERATOR_NAMESPACE"] == "team-a"
     assert env["PHALANX_OPERATOR_IMAGE"] == container["image"]
     # Every variable is a real operator setting (a typo would be silently ignored by the operator).
     settings = {f"PHALANX_OPERATOR_{name.upper()}" for name in OperatorSettings.__dataclass_fields__}
+    settings |= set(LEADER_ELECTION_ENV)
     assert env.keys() <= settings, env.keys() - settings
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
@@ -286,3 +297,74 @@ def test_the_operator_has_a_liveness_probe_and_its_own_pod_monitor(helm: Helm) -
     assert monitor["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     (endpoint,) = monitor["podMetricsEndpoints"]
     assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+
+
+def test_a_namespaced_operator_gets_a_role_and_only_the_cluster_rules_it_needs(helm: Helm) -> None:
+    """operator.watchNamespace: the rules on namespaced objects (Secrets included) are a Role there, and
+    nothing is cluster-wide (no CRDs, no namespaces: the operator watches jobs and Pods only); nodes only
+    with operator.cordonNodes."""
+    objs = helm.render("operator.watchNamespace=team-a")
+    role = _one(objs, "Role", "rel-phalanx-operator")
+    assert role["metadata"]["namespace"] == "team-a"
+    assert role["rules"] == _deploy("ClusterRole")["rules"]
+    binding = _one(objs, "RoleBinding", "rel-phalanx-operator")
+    assert (binding["metadata"]["namespace"], binding["roleRef"]["kind"]) == ("team-a", "Role")
+    assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    cordoning = helm.render("operator.watchNamespace=team-a", "operator.cordonNodes=true")
+    (cluster,) = [o for o in cordoning if o["kind"] == "ClusterRole"]
+    assert cluster["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    (bound,) = [o for o in cordoning if o["kind"] == "ClusterRoleBinding"]
+    assert bound["roleRef"]["name"] == cluster["metadata"]["name"]
+    everywhere = [o for o in helm.render() if o["kind"] == "ClusterRole"]
+    assert [o["metadata"]["name"] for o in everywhere] == ["rel-phalanx-operator"]
+    resources = {r for o in everywhere for rule in o["rules"] for r in rule["resources"]}
+    assert not resources & {"nodes", "namespaces", "customresourcedefinitions"}
+
+
+def test_the_admission_policy_renders_the_allow_list_and_the_deploy_checks(helm: Helm) -> None:
+    objs = helm.render(
+        "admission.allow.serviceAccounts={default,trainer}", "admission.allow.hostNetwork=true"
+    )
+    policy = _one(objs, "ValidatingAdmissionPolicy")
+    variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+    assert json.loads(variables["allowedServiceAccounts"]) == ["default", "trainer"]
+    assert variables["allowHostNetwork"] == "true"
+    source = next(
+        d for d in yaml.safe_load_all((ROOT / "deploy" / "elasticjob-admission.yaml").read_text())
+        if d["kind"] == "ValidatingAdmissionPolicy"
+    )  # fmt: skip
+    assert policy["spec"]["validations"] == source["spec"]["validations"]
+    assert policy["spec"]["matchConditions"] == source["spec"]["matchConditions"]
+    binding = _one(objs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert not [o for o in helm.render("admission.enabled=false") if "Admission" in o["kind"]]
+
+
+def test_leader_election_role_is_namespaced_and_leases_only(helm: Helm) -> None:
+    objs = helm.render()
+    name = "rel-phalanx-operator-leader-election"
+    role, binding = _one(objs, "Role", name), _one(objs, "RoleBinding", name)
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
+    assert {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]} == {
+        ("coordination.k8s.io", "leases")
+    }
+    (container,) = _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    lease = env["PHALANX_OPERATOR_LEASE_NAME"]["value"]
+    # Only `create` is unbounded (it cannot be limited by name); reads and renewals are of that Lease only.
+    assert [(r["verbs"], r.get("resourceNames")) for r in role["rules"]] == [
+        (["create"], None),
+        (["get", "update"], [lease]),
+    ]
+    assert env["PHALANX_OPERATOR_LEASE_NAMESPACE"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.namespace"}
+    }
+    reference = next(
+        d
+        for d in yaml.safe_load_all((ROOT / "deploy" / "operator-leader-election.yaml").read_text())
+        if d["kind"] == "Role"
+    )
+    assert [r["verbs"] for r in reference["rules"]] == [r["verbs"] for r in role["rules"]]
+    account = _one(objs, "ServiceAccount")["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]

@@ -26,7 +26,7 @@ def _run(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_the_chart_is_in_sync() -> None:
     result = _run(ROOT, "--check")
     assert result.returncode == 0, result.stderr
-    assert (ROOT / "charts/phalanx/crds/elasticjobs.phalanx.dev.yaml").read_bytes() == (
+    assert (ROOT / "charts/phalanx/files/elasticjobs.phalanx.dev.yaml").read_bytes() == (
         ROOT / "crds/elasticjobs.phalanx.dev.yaml"
     ).read_bytes()
 
@@ -34,7 +34,7 @@ def test_the_chart_is_in_sync() -> None:
 def _copy_tree(tmp: Path) -> Path:
     """The files sync-chart reads and writes, in a scratch checkout, so the test may break them."""
     root = tmp / "repo"
-    for rel in ("scripts/sync-chart", "crds", "deploy", "charts/phalanx/crds", "charts/phalanx/templates"):
+    for rel in ("scripts/sync-chart", "crds", "deploy", "charts/phalanx/files", "charts/phalanx/templates"):
         src, dst = ROOT / rel, root / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
@@ -59,7 +59,10 @@ def test_check_fails_on_a_changed_rbac_rule_and_sync_repairs_it(tmp_path: Path) 
     role = (root / "charts/phalanx/templates/clusterrole.yaml").read_text()
     assert "verbs: [get, list]\n" in role
     # Comments travel with the rules: each rule keeps the line that says why it exists.
-    assert "# spec.cordonBadNodes: cordon and taint the machine of an evicted worker." in role
+    assert (
+        "# With PHALANX_OPERATOR_NETWORK_POLICY=true: each job's NetworkPolicy guarding its master's ports"
+        in role
+    )
 
 
 def test_check_fails_on_a_changed_crd(tmp_path: Path) -> None:
@@ -70,7 +73,7 @@ def test_check_fails_on_a_changed_crd(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "elasticjobs.phalanx.dev.yaml" in result.stderr
     assert _run(root).returncode == 0
-    chart_crd = yaml.safe_load((root / "charts/phalanx/crds/elasticjobs.phalanx.dev.yaml").read_text())
+    chart_crd = yaml.safe_load((root / "charts/phalanx/files/elasticjobs.phalanx.dev.yaml").read_text())
     assert chart_crd["spec"]["names"]["shortNames"] == ["ejob"]
 
 
@@ -81,3 +84,15 @@ def test_check_fails_when_the_markers_are_gone(tmp_path: Path) -> None:
     result = _run(root, "--check")
     assert result.returncode == 1
     assert "markers" in result.stderr
+
+
+def test_check_fails_on_a_changed_admission_check_and_sync_repairs_it(tmp_path: Path) -> None:
+    """The chart's ValidatingAdmissionPolicy carries the checks of deploy/elasticjob-admission.yaml."""
+    root = _copy_tree(tmp_path)
+    policy = root / "deploy" / "elasticjob-admission.yaml"
+    policy.write_text(policy.read_text().replace("['hostPID', 'hostIPC']", "['hostPID']"))
+    result = _run(root, "--check")
+    assert result.returncode == 1
+    assert "admission-policy.yaml" in result.stderr
+    assert _run(root).returncode == 0
+    assert "['hostPID'].filter" in (root / "charts/phalanx/templates/admission-policy.yaml").read_text()

@@ -122,6 +122,7 @@ class Cluster:
                 PHALANX_ROUND_FILE=str(node.round_path),
                 PHALANX_REGROUP_FILE=str(node.folder / f"regroup-{local_rank}"),
                 PHALANX_CHECKPOINT_JOB=self.checkpoint_job(node_id),
+                PHALANX_JOB_ID=self.job,  # as phalanx-run tells its workers: the job, whichever node
             )
             cmd = [sys.executable, str(self.script), *self.args, "--log-json", str(node.log_path(local_rank))]
             err = (node.folder / f"stderr-{local_rank}-{node.generation}.txt").open("wb")

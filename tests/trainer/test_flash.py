@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from phalanx.api.errors import CheckpointNotFoundError
-from phalanx.checkpoint import Checkpointer, protocol
+from phalanx.checkpoint import Checkpointer, protocol, shm
 from phalanx.checkpoint import host as host_mod
 from phalanx.trainer.checkpointing import shard_key
 from phalanx.trainer.elastic import ElasticConfig, ElasticTrainer
@@ -97,7 +97,7 @@ def test_uses_the_host_the_agent_advertises(tmp_path: Path, monkeypatch: pytest.
         ckpt.close()
     finally:
         handle.stop()
-    assert not list(Path(handle.env()[protocol.ENV_SHM_DIR]).glob(f"phx-{job}-*"))
+    assert not shm.job_files(Path(handle.env()[protocol.ENV_SHM_DIR]), job)
 
 
 @pytest.mark.integration
@@ -110,7 +110,7 @@ def test_prepare_allocates_before_the_first_save(jobs: list[str]) -> None:
     ckpt.prepare(key="pp1-tp1", tensors=tensors)
     saver = ckpt._ckpt("pp1-tp1")
     saver.wait_prepared()  # the trainer does not wait; training steps run meanwhile
-    slots = sorted(Path("/dev/shm").glob(f"phx-{job}-r3-s*"))
+    slots = sorted(shm.private_dir(Path("/dev/shm")).glob(f"phx-{job}-r3-s*"))
     assert len(slots) == 2
     assert all(p.stat().st_size > 2 * 256 * 1024 * 4 for p in slots)
     ckpt.save(step=1, key="pp1-tp1", tensors=tensors)

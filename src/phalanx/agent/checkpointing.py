@@ -1,4 +1,4 @@
-"""The node's flash-checkpoint host, owned by the agent (DESIGN.md §4).
+"""The node's flash-checkpoint host, owned by the agent.
 
 The agent starts one :mod:`phalanx.checkpoint.host` process when it starts, so the shared-memory
 snapshots outlive every training process it restarts: a restarted worker loads its last step from memory
@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,17 +52,19 @@ def _safe(name: str) -> str:
     return _UNSAFE.sub("_", name) or "x"
 
 
-def node_job_id(*, job_id: str, node_id: str) -> str:
+def node_job_id(*, job_id: str, node_id: str, scope: str | None = None) -> str:
     """The id the node's host and workers name their segments and socket by: per node, because several
     agents of one job may share a machine (``phalanx local``) and global ranks move between them across
-    rounds. Flat names in the shared-memory root, so a host that releases its segments leaves nothing."""
-    return f"{_safe(job_id)}.{_safe(node_id)}"
+    rounds; and per ``scope`` (the job's uid or namespace, from the environment when not given: see
+    :func:`protocol.job_scope`), because two jobs of one name in two namespaces may share a node. Flat
+    names in the user's shared-memory directory, so a host that releases its segments leaves nothing."""
+    scope = protocol.job_scope(os.environ) if scope is None else scope
+    return ".".join(_safe(part) for part in (scope, job_id, node_id) if part)
 
 
-def node_socket_path(*, job_id: str, node_id: str) -> Path:
-    """The host's control socket."""
-    name = f"phalanx-ckpt-{node_job_id(job_id=job_id, node_id=node_id)}-{os.getuid()}.sock"
-    return Path(tempfile.gettempdir()) / name
+def node_socket_path(*, job_id: str, node_id: str, scope: str | None = None) -> Path:
+    """The host's control socket (named in one place: :func:`protocol.socket_path`)."""
+    return protocol.socket_path(node_job_id(job_id=job_id, node_id=node_id, scope=scope))
 
 
 def remove_node_segments(shm_dir: Path, *, job_id: str, node_id: str) -> list[Path]:
@@ -76,9 +77,8 @@ def remove_node_segments(shm_dir: Path, *, job_id: str, node_id: str) -> list[Pa
 
 def remove_segments(shm_dir: Path, *, node_job: str) -> list[Path]:
     """Unlinks every shared-memory segment of ``node_job`` (a :func:`node_job_id`) and returns them."""
-    prefix = shm.job_prefix(node_job)
     removed = []
-    for segment in shm_dir.glob(f"{prefix}*"):
+    for segment in shm.job_files(shm_dir, node_job):
         with contextlib.suppress(FileNotFoundError):
             segment.unlink()
             removed.append(segment)

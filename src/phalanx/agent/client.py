@@ -20,6 +20,9 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 # The master answers this when it does not know the node at all (e.g. it lost its state): register again.
 # FAILED_PRECONDITION (evicted, replaced) is final and surfaces as a RetiredError.
 _UNKNOWN_NODE = {grpc.StatusCode.NOT_FOUND}
+TLS_CA_ENV = auth.TLS_CA_ENV
+"""The agent's setting for a master that serves TLS (``--tls-cert-file``): the PEM file of the CA that signed
+the master's certificate. Unset or empty: plain text."""
 MAX_STRETCH = 4.0  # default deadlines of 5 s grow to at most 20 s: round trips of up to ~15 s
 
 
@@ -34,6 +37,11 @@ class MasterUnavailableError(TransportError):
 
 class UnknownNodeError(TransportError):
     """The master does not know this incarnation; the agent must register again."""
+
+
+class RequestTooLargeError(TransportError):
+    """The master refused the request as larger than its ``max_request_bytes`` (RESOURCE_EXHAUSTED): send it
+    again cut shorter (see :func:`phalanx.agent.failures.send_fitted`)."""
 
 
 class RetiredError(TransportError):
@@ -51,16 +59,11 @@ def backoff_s(
 class MasterClient:
     """Calls the master with the job's bearer token. Thread-safe (one channel, shared)."""
 
-    def __init__(self, *, address: str, token: str) -> None:
+    def __init__(self, *, address: str, token: str, ca_file: str | None = None) -> None:
         # Reconnect quickly to a restarted master. Not grpc.min_reconnect_backoff_ms: gRPC also takes it
         # as the time a connection attempt may take, and a link slower than that could never connect.
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._channel = auth.master_channel(address, ca_file=ca_file, options=options)
         self._stub = pb_grpc.MasterStub(self._channel)
         self._metadata = auth.metadata(token)
         self.stretch = 1.0
@@ -90,6 +93,8 @@ class MasterClient:
                 raise MasterUnavailableError(f"master unavailable ({code}): {detail}", late=late) from exc
             if code in _UNKNOWN_NODE:
                 raise UnknownNodeError(f"master does not know this node ({code}): {detail}") from exc
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise RequestTooLargeError(f"the master refused a request as too large: {detail}") from exc
             if code == grpc.StatusCode.FAILED_PRECONDITION:
                 raise RetiredError(f"the master retired this node: {detail}") from exc
             raise TransportError(f"master call failed ({code}): {detail}") from exc

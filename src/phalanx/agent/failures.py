@@ -1,13 +1,26 @@
 """What the agent tells the master about failed or hung workers: each failed rank's exit code, error
 file, log tail and failure class (the entries of a ReportFailure request), and the stacks of hung ranks
-(ReportStacks)."""
+(ReportStacks).
+
+Both are cut to the master's limits before they are sent (:mod:`phalanx.api.limits`): a worker's
+exception message or a stack dump can be megabytes, and a request above the master's ``max_request_bytes``
+is refused whole, so the root cause would never arrive. A refused report is sent again cut shorter
+(:func:`send_fitted`), down to each rank's exit code and the first lines of its message.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+from google.protobuf.message import Message
 
 from phalanx.agent import errorfile, workers
+from phalanx.agent.client import RequestTooLargeError
+from phalanx.api import limits
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import hang
 from phalanx.diagnostics.classify import FailureClass, classify
@@ -122,3 +135,132 @@ def rank_stacks(
             )
         )
     return entries
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cutting reports to the master's limits
+
+log = logging.getLogger("phalanx.agent")
+
+M = TypeVar("M", bound=Message)
+R = TypeVar("R")
+
+REQUEST_BUDGETS = (
+    limits.DEFAULT_MAX_REQUEST_BYTES - 64 * 1024,
+    1 << 20,
+    256 * 1024,
+    limits.MIN_MAX_REQUEST_BYTES - 4 * 1024,
+    16 * 1024,
+)
+"""Sizes a report is cut to, one after the other while the master refuses it as too large: the first fits a
+master with the default limit, the fourth the smallest limit a master may be given, the last is a last
+resort. The agent does not know the master's limit; a refusal costs one round trip."""
+
+_SCALES = (1.0, 1 / 4, 1 / 16, 1 / 64, 0.0)
+"""Fractions of the master's per-field limits a failure report is cut to, until it fits its budget."""
+MIN_MESSAGE_CHARS = 256
+"""The first lines of an error message survive every cut: they name the root cause."""
+MIN_TAIL_LINES = 2
+"""The last lines of a worker's output survive every cut: without an error file they hold the exception."""
+
+
+_FIELD_OVERHEAD = 6  # a repeated message field's tag and length prefix, at most, for entries under 4 GiB
+
+
+def _mark(cut: int) -> str:
+    return f"\n[... {cut} characters cut by the agent ...]\n"
+
+
+def head(text: str, chars: int) -> str:
+    """``text`` cut to at most ``chars`` characters, keeping its start (and saying how much was cut)."""
+    if len(text) <= chars:
+        return text
+    keep = chars - len(_mark(len(text)))
+    if keep <= 0:
+        return text[: max(0, chars)]
+    return text[:keep] + _mark(len(text) - keep).rstrip("\n")
+
+
+def head_and_tail(text: str, chars: int) -> str:
+    """``text`` cut to at most ``chars`` characters in the middle: a quarter of what is kept from its start
+    (where a traceback enters the user's code), the rest from its end (the frames that raised, and the
+    exception)."""
+    if len(text) <= chars:
+        return text
+    room = chars - len(_mark(len(text)))
+    if room <= 0:
+        return ""
+    first = room // 4
+    return text[:first] + _mark(len(text) - room) + text[len(text) - (room - first) :]
+
+
+def cut_failure(failure: pb.WorkerFailure, *, scale: float) -> pb.WorkerFailure:
+    """One failure entry cut to ``scale`` times the master's per-field limits (1.0: just the limits)."""
+    line_chars = max(MIN_MESSAGE_CHARS, int(limits.MAX_MESSAGE_CHARS * scale))
+    tail_lines = max(MIN_TAIL_LINES, math.ceil(limits.MAX_TAIL_LINES * scale))
+    out = pb.WorkerFailure()
+    out.CopyFrom(failure)
+    out.error_message = head(failure.error_message, line_chars)
+    out.error_traceback = head_and_tail(failure.error_traceback, int(limits.MAX_TRACEBACK_CHARS * scale))
+    out.log_tail[:] = [head(line, line_chars) for line in failure.log_tail[-tail_lines:]]
+    return out
+
+
+def fit_failure_report(request: pb.ReportFailureRequest, budget: int) -> pb.ReportFailureRequest:
+    """``request`` cut to the master's per-field limits and to at most ``budget`` bytes: every entry cut
+    alike, as little as that takes; when even the shortest entries are too many, the earliest failures
+    (the root cause is the first error) are kept and the rest left out."""
+    base = pb.ReportFailureRequest()
+    base.CopyFrom(request)
+    del base.failures[:]
+    out = pb.ReportFailureRequest()
+    for scale in _SCALES:
+        out.CopyFrom(base)
+        out.failures.extend(cut_failure(f, scale=scale) for f in request.failures)
+        if out.ByteSize() <= budget:
+            return out
+    ordered = sorted(
+        out.failures,
+        key=lambda f: (f.error_unix_ns or f.observed_unix_ns or math.inf, f.rank),
+    )
+    kept = pb.ReportFailureRequest()
+    kept.CopyFrom(out)
+    del kept.failures[:]
+    size = kept.ByteSize()
+    for entry in ordered:
+        size += entry.ByteSize() + _FIELD_OVERHEAD
+        if size > budget and kept.failures:
+            break
+        kept.failures.append(entry)
+    return kept
+
+
+def fit_stacks_report(request: pb.ReportStacksRequest, budget: int) -> pb.ReportStacksRequest:
+    """``request`` with each rank's stacks cut (their start kept) to an equal share of the master's limit
+    on all stacks together and of ``budget`` bytes."""
+    out = pb.ReportStacksRequest()
+    out.CopyFrom(request)
+    share = min(limits.MAX_STACKS_CHARS, budget) // max(1, len(request.ranks))
+    while True:
+        for cut, whole in zip(out.ranks, request.ranks, strict=True):
+            cut.stacks = head(whole.stacks, share)
+        total = sum(len(r.stacks) for r in out.ranks)
+        if (out.ByteSize() <= budget and total <= limits.MAX_STACKS_CHARS) or share == 0:
+            return out
+        share //= 2
+
+
+def send_fitted(send: Callable[[M], R], request: M, fit: Callable[[M, int], M], *, what: str) -> R:
+    """Sends ``request`` cut by ``fit`` to the first of :data:`REQUEST_BUDGETS`, and again cut to the next
+    while the master refuses it as too large; raises the last refusal when even the shortest is refused."""
+    for i, budget in enumerate(REQUEST_BUDGETS):
+        cut = fit(request, budget)
+        try:
+            return send(cut)
+        except RequestTooLargeError:
+            if i == len(REQUEST_BUDGETS) - 1:
+                raise
+            log.warning(
+                "%s: the master refused %d bytes as too large; sending it cut shorter", what, cut.ByteSize()
+            )
+    raise AssertionError("not reached")

@@ -82,7 +82,7 @@ class Supervisor:
             script_args=config.script_args,
             module=config.module,
             no_python=config.no_python,
-            preimport="torch" if config.warm_spares else "",
+            preimport=workers.WARM_IMPORTS if config.warm_spares else "",
         )
         self.shipper = LogShipper(config.logs)
         self.link: Link | None = None
@@ -419,11 +419,12 @@ class Supervisor:
     def _send_stacks(self, reason: str = "") -> None:
         entries = failures.rank_stacks(self.workers, self.histories, now=time.monotonic())
         round_no = self.round.round if self.round else 0
+        request = pb.ReportStacksRequest(
+            node_id=self.config.node_id, incarnation=self.incarnation, round=round_no, ranks=entries
+        )
         with contextlib.suppress(TransportError):
-            self.client.report_stacks(
-                pb.ReportStacksRequest(
-                    node_id=self.config.node_id, incarnation=self.incarnation, round=round_no, ranks=entries
-                )
+            failures.send_fitted(
+                self.client.report_stacks, request, failures.fit_stacks_report, what="report stacks"
             )
         self.say(f"sent stacks of {len(entries)} ranks {reason}".rstrip())
 
@@ -480,7 +481,12 @@ class Supervisor:
             kind=pb.FAILURE_KIND_HANG if hung else pb.FAILURE_KIND_WORKER_EXIT,
             failures=entries,
         )
-        resp = self._retry(lambda: self.client.report_failure(request), "report failure")
+        resp = self._retry(
+            lambda: failures.send_fitted(
+                self.client.report_failure, request, failures.fit_failure_report, what="report failure"
+            ),
+            "report failure",
+        )
         # Save at the breakpoint while the master decides: the restarted workers (or the next run) resume
         # from the newest step, and storage holds it even if this node goes away. Only the queueing waits
         # (it pins the snapshots): workers restarted on the same nodes load from memory, so they need not

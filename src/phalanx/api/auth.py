@@ -1,9 +1,21 @@
 """How the job's bearer token travels: the ``authorization`` gRPC metadata key / HTTP header with the value
-``Bearer <token>``. Clients and the master's checks build it here, so the format lives in one place."""
+``Bearer <token>``. Clients and the master's checks build it here, so the format lives in one place, and
+so does what a token must be (:func:`check_token`), and how a client reaches a master that serves TLS
+(:func:`master_channel`)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from phalanx.api.errors import ConfigError
+
 HEADER = "authorization"
+
+MIN_TOKEN_CHARS = 16
+"""A token shorter than this can be guessed; the tokens phalanx makes itself have 48 or more characters."""
 
 
 def bearer(token: str) -> str:
@@ -14,3 +26,38 @@ def bearer(token: str) -> str:
 def metadata(token: str) -> tuple[tuple[str, str]]:
     """gRPC call metadata carrying ``token``."""
     return ((HEADER, bearer(token)),)
+
+
+def check_token(token: str, *, field: str, source: str = "the token") -> str:
+    """Returns ``token`` when it is one word of at least :data:`MIN_TOKEN_CHARS` characters; otherwise a
+    :class:`ConfigError` naming ``field`` and ``source`` (a file name), never the token itself."""
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise ConfigError(
+            f"{source} must hold one token of at least {MIN_TOKEN_CHARS} characters without spaces "
+            f"(it holds {len(token)} characters)",
+            field=field,
+        )
+    return token
+
+
+TLS_CA_ENV = "PHALANX_TLS_CA_FILE"
+"""The CA that signed the master's certificate, for a master started with TLS: every process that calls the
+master (the agent, the checkpoint host's reports) inherits it."""
+
+
+def master_channel(
+    address: str, *, ca_file: str | None = None, options: Sequence[tuple[str, Any]] = ()
+) -> Any:
+    """A gRPC channel to the master: TLS verified against ``ca_file`` (default: :data:`TLS_CA_ENV`'s file)
+    when there is one, plain otherwise."""
+    import grpc
+
+    ca_file = os.environ.get(TLS_CA_ENV, "") if ca_file is None else ca_file
+    if not ca_file:
+        return grpc.insecure_channel(address, options=list(options))
+    try:
+        roots = Path(ca_file).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {ca_file}: {exc.strerror}", field=TLS_CA_ENV) from exc
+    credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+    return grpc.secure_channel(address, credentials, options=list(options))

@@ -14,6 +14,7 @@ Environment variables are ``PHALANX_<GROUP>_<FIELD>`` in upper case, for example
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from phalanx.api import limits
 from phalanx.api.errors import ConfigError
 
 T = TypeVar("T")
@@ -64,6 +66,8 @@ def parse_duration(text: str | float | int, *, name: str = "duration") -> float:
             seconds = sum(float(n) * _DURATION_UNITS[unit] for n, unit in parts)
         else:
             raise ConfigError(f"expected a duration such as 500ms, 30s, 2m or 1h, got {text!r}", field=name)
+    if not math.isfinite(seconds):
+        raise ConfigError(f"a duration must be a finite number of seconds, got {text!r}", field=name)
     if seconds < 0:
         raise ConfigError(f"a duration cannot be negative, got {text!r}", field=name)
     return seconds
@@ -104,7 +108,7 @@ def _convert(value: Any, target: Any, name: str) -> Any:
             raise ConfigError(f"expected an integer, got {value!r}", field=name)
         try:
             return int(value)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:  # int(inf) overflows
             raise ConfigError(f"expected an integer, got {value!r}", field=name) from exc
     if target is float:
         if name.endswith("_s"):
@@ -225,6 +229,29 @@ def parse_probe_kinds(text: str, *, name: str = "kinds") -> tuple[str, ...]:
     return tuple(kind for kind in PROBE_KINDS if kind in given)
 
 
+def _refuse_non_finite(obj: Any) -> None:
+    """nan passes every bound check (``nan < 0`` and ``nan > 0`` are both false) and inf passes every lower
+    bound, then poisons what the setting feeds: a timer that never fires, a median that is nan."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"must be a finite number, got {value}", field=f.name)
+
+
+def _checked(cls: type[T]) -> type[T]:
+    """Every settings group carries this decorator (above ``@dataclass``): its float settings must be finite
+    before its own checks run, however it was built (flags, environment, the CRD, or code)."""
+    own = cls.__dict__.get("__post_init__")
+
+    def __post_init__(self: Any) -> None:
+        _refuse_non_finite(self)
+        if own is not None:
+            own(self)
+
+    cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
+    return cls
+
+
 def _positive(value: float, name: str) -> None:
     if value <= 0:
         raise ConfigError(f"must be greater than 0, got {value}", field=name)
@@ -234,6 +261,7 @@ def _positive(value: float, name: str) -> None:
 # Groups
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class RendezvousSettings:
     """How nodes form a round."""
@@ -271,6 +299,7 @@ class RendezvousSettings:
         _positive(self.min_nodes_timeout_s, "min_nodes_timeout_s")
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class HeartbeatSettings:
     """Liveness of nodes."""
@@ -289,6 +318,7 @@ class HeartbeatSettings:
             )
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class HangSettings:
     """Hang detection from progress beacons: a rank is hung when its beacon is older than
@@ -310,6 +340,7 @@ class HangSettings:
         _positive(self.startup_s, "startup_s")
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class RestartSettings:
     """Budgets for restarting workers and replacing nodes."""
@@ -329,6 +360,7 @@ class RestartSettings:
             raise ConfigError(f"cannot be negative, got {self.grace_period_s}", field="grace_period_s")
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class LogSettings:
     """Worker log shipping and the master's log buffers."""
@@ -342,6 +374,7 @@ class LogSettings:
             _positive(getattr(self, name), name)
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSettings:
     """Flash checkpoint cadence and storage."""
@@ -364,6 +397,7 @@ class CheckpointSettings:
         _positive(self.keep_last, "keep_last")
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class StragglerSettings:
     """Fault isolation from health probes and step times (:mod:`phalanx.diagnostics.stragglers`).
@@ -416,6 +450,7 @@ class StragglerSettings:
             )
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class ProbeSettings:
     """Probe rounds the master runs (:mod:`phalanx.master.probing`): every member runs the configured probes
@@ -452,6 +487,7 @@ class ProbeSettings:
         return parse_probe_kinds(self.kinds, name="kinds")
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class MasterSettings:
     """Everything a job's master needs."""
@@ -466,6 +502,12 @@ class MasterSettings:
         doc="File holding a second token, good for GET /metrics only: one Prometheus credential for every "
         "job's master. Empty, or a missing file: /metrics needs the job's token.",
     )
+    tls_cert_file: str = setting(
+        "",
+        doc="PEM certificate (chain) the master's gRPC and HTTP servers present; with tls_key_file, both "
+        "serve TLS only. Empty: plain text.",
+    )
+    tls_key_file: str = setting("", doc="PEM private key of tls_cert_file.")
     state_path: str = setting("", doc="Where the master keeps its durable state (a file path locally).")
     log_dir: str = setting("", doc="Directory of the append-only job log; empty: beside the state file.")
     long_poll_max_s: float = setting(
@@ -475,7 +517,7 @@ class MasterSettings:
         10.0, doc="A user error reported by every node within this window fails the job at once.", unit="s"
     )
     max_request_bytes: int = setting(
-        4 * 1024 * 1024, doc="Largest gRPC request the master accepts.", unit="bytes"
+        limits.DEFAULT_MAX_REQUEST_BYTES, doc="Largest gRPC request the master accepts.", unit="bytes"
     )
     rendezvous: RendezvousSettings = group(RendezvousSettings, doc="Rendezvous rounds.")
     heartbeat: HeartbeatSettings = group(HeartbeatSettings, doc="Node liveness.")
@@ -494,17 +536,22 @@ class MasterSettings:
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ConfigError(f"must be a port number between 0 and 65535, got {port}", field=name)
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            missing = "tls_key_file" if self.tls_cert_file else "tls_cert_file"
+            raise ConfigError("TLS needs both a certificate and its key; give both or neither", field=missing)
         _positive(self.long_poll_max_s, "long_poll_max_s")
         if self.user_error_window_s < 0:
             raise ConfigError(
                 f"cannot be negative, got {self.user_error_window_s}", field="user_error_window_s"
             )
-        if self.max_request_bytes < 64 * 1024:
+        if self.max_request_bytes < limits.MIN_MAX_REQUEST_BYTES:
             raise ConfigError(
-                f"must be at least 65536, got {self.max_request_bytes}", field="max_request_bytes"
+                f"must be at least {limits.MIN_MAX_REQUEST_BYTES}, got {self.max_request_bytes}",
+                field="max_request_bytes",
             )
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class AgentSettings:
     """Everything a node agent (`phalanx-run`) needs."""
@@ -527,6 +574,7 @@ class AgentSettings:
         _positive(self.monitor_interval_s, "monitor_interval_s")
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class JobPodSettings:
     """How the operator shapes an ElasticJob's Pods beyond its template: the defaults of
@@ -564,6 +612,7 @@ class JobPodSettings:
         _positive(self.create_refused_timeout_s, "create_refused_timeout_s")
 
 
+@_checked
 @dataclass(frozen=True, kw_only=True)
 class OperatorSettings:
     """The Kubernetes operator (`phalanx operator`)."""
@@ -592,13 +641,33 @@ class OperatorSettings:
     )
     http_port: int = setting(
         8081,
-        doc="Port of the operator's own /healthz (liveness: kopf's event loop answers) and /metrics (needs "
-        "the metrics token; served only with one); 0: none.",
+        doc="Port of the operator's own /healthz (liveness: its event loop answers and, on the leader, its "
+        "periodic passes run) and /metrics (needs the metrics token; served only with one); 0: none.",
     )
     finish_grace_s: float = setting(
         10.0,
         doc="How long Pods still running when a job finished get to exit by themselves before cleanup.",
         unit="s",
+    )
+    # Trust switches: what the operator may do beyond a job's own namespace, set by the cluster's
+    # administrator (Helm values), never by a job. A job author controls the evidence (a training script can
+    # hang its own node, and it can read the job token), so nothing a job says reaches objects it does not
+    # own unless the administrator chose to trust jobs that far. All off by default.
+    cordon_nodes: bool = setting(
+        False,
+        doc="Allow jobs with spec.cordonBadNodes to cordon and taint the Kubernetes node of a worker Pod the "
+        "operator evicted (its spec.nodeName, never a name the job reports). Off: no job cordons anything, "
+        "and the operator needs no permission on nodes.",
+    )
+    network_policy: bool = setting(
+        False,
+        doc="Give every job a NetworkPolicy <job>-master: only the job's own Pods and the monitoring "
+        "namespace reach its master's ports. Needs a network plugin that enforces NetworkPolicies.",
+    )
+    monitoring_namespace: str = setting(
+        "monitoring",
+        doc="Namespace (its kubernetes.io/metadata.name label) whose Pods may scrape every master's /metrics "
+        "through the per-job NetworkPolicy; empty: none.",
     )
 
     def __post_init__(self) -> None:

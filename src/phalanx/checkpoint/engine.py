@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
+from phalanx.api import round as round_file
 from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import codec, copier, protocol, shm
 from phalanx.checkpoint.persister import pin_queued
-from phalanx.checkpoint.storage import Storage, canonical_location, committed_steps, open_storage
+from phalanx.checkpoint.storage import Storage, canonical_location, committed_steps, open_storage, save_id
 
 _GROWTH = 1.1  # headroom when a slot is (re)allocated, so a slightly bigger state does not reallocate
 CALL_LIMIT_S = 5.0
@@ -40,6 +41,20 @@ host stalls training once, not at every persist (its agent replaces it within se
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value else default
+
+
+def current_round() -> int:
+    """The rendezvous round this process trains in, part of every save's id: the agent's round file
+    (rewritten when a round regroups the running workers), else torchrun's restart count."""
+    path = os.environ.get(round_file.ENV_VAR)
+    if path:
+        try:
+            info = round_file.read(Path(path))
+        except (OSError, ValueError, TypeError):
+            info = None
+        if info is not None:
+            return info.round
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
 # Measured on a 16-core host: 1 GiB in 0.061 s with 4 threads, 0.033 s with 16 (DLRover's torch copy on its
@@ -186,6 +201,12 @@ class Checkpointer:
         self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
         self.local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK", 0)
         self.job_id = job_id or protocol.job_id_from_env(env)
+        # Who saves: written into every snapshot, so a step is committed only from shards of one save of
+        # one job (see storage.try_commit), and the storage root is claimed by this job (storage.claim).
+        self.job_name, self.job_uid = protocol.job_identity(env, fallback=self.job_id)
+        self.resumed_from: dict[str, Any] | None = None
+        """``{"job", "step"}`` when the last load took another job's committed step from storage: this job
+        continues that one, and may take its storage over (see storage.claim_decision)."""
         self.shm_dir = Path(shm_dir or env.get(protocol.ENV_SHM_DIR) or "/dev/shm")
         location = storage if storage is not None else env.get(protocol.ENV_STORAGE, "")
         self.storage_location = location
@@ -223,11 +244,7 @@ class Checkpointer:
         self.last_save: dict[str, Any] = {}
 
     def _default_socket(self) -> str:
-        import tempfile
-
-        return str(
-            Path(tempfile.gettempdir()) / f"phalanx-ckpt-{shm.sanitize_job(self.job_id)}-{os.getuid()}.sock"
-        )
+        return str(protocol.socket_path(self.job_id))
 
     # ---------------------------------------------------------------------------------------------
     # The host
@@ -451,17 +468,18 @@ class Checkpointer:
         self.fence()
         started = time.perf_counter()
         flat = codec.flatten(state)
-        meta = json.dumps(
-            {
-                "format": 1,
-                "step": step,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "skeleton": flat.skeleton,
-                "tensors": flat.table,
-            },
-            separators=(",", ":"),
-        ).encode()
+        described: dict[str, Any] = {
+            "format": 1,
+            "step": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "save": save_id(job=self.job_name, uid=self.job_uid, round_no=current_round(), step=step),
+            "skeleton": flat.skeleton,
+            "tensors": flat.table,
+        }
+        if self.resumed_from is not None:
+            described["resumed_from"] = self.resumed_from
+        meta = json.dumps(described, separators=(",", ":")).encode()
         data_off = shm.align(shm.HEADER_SIZE + len(meta), shm.PAGE)
         slots, allocated = self._ensure(data_off + flat.data_len)
         index, seq = self._pick_slot(slots)
@@ -672,9 +690,10 @@ class Checkpointer:
         and returns it, instead of allocating new memory for it.
 
         ``replicated=True`` says every rank saves the same state (plain data parallel, DDP): a rank may then
-        load any rank's snapshot in this node's memory. A round that renumbers the ranks (a node left, or
-        joined) then still loads from memory, where each rank would otherwise find no snapshot of its own
-        rank on its node and the job would fall back to storage, or start over without it.
+        load any rank's snapshot in this node's memory, and the newest step any rank holds is loaded, the
+        ranks that lack it receiving it from one that has it. A round that renumbers the ranks (a node left,
+        or joined) and a replacement node with empty memory then still load from memory, where each rank
+        would otherwise find no snapshot of its own and the job would fall back to storage, or start over.
         """
         from phalanx.checkpoint import restore
 
@@ -695,8 +714,11 @@ class Checkpointer:
                 if self._slots is not None:  # a restarted process: get the mapping ready for its saves
                     self._slots.populate_async([0, 1])
             return list(self._slots.segments) if self._slots else []
-        paths = [shm.slot_path(self.shm_dir, self.job_id, shard_rank, s) for s in range(shm.SLOTS)]
-        return [shm.Segment(p) for p in paths if p.exists()]
+        segments = []
+        for s in range(shm.SLOTS):
+            with contextlib.suppress(OSError, ValueError):  # missing, or refused (see shm.open_owned)
+                segments.append(shm.Segment(shm.slot_path(self.shm_dir, self.job_id, shard_rank, s)))
+        return segments
 
     def close(self, *, stop_host: bool = False) -> None:
         """Unmaps the slots; with ``stop_host`` also stops the host, which unlinks the job's memory."""

@@ -42,7 +42,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -235,6 +234,8 @@ class HostServer:
                     keep_last=self.keep_last,
                 )
                 result.update(step=done.step, path=done.path, committed=done.committed, size=done.size_bytes)
+                if done.not_committed:
+                    result["not_committed"] = done.not_committed
                 log.info("persisted step %d of rank %d in %.2fs", done.step, rank, done.duration_s)
                 if self.reporter is not None:
                     self.reporter.report(
@@ -330,12 +331,19 @@ class HostServer:
         neither lose the snapshots to that host's release nor release what that host still writes. Both
         steps (adopt + bind here, check + release at exit) run under one lock on the shared-memory
         directory, so the old host either releases before the new one looks, or sees it was replaced."""
+        private = shm.check_private_dir(shm.private_dir(self.shm_dir))  # before anything is read from it
+        if self.socket_path.parent == protocol.socket_dir():
+            shm.check_private_dir(self.socket_path.parent)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with shm.directory_lock(self.shm_dir):
+        with shm.directory_lock(private):
             self._adopt()
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
-            listener.bind(str(self.socket_path))
+            old_umask = os.umask(0o177)  # the socket is owner-only from the start (no thread runs yet)
+            try:
+                listener.bind(str(self.socket_path))
+            finally:
+                os.umask(old_umask)
             self._socket_id = protocol.socket_identity(self.socket_path)
         listener.listen(64)
         listener.settimeout(0.2)
@@ -351,6 +359,8 @@ class HostServer:
                 except TimeoutError:
                     continue
                 conn.settimeout(None)
+                if not self._trusted(conn):
+                    continue
                 with self._cond:
                     self._clients += 1
                 threading.Thread(target=self._serve_client, args=(conn,), daemon=True).start()
@@ -360,11 +370,27 @@ class HostServer:
             worker.join(timeout=600)
             if self.reporter is not None:
                 self.reporter.close()  # the last shards' reports, above all those of a save at breakpoint
-            with shm.directory_lock(self.shm_dir):
+            with shm.directory_lock(private):
                 if self._superseded():
                     self._close_segments()
                 else:
                     self.release()
+
+    def _trusted(self, conn: socket.socket) -> bool:
+        """Whether the peer may use this host (see :func:`protocol.peer_allowed`); closes it if not. The
+        socket's directory and mode already keep other users out; this holds where a caller put the
+        socket somewhere others can reach."""
+        try:
+            uid = protocol.peer_uid(conn)
+        except OSError:
+            uid = -1
+        if protocol.peer_allowed(uid, os.geteuid()):
+            return True
+        log.warning(
+            "refused a connection from uid %d: only uid %d (or root) may use this host", uid, os.geteuid()
+        )
+        conn.close()
+        return False
 
     def _close_segments(self) -> None:
         for entry in self._ranks.values():
@@ -501,9 +527,7 @@ def start(
     """Starts a checkpoint host process and waits until it accepts connections. ``release_also``: files
     the host unlinks when it exits, with the job's shared memory."""
     if socket_path is None:
-        socket_path = (
-            Path(tempfile.gettempdir()) / f"phalanx-ckpt-{shm.sanitize_job(job_id)}-{os.getuid()}.sock"
-        )
+        socket_path = protocol.socket_path(job_id)
     argv = [
         sys.executable,
         "-m",
@@ -529,11 +553,19 @@ def start(
     line = _read_line(proc, timeout_s)
     proc.stdout.close()  # nothing more is printed there; the host logs to stderr
     try:
-        pid = int(json.loads(line)["pid"])
-    except (ValueError, KeyError, TypeError):
+        ready = json.loads(line)
+    except ValueError:
+        ready = None
+    if not isinstance(ready, dict) or not isinstance(ready.get("pid"), int):
         proc.kill()
         proc.wait()
-        raise CheckpointError(f"the checkpoint host did not start (exit code {proc.returncode})") from None
+        why = ready.get("error") if isinstance(ready, dict) else None
+        raise CheckpointError(
+            f"the checkpoint host did not start: {why}"
+            if why
+            else f"the checkpoint host did not start (exit code {proc.returncode})"
+        )
+    pid = ready["pid"]
     if detach:
         proc.wait()  # the launcher exits once the daemon is ready
     return HostHandle(
@@ -605,7 +637,12 @@ def main(argv: list[str] | None = None) -> int:
         parent_pid=args.parent_pid,
         release_also=args.release_also,
     )
-    server.serve()
+    try:
+        server.serve()
+    except shm.UnsafePathError as exc:  # told to the starter, which raises it: the agent logs why
+        log.error("%s", exc)
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 2
     return 0
 
 

@@ -9,6 +9,7 @@ reloads the slot from memory can check it too.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import zlib
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from typing import Any
 from phalanx.api.errors import PersistError
 from phalanx.checkpoint import shm, storage
 from phalanx.checkpoint.storage import SAFETENSORS_DTYPES, Storage
+
+log = logging.getLogger("phalanx.checkpoint")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,8 @@ class PersistResult:
     size_bytes: int
     duration_s: float
     committed: bool
+    not_committed: str = ""
+    """Why the step was not committed although every rank's shard is there (shards of different saves)."""
 
 
 def read_meta(seg: shm.Segment, header: shm.SlotHeader) -> dict[str, Any]:
@@ -114,6 +119,17 @@ def persist_shard(
         if seg.header().seq != header.seq:
             raise Superseded(f"step {header.step} was superseded by a newer save before it was persisted")
         meta = read_meta(seg, header)
+        save = meta.get("save")
+        if isinstance(save, dict) and save.get("job"):  # the job's first persist claims the root
+            try:
+                storage.claim(
+                    store,
+                    job=str(save["job"]),
+                    uid=str(save.get("uid", "")),
+                    resumed_from=meta.get("resumed_from"),
+                )
+            except OSError as exc:
+                raise PersistError(f"checking who owns {store.url('')} failed: {exc}") from exc
         head = safetensors_header(meta)
         crc = 0
 
@@ -148,11 +164,18 @@ def persist_shard(
             "file": file.rsplit("/", 1)[-1],
             "size": size,
             "crc32": crc,
+            "save": save,
             "meta": meta,
         }
+        not_committed = ""
         try:
             store.write_atomic(storage.manifest_file(header.step, rank), [json.dumps(manifest).encode()])
-            committed = storage.try_commit(store, step=header.step, world_size=header.world_size)
+            try:
+                committed = storage.try_commit(store, step=header.step, world_size=header.world_size)
+            except storage.MixedSaveError as exc:
+                # Not this shard's failure: the ranks of this save may still overwrite the others' shards.
+                committed, not_committed = False, str(exc)
+                log.error("%s", exc)
             if committed:
                 storage.apply_retention(store, keep_last=keep_last)
         except OSError as exc:
@@ -167,4 +190,5 @@ def persist_shard(
         size_bytes=size,
         duration_s=time.monotonic() - started,
         committed=committed,
+        not_committed=not_committed,
     )

@@ -3,39 +3,104 @@
 A unix domain socket carrying newline-delimited JSON, one request and one reply at a time per
 connection; bulk data never crosses it (tensors go through shared memory). Environment variables tell a
 training process where its host is.
+
+The socket lives in the user's 0700 directory of the temporary directory (:func:`socket_path`, the one
+place its name is made), and the host answers only a peer of its own user, or root (:func:`peer_allowed`,
+from ``SO_PEERCRED``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
+import struct
+import tempfile
 import threading
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from phalanx.api.errors import CheckpointError
+from phalanx.checkpoint import shm
 
 ENV_SOCKET = "PHALANX_CHECKPOINT_SOCKET"
 ENV_SHM_DIR = "PHALANX_CHECKPOINT_SHM_DIR"
 ENV_JOB = "PHALANX_CHECKPOINT_JOB"
 ENV_STORAGE = "PHALANX_CHECKPOINT_STORAGE"
+ENV_JOB_NAME = "PHALANX_JOB_ID"
+ENV_NAMESPACE = "PHALANX_NAMESPACE"
+"""The job's Kubernetes namespace, when the operator tells it: two jobs of one name in two namespaces are
+two jobs (their node's files and their storage claims must differ)."""
+ENV_JOB_UID = "PHALANX_JOB_UID"
+"""The ElasticJob's metadata.uid, when the operator tells it: tells apart a job from a deleted one of the
+same name."""
+
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the terminating NUL included
 
 Message = dict[str, Any]
 
 
-def job_id_from_env(env: os._Environ[str] | dict[str, str]) -> str:
+def job_id_from_env(env: Mapping[str, str]) -> str:
     """The job id a training process belongs to, with torchrun's run id as fallback."""
-    return env.get(ENV_JOB) or env.get("PHALANX_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "default"
+    return env.get(ENV_JOB) or env.get(ENV_JOB_NAME) or env.get("TORCHELASTIC_RUN_ID") or "default"
+
+
+def job_scope(env: Mapping[str, str]) -> str:
+    """What sets a job apart from another one of the same name on the same machine: its uid, else its
+    namespace, else nothing (``phalanx local`` and bare runs name their jobs uniquely themselves)."""
+    return env.get(ENV_JOB_UID) or env.get(ENV_NAMESPACE) or ""
+
+
+def job_identity(env: Mapping[str, str], *, fallback: str) -> tuple[str, str]:
+    """(name, uid) of the job a process belongs to: the name is ``namespace/name`` on Kubernetes, the job
+    id elsewhere (``fallback`` when the environment names none); the uid is "" when unknown."""
+    # The job, not the node's share of it (PHALANX_CHECKPOINT_JOB): every node of one job claims storage
+    # under one name. torchrun names the job in TORCHELASTIC_RUN_ID.
+    name = env.get(ENV_JOB_NAME) or env.get("TORCHELASTIC_RUN_ID") or fallback
+    namespace = env.get(ENV_NAMESPACE)
+    return (f"{namespace}/{name}" if namespace else name), env.get(ENV_JOB_UID, "")
+
+
+def socket_dir() -> Path:
+    """The directory of this user's checkpoint-host sockets (0700, see :func:`shm.check_private_dir`)."""
+    return shm.private_dir(Path(tempfile.gettempdir()))
+
+
+def socket_path(job_key: str) -> Path:
+    """The control socket of the host of ``job_key`` (a node's job id): the only place its name is made.
+    A name that would not fit in a socket address (108 bytes) is replaced by a hash of it."""
+    directory = socket_dir()
+    path = directory / f"ckpt-{shm.sanitize_job(job_key)}.sock"
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        path = directory / f"ckpt-{hashlib.sha256(job_key.encode()).hexdigest()[:32]}.sock"
+    return path
+
+
+def peer_allowed(peer_uid: int, own_uid: int) -> bool:
+    """Whether a process of ``peer_uid`` may use a host run by ``own_uid``: the same user, or root (who
+    can read the shared memory anyway)."""
+    return peer_uid in (own_uid, 0)
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a unix socket (SO_PEERCRED: set by the kernel)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
 
 
 def socket_identity(path: str | os.PathLike[str]) -> tuple[int, int, int] | None:
     """What tells the socket a host bound at ``path`` from one bound there later (None: no socket). The
-    inode number alone does not: a file system reuses a freed one at once."""
+    inode number alone does not: a file system reuses a freed one at once. The time is the modification
+    time, set when the socket is bound and never after: a chmod or chown of the socket changes its ctime,
+    and must not look like another host."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_dev, st.st_ino, st.st_ctime_ns
+    return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
 def send(sock: socket.socket, message: Message) -> None:

@@ -30,10 +30,8 @@ class MasterReporter:
     """
 
     def __init__(self, *, addr: str, token_file: str, node_id: str, incarnation: str) -> None:
-        import grpc
-
         self._token = Path(token_file).read_text().strip() if token_file else ""
-        self._channel = grpc.insecure_channel(addr)
+        self._channel = auth.master_channel(addr)  # TLS when the agent that started the host was told a CA
         self._stub = master_pb2_grpc.MasterStub(self._channel)
         self._node_id = node_id
         self._incarnation = incarnation

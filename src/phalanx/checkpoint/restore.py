@@ -1,10 +1,15 @@
 """Loading: every rank agrees on the newest step all of them hold, then each reads it from shared memory
-when its node kept it, else from storage (or receives it from a replica that read it).
+when its node kept it, else from storage (or receives it from a replica that read it). State that every rank
+saves alike (``replicated``, data parallel) is loaded at the newest step any rank holds: a rank whose node
+lost it, or a replacement node that never had it, receives it from the lowest rank holding it.
 
 Agreement uses integer all-reduces only (no pickled objects): propose the minimum over ranks of each
 rank's newest candidate, accept it when every rank holds it, else lower the bound and repeat. A snapshot
 that fails its checksum is dropped on every rank, with a warning naming it, and the next older common
 step is tried; :class:`~phalanx.api.errors.CheckpointCorruptError` is raised when nothing valid remains.
+A manifest or snapshot of the wrong structure (truncated JSON, a missing key, a wrong type) counts as
+corrupt the same way, and is found before the ranks vote on it: never an exception on one rank while the
+others wait in a collective.
 """
 
 from __future__ import annotations
@@ -63,8 +68,12 @@ def _all_reduce(value: int, op: Any, group: Any = None) -> int:
     return int(t.item())
 
 
-def agree(candidates: set[int]) -> int | None:
-    """The newest step in every rank's candidate set (None when there is none)."""
+def agree(candidates: set[int], *, held_by_any: bool = False) -> int | None:
+    """The newest step in every rank's candidate set (None when there is none). ``held_by_any``: the newest
+    step in any rank's set, for replicated state, which a rank holding it hands to the others."""
+    if held_by_any:
+        newest = _all_reduce(max(candidates, default=-1), dist.ReduceOp.MAX if _distributed() else None)
+        return newest if newest >= 0 else None
     upper = 2**62
     while True:
         mine = max((c for c in candidates if c <= upper), default=-1)
@@ -74,6 +83,52 @@ def agree(candidates: set[int]) -> int | None:
         if _all_reduce(int(proposal in candidates), dist.ReduceOp.MIN if _distributed() else None):
             return proposal
         upper = proposal - 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# Structure checks
+
+_MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError)
+"""What reading a shard of the wrong structure raises (torch raises RuntimeError for a bad view)."""
+
+
+def meta_problem(meta: Any) -> str:
+    """What is wrong with the structure of a snapshot's metadata ("" when nothing): the tensor table must
+    describe tensors safetensors and torch can hold, laid out as the byte counts say."""
+    if not isinstance(meta, dict):
+        return "the metadata is not a JSON object"
+    if "skeleton" not in meta:
+        return "the metadata has no skeleton"
+    table = meta.get("tensors")
+    if not isinstance(table, list):
+        return "the metadata has no tensor table"
+    for i, entry in enumerate(table):
+        if not isinstance(entry, dict):
+            return f"tensor {i} is not described by an object"
+        name, dtype, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
+        offset, nbytes = entry.get("offset"), entry.get("nbytes")
+        if not isinstance(name, str) or dtype not in codec.DTYPES:
+            return f"tensor {i} has no name or an unknown dtype ({dtype!r})"
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            return f"tensor {name!r} has a malformed shape {shape!r}"
+        if type(offset) is not int or type(nbytes) is not int or offset < 0:
+            return f"tensor {name!r} has a malformed offset or size"
+        count = 1
+        for d in shape:
+            count *= d
+        if nbytes != count * codec.DTYPES[dtype].itemsize:
+            return f"tensor {name!r}: {nbytes} bytes do not hold a {dtype} tensor of shape {shape}"
+    return ""
+
+
+def manifest_problem(manifest: Any) -> str:
+    """What is wrong with the structure of a shard manifest ("" when nothing)."""
+    if not isinstance(manifest, dict):
+        return "the manifest is not a JSON object"
+    for key in ("size", "crc32"):
+        if type(manifest.get(key)) is not int:
+            return f"the manifest's {key!r} is missing or not an integer"
+    return meta_problem(manifest.get("meta"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -117,6 +172,12 @@ def read_memory(
         meta = json.loads(bytes(seg.buf[shm.HEADER_SIZE : shm.HEADER_SIZE + header.meta_len]))
     except ValueError as exc:
         raise CheckpointCorruptError(f"{seg.path}: unreadable metadata: {exc}") from exc
+    problem = meta_problem(meta)
+    if (
+        problem
+        or header.data_off + max((e["offset"] + e["nbytes"] for e in meta["tensors"]), default=0) > seg.size
+    ):
+        raise CheckpointCorruptError(f"{seg.path}: malformed snapshot of step {step}: {problem or 'too big'}")
     check = header.crc_seq == header.seq
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-verify") as verifier:
         checksum = None
@@ -194,12 +255,26 @@ def read_storage(
     file = storage.shard_file(step, rank)
     try:
         manifest = json.loads(store.read(manifest_path))
-        data = bytearray(store.read(file))
     except (OSError, ValueError) as exc:
         raise CheckpointCorruptError(f"{store.url(manifest_path)}: cannot read the shard: {exc}") from exc
+    problem = manifest_problem(manifest)
+    if problem:
+        raise CheckpointCorruptError(f"{store.url(manifest_path)}: malformed manifest: {problem}")
+    try:
+        data = bytearray(store.read(file))
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{store.url(file)}: cannot read the shard: {exc}") from exc
     if len(data) != manifest["size"] or crc.crc32([data], threads=threads) != manifest["crc32"]:
         raise CheckpointCorruptError(f"{store.url(file)}: checksum mismatch (the file is corrupt)")
-    meta = manifest["meta"]
+    try:
+        return _decode_shard(data, manifest["meta"])
+    except _MALFORMED as exc:  # a manifest that passed its checks but does not match its file
+        raise CheckpointCorruptError(
+            f"{store.url(file)}: the shard does not match its manifest: {exc}"
+        ) from exc
+
+
+def _decode_shard(data: bytearray, meta: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
     header_len = int.from_bytes(data[:8], "little")
     entries = json.loads(data[8 : 8 + header_len])
     base = 8 + header_len
@@ -290,10 +365,12 @@ def _read_step(
 
     if replica_group is None or not _distributed():
         return local()
-    needs_storage = _all_reduce(int(step not in memory), dist.ReduceOp.MAX, replica_group)
-    if not needs_storage:
-        return local()
-    src = dist.get_global_rank(replica_group, 0)
+    if not _all_reduce(int(step not in memory), dist.ReduceOp.MAX, replica_group):
+        return local()  # every member holds it in memory
+    # One member reads it, from memory rather than storage, and the others receive it: a replacement node
+    # gets a data-parallel replica's state from a survivor's memory rather than from storage, or not at all.
+    where = 0 if step in memory else 1 if ckpt.storage is not None and step in on_storage else 2
+    src = _all_reduce((where << 32) + dist.get_rank(), dist.ReduceOp.MIN, replica_group) & 0xFFFFFFFF
     got, source = local() if dist.get_rank() == src else (None, "peer")
     return _broadcast_shard(got, src=src, group=replica_group), source
 
@@ -341,6 +418,17 @@ def _any_replica(ckpt: Checkpointer, own: dict[int, shm.Segment]) -> dict[int, s
     return steps
 
 
+def _note_lineage(ckpt: Checkpointer, step: int) -> None:
+    """Remembers that this job continues the job that committed ``step`` when that is another job: it may
+    then take that job's storage over (see storage.claim_decision)."""
+    assert ckpt.storage is not None
+    saved = storage.commit_record(ckpt.storage, step).get("save")
+    job = saved.get("job") if isinstance(saved, dict) else None
+    if isinstance(job, str) and job and job != ckpt.job_name:
+        ckpt.resumed_from = {"job": job, "step": step}
+        log.info("job %s resumes from step %d of job %s", ckpt.job_name, step, job)
+
+
 def load(
     ckpt: Checkpointer,
     *,
@@ -366,7 +454,7 @@ def load(
     candidates = set(memory) | on_storage
     bad: list[int] = []
     while True:
-        step = agree(candidates - set(bad))
+        step = agree(candidates - set(bad), held_by_any=replicated)
         if step is None:
             if bad:
                 raise CheckpointCorruptError(
@@ -380,21 +468,31 @@ def load(
             memory=memory,
             on_storage=on_storage,
             shard_rank=shard_rank,
-            replica_group=replica_group,
+            # replicated: every rank is a replica of every other
+            replica_group=dist.group.WORLD if replicated and replica_group is None else replica_group,
             into=targets,
         )
+        state: Any = None
+        if got is not None:  # rebuilt before the vote: a skeleton that does not decode fails every rank
+            try:
+                meta, tensors = got
+                if targets is not None:  # whichever way it was read: ``into`` ends up holding the state
+                    tensors = _fill(targets, meta["tensors"], tensors)
+                state = codec.unflatten(meta["skeleton"], tensors)
+            except _MALFORMED as exc:
+                _warn(f"skipping checkpoint step {step}: its structure is malformed ({exc})")
+                got = None
         if (
             _all_reduce(int(got is not None), dist.ReduceOp.MIN if _distributed() else None)
             and got is not None
         ):
-            meta, tensors = got
-            if targets is not None:  # whichever way it was read: ``into`` ends up holding the state
-                tensors = _fill(targets, meta["tensors"], tensors)
             ckpt.last_load = {
                 "step": step,
                 "source": source,
                 "storage_reads": (ckpt.storage.reads if ckpt.storage else 0) - reads_before,
                 "seconds": time.perf_counter() - started,
             }
-            return step, codec.unflatten(meta["skeleton"], tensors)
+            if source != "memory" and step in on_storage:
+                _note_lineage(ckpt, step)
+            return step, state
         bad.append(step)

@@ -1,6 +1,7 @@
 """Shared-memory slots of the flash checkpoint (torch-free: the checkpoint host imports this).
 
-Every training rank owns two *slots*, each a file in ``/dev/shm`` named ``phx-<job>-r<rank>-s<slot>``.
+Every training rank owns two *slots*, each a file named ``phx-<job>-r<rank>-s<slot>`` in the user's private
+directory of the shared-memory root, ``/dev/shm/phalanx-<uid>/`` (see :func:`private_dir`).
 A save always writes the slot that does not hold the newest complete snapshot (and is not pinned by the
 persister), so a crash during a save never destroys the last good snapshot.
 
@@ -15,6 +16,12 @@ The header works like a seqlock: a writer first stores ``state=WRITING`` with ``
 stores ``state=COMPLETE``. A reader (the persister, a restarted process) accepts a slot only when it is
 COMPLETE and its ``seq`` is the same before and after reading; a process SIGKILLed mid-save leaves
 ``WRITING`` behind and the slot is ignored.
+
+Local trust: the shared-memory root is world-writable (sticky), so another user of the node could plant a
+symlink or a file where a slot will be, and read or change a snapshot. Slots therefore live in a 0700
+directory of the user's own, checked before use (:func:`check_private_dir`); slot files are created with
+``O_EXCL|O_NOFOLLOW`` and opened with ``O_NOFOLLOW``, and a file that is not the user's own regular,
+owner-only file is refused (:func:`open_owned`).
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import mmap
 import os
 import re
+import stat
 import struct
 import threading
 from collections.abc import Iterator
@@ -52,6 +61,14 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 _JOB_RE = re.compile(r"[^A-Za-z0-9_.-]")
+MAX_JOB_NAME = 120
+"""Longest job part of a file name: a file name has at most 255 bytes, and a job id made of a namespace,
+a job name and a Pod name can be longer; a longer one keeps its start and gets a hash of the whole."""
+
+
+class UnsafePathError(OSError):
+    """A checkpoint directory or file that another user could have planted or could change: owned by
+    someone else, writable by others, or a symlink."""
 
 
 def align(value: int, to: int) -> int:
@@ -60,13 +77,82 @@ def align(value: int, to: int) -> int:
 
 
 def sanitize_job(job_id: str) -> str:
-    """Makes a job id safe for a file name."""
-    return _JOB_RE.sub("_", job_id) or "job"
+    """Makes a job id safe for a file name (distinct ids give distinct names, however long)."""
+    safe = _JOB_RE.sub("_", job_id) or "job"
+    if len(safe) <= MAX_JOB_NAME:
+        return safe
+    digest = hashlib.sha256(job_id.encode()).hexdigest()[:16]
+    return f"{safe[: MAX_JOB_NAME - 17]}-{digest}"
+
+
+def private_dir(root: Path) -> Path:
+    """This user's directory of checkpoint files under ``root`` (a shared-memory root such as /dev/shm, or
+    the temporary directory for sockets): ``root/phalanx-<uid>``. Not created or checked here: see
+    :func:`check_private_dir`."""
+    return Path(root) / f"phalanx-{os.geteuid()}"
+
+
+def check_private_dir(path: Path, *, create: bool = True) -> Path:
+    """Makes sure ``path`` is a directory only this user can enter: created 0700 when missing (``create``),
+    else a real directory (not a symlink) owned by this user, with no permission for anyone else. Raises
+    :class:`UnsafePathError`, naming the owner and mode, for one another user could have planted."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    st = os.lstat(path)  # never follow: a symlink here is refused, not resolved
+    uid = os.geteuid()
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise UnsafePathError(errno.EPERM, f"refusing the checkpoint directory {path}: it is {kind}")
+    if st.st_uid != uid:
+        raise UnsafePathError(
+            errno.EPERM,
+            f"refusing the checkpoint directory {path}: it belongs to uid {st.st_uid}, not to this user "
+            f"(uid {uid}); another user may have created it to read or change this user's checkpoints; "
+            "remove it, or give another shared-memory directory",
+        )
+    if st.st_mode & 0o022:
+        raise UnsafePathError(
+            errno.EPERM,
+            f"refusing the checkpoint directory {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users "
+            "write to it (it must be 0700)",
+        )
+    if st.st_mode & 0o077:  # ours and not writable by others: only readable, so it is safe to tighten
+        os.chmod(path, 0o700, follow_symlinks=False)
+    return path
+
+
+def check_owned(fd: int, path: Path) -> os.stat_result:
+    """Refuses an open file that is not this user's own regular file, or that others may read or write."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePathError(errno.EPERM, f"refusing {path}: not a regular file")
+    if st.st_uid != os.geteuid():
+        raise UnsafePathError(
+            errno.EPERM,
+            f"refusing {path}: it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})",
+        )
+    if st.st_mode & 0o077:
+        raise UnsafePathError(
+            errno.EPERM, f"refusing {path}: mode {stat.S_IMODE(st.st_mode):04o} is not owner-only (0600)"
+        )
+    return st
+
+
+def open_owned(path: Path, flags: int = os.O_RDWR) -> int:
+    """Opens an existing checkpoint file without following a symlink (ELOOP) and checks its owner."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        check_owned(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def slot_path(shm_dir: Path, job_id: str, rank: int, slot: int) -> Path:
-    """The file of one slot of one rank."""
-    return shm_dir / f"phx-{sanitize_job(job_id)}-r{rank}-s{slot}"
+    """The file of one slot of one rank (``shm_dir`` is the shared-memory root, e.g. /dev/shm)."""
+    return private_dir(shm_dir) / f"phx-{sanitize_job(job_id)}-r{rank}-s{slot}"
 
 
 def job_prefix(job_id: str) -> str:
@@ -74,15 +160,23 @@ def job_prefix(job_id: str) -> str:
     return f"phx-{sanitize_job(job_id)}-"
 
 
+def job_files(shm_dir: Path, job_id: str) -> list[Path]:
+    """Every file of a job in this user's directory of the shared-memory root ``shm_dir``."""
+    prefix = job_prefix(job_id)
+    try:
+        return sorted(p for p in private_dir(shm_dir).iterdir() if p.name.startswith(prefix))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def list_job_slots(shm_dir: Path, job_id: str) -> dict[int, list[Path]]:
     """Existing slot files of a job, by rank (used by a host that adopts segments after a restart)."""
     found: dict[int, list[Path]] = {}
     pattern = re.compile(re.escape(job_prefix(job_id)) + r"r(\d+)-s(\d+)$")
-    with contextlib.suppress(FileNotFoundError):
-        for entry in sorted(shm_dir.iterdir()):
-            match = pattern.match(entry.name)
-            if match:
-                found.setdefault(int(match.group(1)), []).append(entry)
+    for entry in job_files(shm_dir, job_id):
+        match = pattern.match(entry.name)
+        if match:
+            found.setdefault(int(match.group(1)), []).append(entry)
     return found
 
 
@@ -173,7 +267,8 @@ class Segment:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR)
+        check_private_dir(path.parent, create=False)  # a planted directory symlink is refused too
+        self._fd = open_owned(path)  # never a symlink, never another user's file
         try:
             size = os.fstat(self._fd).st_size
             if size < HEADER_SIZE:
@@ -244,8 +339,15 @@ class Segment:
 def create(path: Path, size: int) -> None:
     """Creates or grows a slot file to ``size`` bytes. Only the header page is allocated here (reading a
     header must never fault on a full tmpfs); the rest is allocated by the rank that writes the slot
-    (:meth:`Segment.populate`), in parallel and off the host's request loop. Contents are kept."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    (:meth:`Segment.populate`), in parallel and off the host's request loop. Contents are kept.
+
+    A new file is created with ``O_EXCL|O_NOFOLLOW`` (a name someone planted meanwhile fails instead of
+    being followed); an existing one must be this user's owner-only regular file (:func:`open_owned`)."""
+    check_private_dir(path.parent, create=False)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        fd = open_owned(path)
     try:
         if os.fstat(fd).st_size < size:
             os.ftruncate(fd, size)
@@ -258,7 +360,7 @@ def create(path: Path, size: int) -> None:
 def directory_lock(directory: Path) -> Iterator[None]:
     """Holds an exclusive lock on ``directory`` (flock on the directory itself: no lock file to leak),
     so that one host's check-and-release of a job's files and another's adoption of them never interleave."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -4,14 +4,22 @@ Layout under the storage root (one directory per step)::
 
     step-000000000042/
         rank-00000.safetensors   tensors of rank 0, written straight from shared memory
-        rank-00000.json          shard manifest: skeleton, tensor table, file size and crc32
+        rank-00000.json          shard manifest: the save's id, skeleton, tensor table, file size, crc32
         ...
-        COMMIT.json              written once every rank's manifest of the step is present
+        COMMIT.json              written once every rank's manifest of the step is present, all with
+                                 the same save id
+    JOB.json                     the job that writes here (see :func:`claim`)
 
 A reader never sees a half-written file under its final name: on a POSIX path (:class:`LocalStorage`)
 every file is written to a temporary name, fsynced, renamed, and the directory fsynced; in an S3 bucket
 (:class:`S3Storage`, ``s3://bucket/prefix``) an object appears whole or not at all. A step without
 ``COMMIT.json`` is not a checkpoint. :class:`Storage` is the interface both implement.
+
+Nothing mixed: every manifest carries the id of the save it belongs to (:func:`save_id`: the job's name
+and uid, the rendezvous round, the step), and a step is committed only when every rank's id is the same,
+so the shards of a step saved in two rounds (a rank that persisted step 10, died, and the next round's
+ranks that reached step 10 again) never make one checkpoint. A root another job writes to is refused
+(:func:`claim`).
 """
 
 from __future__ import annotations
@@ -27,7 +35,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from phalanx.api.errors import PersistError
+
 COMMIT = "COMMIT.json"
+CLAIM = "JOB.json"
 _STEP_RE = re.compile(r"^step-(\d{12})$")
 
 # torch dtype name -> safetensors dtype code. Kept here (torch-free) because the host writes the files.
@@ -91,6 +102,17 @@ class Storage(Protocol):
         """A location a person can find the file at."""
 
 
+def _create_private(path: Path) -> int:
+    """Creates ``path`` owner-only with ``O_EXCL|O_NOFOLLOW``; a leftover of a writer that died with the
+    same temporary name (a pid reused in a container) is removed first, never written through."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o600)
+    except FileExistsError:
+        path.unlink()
+        return os.open(path, flags, 0o600)
+
+
 class LocalStorage:
     """A directory on a POSIX file system. Counts reads so tests can prove where a load came from."""
 
@@ -108,13 +130,14 @@ class LocalStorage:
             os.close(fd)
 
     def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview]) -> int:
-        """Writes to a temporary name, fsyncs, renames and fsyncs the directory."""
+        """Writes to a temporary name, fsyncs, renames and fsyncs the directory. The file is owner-only
+        (0600) from its creation, which never follows a symlink planted at the temporary name."""
         final = self.root / path
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         size = 0
         try:
-            with open(tmp, "wb", buffering=0) as f:
+            with os.fdopen(_create_private(tmp), "wb", buffering=0) as f:
                 for chunk in chunks:
                     view = memoryview(chunk)
                     while view.nbytes:  # raw writes may be short
@@ -364,17 +387,118 @@ def committed_world_size(storage: Storage, step: int) -> int:
         return 0
 
 
+def save_id(*, job: str, uid: str, round_no: int, step: int) -> dict[str, Any]:
+    """The id of one save of one step, the same on every rank that takes part in it."""
+    return {"job": job, "uid": uid, "round": round_no, "step": step}
+
+
+def mixed_saves(ids: dict[int, Any]) -> str:
+    """Why the shards of one step, whose manifests carry ``ids`` (rank -> save id, None for a manifest
+    without one), must not be committed together; "" when they may."""
+    distinct: dict[str, list[int]] = {}
+    for rank, ident in sorted(ids.items()):
+        distinct.setdefault(json.dumps(ident, sort_keys=True), []).append(rank)
+    if len(distinct) <= 1:
+        return ""
+    parts = [f"ranks {ranks} saved by {key}" for key, ranks in distinct.items()]
+    return "its shards come from different saves: " + "; ".join(parts)
+
+
+class MixedSaveError(PersistError):
+    """The shards of one step come from different saves (jobs, rounds): the step is not committed."""
+
+
 def try_commit(storage: Storage, *, step: int, world_size: int) -> bool:
-    """Writes the commit marker of ``step`` when every rank's manifest is present; returns whether the
-    step is committed. Idempotent: several hosts may race here, each rename is atomic and equal."""
+    """Writes the commit marker of ``step`` when every rank's manifest is present and all carry the same
+    save id; returns whether the step is committed. Idempotent: several hosts may race here, each rename is
+    atomic and equal. Raises :class:`MixedSaveError` when the shards come from different saves: the step
+    stays uncommitted (until the ranks of one save have overwritten the others' manifests), and the
+    committed steps before it are untouched."""
     if storage.exists(f"{step_dir(step)}/{COMMIT}"):
         return True
     ranks = shard_manifests(storage, step)
     if ranks != list(range(world_size)):
         return False
-    body: dict[str, Any] = {"step": step, "world_size": world_size, "ranks": ranks}
+    ids: dict[int, Any] = {}
+    for rank in ranks:
+        try:
+            manifest = json.loads(storage.read(manifest_file(step, rank)))
+        except ValueError as exc:
+            raise MixedSaveError(f"step {step}: the manifest of rank {rank} is unreadable ({exc})") from exc
+        ids[rank] = manifest.get("save") if isinstance(manifest, dict) else None
+    why = mixed_saves(ids)
+    if why:
+        raise MixedSaveError(f"step {step} was not committed: {why}")
+    body: dict[str, Any] = {"step": step, "world_size": world_size, "ranks": ranks, "save": ids[0]}
     storage.write_atomic(f"{step_dir(step)}/{COMMIT}", [json.dumps(body).encode()])
     return True
+
+
+def commit_record(storage: Storage, step: int) -> dict[str, Any]:
+    """The commit record of ``step`` ({} when it cannot be read or is not an object)."""
+    try:
+        body = json.loads(storage.read(f"{step_dir(step)}/{COMMIT}"))
+    except (OSError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+class ForeignStorageError(PersistError):
+    """The storage root belongs to another job."""
+
+
+def claim_decision(
+    *, owner: str | None, job: str, resumed_from: dict[str, Any] | None, newest_committed: int
+) -> tuple[bool, str]:
+    """Whether ``job`` may write to a root claimed by ``owner`` (None: unclaimed), and why not.
+
+    The job that claimed a root keeps it. Another job may take it over only when it continues that job:
+    it resumed from that job's step there (``resumed_from``: ``{"job", "step"}``) and that job committed
+    nothing newer since, so it is not running any more. A second job pointed at a running job's root is
+    refused, and so is the first one once the second took over."""
+    if owner is None or owner == job:
+        return True, ""
+    if resumed_from and resumed_from.get("job") == owner and newest_committed <= int(resumed_from["step"]):
+        return True, ""
+    return False, (
+        f"job {job!r} cannot persist here: this checkpoint storage belongs to job {owner!r}, and two jobs "
+        "writing one storage path would mix or delete each other's checkpoints; give this job its own "
+        f"checkpoint path, or, when {owner!r} is over and {job!r} continues it, let {job!r} load its "
+        f"checkpoint first (or remove {CLAIM} there)"
+    )
+
+
+def read_claim(storage: Storage) -> str | None:
+    """The job that claimed the root (None when none did)."""
+    try:
+        body = json.loads(storage.read(CLAIM))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return ""  # torn or foreign: claimed by nobody this job is
+    return str(body.get("job", "")) if isinstance(body, dict) else ""
+
+
+def claim(storage: Storage, *, job: str, uid: str = "", resumed_from: dict[str, Any] | None = None) -> None:
+    """Makes sure ``job`` may write to this root, claiming it at the job's first persist; raises
+    :class:`ForeignStorageError`, naming both jobs, when another job owns it (see :func:`claim_decision`).
+
+    Two jobs that claim an unclaimed root at the same moment both write the claim; each reads it back, and
+    the one whose claim was overwritten is refused at its next persist (every persist checks)."""
+    owner = read_claim(storage)
+    if owner == job:
+        return
+    newest = max(committed_steps(storage), default=-1) if owner is not None and resumed_from else -1
+    allowed, why = claim_decision(owner=owner, job=job, resumed_from=resumed_from, newest_committed=newest)
+    if not allowed:
+        raise ForeignStorageError(f"{storage.url('')}: {why}")
+    storage.write_atomic(CLAIM, [json.dumps({"job": job, "uid": uid}).encode()])
+    now = read_claim(storage)
+    if now != job:
+        raise ForeignStorageError(
+            f"{storage.url('')}: job {job!r} and job {now!r} claimed this checkpoint storage at the same "
+            f"time; it is job {now!r}'s now: give this job its own checkpoint path"
+        )
 
 
 def apply_retention(storage: Storage, *, keep_last: int) -> list[int]:

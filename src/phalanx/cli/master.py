@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from phalanx.api import auth
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import ENV_PREFIX, MasterSettings, describe, from_mapping, parse_node_range
 
@@ -140,9 +141,7 @@ def _read_token(path: str, *, field: str = "token_file") -> str:
         token = Path(path).read_text().strip()
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}", field=field) from exc
-    if not token or any(c.isspace() for c in token):
-        raise ConfigError(f"{path} must hold one token without spaces", field=field)
-    return token
+    return auth.check_token(token, field=field, source=path)
 
 
 def _read_metrics_token(path: str) -> str:

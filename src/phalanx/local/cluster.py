@@ -70,11 +70,13 @@ class LocalCluster:
         self.out = out
         self.job_id = options.job_id or f"local-{secrets.token_hex(3)}"
         self.workdir = options.workdir
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        procs.private_dir(self.workdir)  # logs, state and token: owner-only
         self.token = secrets.token_hex(24)
         self.token_file = self.workdir / "token"
-        self.token_file.write_text(self.token)
-        self.token_file.chmod(0o600)
+        self.token_file.unlink(missing_ok=True)
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:  # created 0600: never readable by others, not even for a moment
+            f.write(self.token)
         master_args = [
             "--job-id", self.job_id, "--nodes", f"{options.min_nodes}:{options.max_nodes}",
             "--port", "0", "--http-port", "0", "--token-file", str(self.token_file),
@@ -148,6 +150,7 @@ class LocalCluster:
             unix_path = self.sockets / f"{node_id}.sock" if self.sockets is not None else None
             self.relays[node_id] = relay = Relay(self.master.grpc_addr, unix_path=unix_path)
             relay.start()
+        procs.private_dir(self.workdir / node_id)  # the agent's --log-dir: the workers' logs
         argv = self._agent_argv(node_id)
         if "slow-cpu" in targeted:
             self.cpu_groups[node_id] = group = CpuGroup(f"phalanx-{self.job_id}-{node_id}")

@@ -16,6 +16,24 @@ from phalanx.api import beacon
 from phalanx.api.errors import PhalanxError
 
 
+def open_log(path: Path) -> IO[bytes]:
+    """A job log opened for appending, readable by its owner only (0600): worker output may hold the job's
+    data; a log left by an older version is made owner-only too."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def private_dir(path: Path) -> Path:
+    """Creates ``path`` owner-only (0700) when it does not exist yet; one that exists is left as it is."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
 @dataclass
 class MasterProc:
     """``phalanx master`` as a subprocess; restarted on the same ports and state after a kill."""
@@ -31,7 +49,7 @@ class MasterProc:
         if self.grpc_addr:  # a restart: same ports, so agents and the HTTP poller find it again
             args = _replace(args, "--port", self.grpc_addr.rsplit(":", 1)[1])
             args = _replace(args, "--http-port", self.http_addr.rsplit(":", 1)[1])
-        with self.log.open("a") as log:
+        with open_log(self.log) as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "phalanx", "master", *args],
                 stdout=subprocess.PIPE,
@@ -58,7 +76,7 @@ class MasterProc:
 
 
 def _drain(pipe: IO[bytes], log: Path) -> None:
-    with pipe, log.open("ab") as out:
+    with pipe, open_log(log) as out:
         for line in iter(pipe.readline, b""):
             out.write(line)
             out.flush()
@@ -93,7 +111,7 @@ class NodeProc:
 def start_node(
     *, index: int, node_id: str, argv: list[str], log: Path, env: dict[str, str], now: float
 ) -> NodeProc:
-    with log.open("ab") as out:
+    with open_log(log) as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return NodeProc(index=index, node_id=node_id, proc=proc, log=log, started_at=now)
 

@@ -84,6 +84,10 @@ class JobCore:
         self.last_hang_analysis: dict[str, Any] | None = None
         self.max_step = -1
         self.below_min_since: float | None = now
+        self.scheduled_workers: int | None = None
+        """How many worker Pods the Kubernetes scheduler placed, as the operator last said (None outside
+        Kubernetes). Fewer than min_nodes: the missing nodes wait for capacity (a queue, an autoscaler), so
+        the min-nodes timeout does not run; it starts when they could be scheduled."""
         self.stats = JobStats()
         self.events = EventLog()
         self.durable_version = 0
@@ -338,9 +342,18 @@ class JobCore:
     # ------------------------------------------------------------------------------------------------
     # Time
 
-    def follow_spec(self, *, suspend: bool, generation: int, now: float) -> None:
-        """Follows the ElasticJob's spec as the master last read it (generation ``generation``)."""
+    def follow_spec(
+        self, *, suspend: bool, generation: int, now: float, scheduled_workers: int | None = None
+    ) -> None:
+        """Follows the ElasticJob's spec as the master last read it (generation ``generation``), and the
+        operator's count of worker Pods the scheduler placed (None: not known)."""
+        self.scheduled_workers = scheduled_workers
         self.suspend(suspend, now=now)
+        min_nodes = self.settings.rendezvous.min_nodes
+        if scheduled_workers is not None and scheduled_workers < min_nodes:
+            self.below_min_since = None
+        elif self.below_min_since is None and not self.suspended and len(self.alive()) < min_nodes:
+            self.below_min_since = now  # placed now: the nodes' time to join starts
         if generation != self.spec_generation:
             self.spec_generation = generation
             self._changed()  # published: the operator waits for the generation it acts on
@@ -399,7 +412,8 @@ class JobCore:
         self._maybe_complete(now=now)
         rs = self.settings.rendezvous
         alive = len(self.alive())
-        if alive >= rs.min_nodes:
+        unplaced = self.scheduled_workers is not None and self.scheduled_workers < rs.min_nodes
+        if alive >= rs.min_nodes or unplaced:
             self.below_min_since = None
         elif self.below_min_since is None:
             self.below_min_since = now

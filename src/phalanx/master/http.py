@@ -67,6 +67,9 @@ kind of ``probes.kinds`` that runs on this many nodes).
 text}]}``: the newest ``tail`` (default 100) lines of the matching (node, rank) rings, oldest first.
 
 ``GET /metrics`` -> Prometheus text format (see :mod:`phalanx.master.metrics`).
+
+``GET /openapi.json`` -> the OpenAPI schema of these endpoints (behind the token like the rest; the fuzz
+tests generate their requests from it).
 """
 
 from __future__ import annotations
@@ -77,8 +80,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Query
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 from phalanx.api import auth
 from phalanx.master.errors import RequestError
@@ -127,13 +132,44 @@ class BearerAuth:
         await self._app(scope, receive, send)
 
 
+class ErrorBody(BaseModel):
+    """The body of a refusal (401, 409), for the OpenAPI schema."""
+
+    error: str
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the bearer token every endpoint needs (checked by :class:`BearerAuth`, which
+    FastAPI does not see)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schema.setdefault("components", {})["securitySchemes"] = {
+            "job_token": {"type": "http", "scheme": "bearer"}
+        }
+        schema["security"] = [{"job_token": []}]
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def create_app(runtime: Runtime, *, token: str, metrics_token: str = "") -> ASGIApp:
     """The HTTP API over ``runtime``'s job, wrapped in the bearer-token check (see :class:`BearerAuth`).
 
     The handlers are ``async def`` on purpose: they then run on the event loop, like the gRPC handlers
     that change the job, and never read it from a worker thread while it changes.
     """
-    app = FastAPI(title="phalanx master", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="phalanx master",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        responses={
+            401: {
+                "description": "Missing or wrong job token.",
+                "content": {"application/json": {"schema": ErrorBody.model_json_schema()}},
+            }
+        },
+    )
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     job = runtime.job
 
     @app.get("/healthz")
@@ -158,7 +194,14 @@ def create_app(runtime: Runtime, *, token: str, metrics_token: str = "") -> ASGI
             nodes.append(view)
         return {"nodes": nodes}
 
-    @app.post("/v1/probe")
+    @app.post(
+        "/v1/probe",
+        status_code=202,
+        responses={
+            202: {"description": "A probe round started."},
+            409: {"description": "No probe round can start now.", "model": ErrorBody},
+        },
+    )
     async def post_probe() -> Response:
         try:
             probe = job.start_probe(now=runtime.now(), trigger="requested via POST /v1/probe")
@@ -185,7 +228,7 @@ def create_app(runtime: Runtime, *, token: str, metrics_token: str = "") -> ASGI
     ) -> dict[str, Any]:
         return {"lines": runtime.logs.tail(node=node, rank=rank, tail=tail)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -114,6 +114,18 @@ class ConfigMapStateStore:
             raise StateStoreError(f"cannot write {self.namespace}/{self.config_map}: {exc.reason}") from exc
 
 
+SCHEDULED_ANNOTATION = "phalanx.dev/scheduled-workers"
+
+
+def scheduled_workers(meta: Mapping[str, Any]) -> int | None:
+    """The operator's count of the job's worker Pods placed on a node (None: not said, or not a count)."""
+    value = (meta.get("annotations") or {}).get(SCHEDULED_ANNOTATION)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
 def job_status_patch(status: Mapping[str, Any]) -> dict[str, Any]:
     """Maps the master's ``/v1/job`` JSON onto ElasticJob status fields (pure; unit-tested)."""
     evictions = [
@@ -165,7 +177,9 @@ class ElasticJobStatusSink:
         meta = job.get("metadata") if isinstance(job, Mapping) else None
         if isinstance(spec, Mapping) and isinstance(meta, Mapping):
             self._view = SpecView(
-                suspend=bool(spec.get("suspend", False)), generation=int(meta["generation"])
+                suspend=bool(spec.get("suspend", False)),
+                generation=int(meta["generation"]),
+                scheduled_workers=scheduled_workers(meta),
             )
             self._read_at = time.monotonic()
 

@@ -7,11 +7,13 @@ the job log file (``<log dir>/<job id>.log``), one line per worker line::
 
 Lines longer than ``max_line_bytes`` are cut server-side too (an agent that ignores the limit cannot
 blow up the master's memory), and control characters are escaped so a worker cannot forge log lines.
-File writes are buffered and flushed by the server's tick, off the request path.
+File writes are buffered and flushed by the server's tick, off the request path. The file is owner-only
+(0600, in directories it creates 0700): worker output may hold the job's data.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -20,7 +22,7 @@ from typing import IO, Any
 
 from phalanx.api.v1 import master_pb2 as pb
 
-__all__ = ["LogStore"]
+__all__ = ["LogStore", "open_private"]
 
 _STREAMS = {pb.LOG_STREAM_STDOUT: "out", pb.LOG_STREAM_STDERR: "err"}
 _CONTROL = {i: f"\\x{i:02x}" for i in range(32) if i != 9}
@@ -31,6 +33,19 @@ def _clip(text: str, max_bytes: int) -> str:
     if len(raw) > max_bytes:
         text = raw[:max_bytes].decode("utf-8", "ignore")
     return text.translate(_CONTROL)
+
+
+def open_private(path: Path) -> IO[str]:
+    """``path`` opened for appending, readable by its owner only: worker output may hold data or secrets
+    of the job. The directories it creates are owner-only too; an existing file is made owner-only."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a file left by an older version may be world-readable
+        return os.fdopen(fd, "a", encoding="utf-8")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class LogStore:
@@ -89,8 +104,7 @@ class LogStore:
         if not self._buffer or self.path is None:
             return
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
+            self._file = open_private(self.path)
         self._file.writelines(self._buffer)
         self._buffer.clear()
         self._file.flush()

@@ -26,6 +26,15 @@ LOST = "lost"
 EVICTED = "evicted"
 
 
+def state_name(state: int) -> str:
+    """``running`` for NODE_STATE_RUNNING; ``unknown`` for a value this master does not know (an agent of a
+    newer version may send one: proto3 enums are open)."""
+    try:
+        return str(pb.NodeState.Name(state)).removeprefix("NODE_STATE_").lower()  # type: ignore[arg-type]
+    except ValueError:
+        return "unknown"
+
+
 @dataclass(kw_only=True)
 class Node:
     """What the master knows about one node agent."""
@@ -99,7 +108,7 @@ class Node:
             "nproc": self.nproc,
             "agent_version": self.agent_version,
             "status": self.status,
-            "state": pb.NodeState.Name(self.state).removeprefix("NODE_STATE_").lower(),
+            "state": state_name(self.state),
             "round": self.hb_round,
             "last_heartbeat_unix": self.last_seen,
             "heartbeat_age_s": max(0.0, now - self.last_seen),

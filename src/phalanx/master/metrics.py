@@ -28,6 +28,7 @@ phalanx_log_lines_total                       counter
 phalanx_log_lines_dropped_total               counter
 phalanx_rpc_duration_seconds                  histogram  method
 phalanx_event_loop_lag_seconds                gauge      (largest loop delay of the last 10 s)
+phalanx_state_save_failures_total             counter    (saves that failed: disk full; old state kept)
 ============================================  =========  =====================================
 """
 
@@ -48,10 +49,13 @@ _PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed
 
 
 class _JobCollector:
-    def __init__(self, job: Job, logs: LogStore, loop_lag: Callable[[], float]) -> None:
+    def __init__(
+        self, job: Job, logs: LogStore, loop_lag: Callable[[], float], save_failures: Callable[[], int]
+    ) -> None:
         self._job = job
         self._logs = logs
         self._loop_lag = loop_lag
+        self._save_failures = save_failures
 
     def collect(self) -> Iterator[Metric]:
         job = self._job
@@ -134,14 +138,27 @@ class _JobCollector:
             "Largest delay of the master's event loop in the last 10 s (how late a busy master answers).",
             value=self._loop_lag(),
         )
+        yield CounterMetricFamily(
+            "phalanx_state_save_failures",
+            "Saves of the master's durable state that failed (full disk, store refused); the previous state "
+            "was kept and the save is retried.",
+            value=self._save_failures(),
+        )
 
 
 class MasterMetrics:
     """The master's own registry (never the global one, so two masters in one test process do not clash)."""
 
-    def __init__(self, job: Job, logs: LogStore, *, loop_lag: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(
+        self,
+        job: Job,
+        logs: LogStore,
+        *,
+        loop_lag: Callable[[], float] = lambda: 0.0,
+        save_failures: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_JobCollector(job, logs, loop_lag))
+        self.registry.register(_JobCollector(job, logs, loop_lag, save_failures))
         self.rpc_duration = Histogram(
             "phalanx_rpc_duration_seconds",
             "Time the master spent answering an agent RPC (long-polls included).",

@@ -28,6 +28,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from phalanx.api import limits
 from phalanx.api.v1 import master_pb2 as pb
 
 __all__ = [
@@ -84,9 +85,9 @@ class FailureRecord:
 
 
 # Failure records end up in the durable state (root cause): bound what an agent can make the master keep.
-MAX_MESSAGE_CHARS = 4096
-MAX_TRACEBACK_CHARS = 16384
-MAX_TAIL_LINES = 50
+MAX_MESSAGE_CHARS = limits.MAX_MESSAGE_CHARS
+MAX_TRACEBACK_CHARS = limits.MAX_TRACEBACK_CHARS
+MAX_TAIL_LINES = limits.MAX_TAIL_LINES
 
 # The last line of a Python traceback: "ValueError: bad shape", "torch.OutOfMemoryError: ...", "KeyError".
 _EXCEPTION_LINE = re.compile(

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 
+from phalanx.api.errors import StateStoreError
 from phalanx.master.job import Job
 from phalanx.master.logstore import LogStore
 from phalanx.master.metrics import MasterMetrics
@@ -45,7 +46,9 @@ class Runtime:
         self.logs = logs
         self.store = store
         self.sink = sink
-        self.metrics = MasterMetrics(job, logs, loop_lag=self.loop_lag_s)
+        self.metrics = MasterMetrics(
+            job, logs, loop_lag=self.loop_lag_s, save_failures=lambda: self.save_failures
+        )
         self._round_event = asyncio.Event()
         self._seen_round = job.round_version
         self._action_event = asyncio.Event()
@@ -56,6 +59,8 @@ class Runtime:
         self._published = -1
         self._lags: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
         self.stopping = asyncio.Event()
+        self.save_failures = 0
+        """Saves of the durable state that failed (the previous state was kept), for /metrics."""
 
     @staticmethod
     def now() -> float:
@@ -113,7 +118,13 @@ class Runtime:
                 continue
             try:
                 await self.save_now()
+            except StateStoreError as exc:  # a full disk: the previous state is kept; say so, try again
+                self.save_failures += 1
+                log.error("%s; retrying in 1s", exc)
+                await asyncio.sleep(1.0)
+                self._dirty.set()
             except Exception:  # a failing store must not kill the master; retry with the next change
+                self.save_failures += 1
                 log.exception("saving the master state failed; retrying in 1s")
                 await asyncio.sleep(1.0)
                 self._dirty.set()
@@ -150,6 +161,11 @@ class Runtime:
                 log.exception("reading the job's spec failed")
                 view = None
             if view is not None:
-                self.job.follow_spec(suspend=view.suspend, generation=view.generation, now=self.now())
+                self.job.follow_spec(
+                    suspend=view.suspend,
+                    generation=view.generation,
+                    scheduled_workers=view.scheduled_workers,
+                    now=self.now(),
+                )
                 self.after()
             await asyncio.sleep(PUBLISH_INTERVAL_S)

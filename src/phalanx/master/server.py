@@ -23,9 +23,11 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import TextIO
 
+import grpc
 import uvicorn
 from grpc import aio
 
+from phalanx.api import auth
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import MasterSettings
 from phalanx.master.http import create_app
@@ -87,6 +89,21 @@ def _http_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _tls_pair(settings: MasterSettings) -> tuple[bytes, bytes] | None:
+    """The certificate chain and key (PEM) to serve TLS with, or None for plain text; a file that cannot be
+    read is a ConfigError naming its setting."""
+    if not settings.tls_cert_file:
+        return None
+    pair = []
+    for field in ("tls_cert_file", "tls_key_file"):
+        path = getattr(settings, field)
+        try:
+            pair.append(Path(path).read_bytes())
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc.strerror}", field=field) from exc
+    return pair[0], pair[1]
+
+
 async def _watch_parent(parent_pid: int, stopping: asyncio.Event) -> None:
     """Sets ``stopping`` once ``parent_pid`` is no longer this process's parent (it exited: this process
     was re-parented), so a master started for one agent never outlives it."""
@@ -110,6 +127,9 @@ async def run_master(
 ) -> int:
     """Serves the job until SIGTERM/SIGINT (or, with ``parent_pid``, until that parent exits); returns
     the process exit code. ``metrics_token``, when given, is accepted for GET /metrics only."""
+    auth.check_token(token, field="token_file")  # whoever calls: a short token is never served
+    if metrics_token:
+        auth.check_token(metrics_token, field="metrics_token_file")
     loop = asyncio.get_running_loop()
     saved = await asyncio.to_thread(store.load)
     job = Job(settings=settings, now=Runtime.now(), saved=saved)
@@ -129,8 +149,13 @@ async def run_master(
         ],
     )
     add_to_server(grpc_server, rt)
+    tls = _tls_pair(settings)
     try:
-        grpc_port = grpc_server.add_insecure_port(_addr(settings.host, settings.grpc_port))
+        address = _addr(settings.host, settings.grpc_port)
+        if tls is None:
+            grpc_port = grpc_server.add_insecure_port(address)
+        else:
+            grpc_port = grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
     except RuntimeError as exc:
         raise ConfigError(
             f"cannot listen on {_addr(settings.host, settings.grpc_port)}", field="grpc_port"
@@ -145,6 +170,8 @@ async def run_master(
             access_log=False,
             lifespan="off",
             log_config=None,
+            ssl_certfile=settings.tls_cert_file or None,
+            ssl_keyfile=settings.tls_key_file or None,
         )
     )
     http_task = asyncio.create_task(http.serve(sockets=[sock]))

@@ -17,6 +17,8 @@ The state is a JSON object; see :meth:`phalanx.master.job.Job.durable` for its f
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 from collections.abc import Mapping
@@ -26,7 +28,15 @@ from typing import Any, Protocol
 
 from phalanx.api.errors import StateStoreError
 
-__all__ = ["FileStateStore", "MemoryStateStore", "NullStatusSink", "SpecView", "StateStore", "StatusSink"]
+__all__ = [
+    "FileStateStore",
+    "MemoryStateStore",
+    "NullStatusSink",
+    "SpecView",
+    "StateStore",
+    "StatusSink",
+    "write_all",
+]
 
 
 class StateStore(Protocol):
@@ -53,10 +63,14 @@ class SpecView:
 
     suspend: bool
     generation: int
+    scheduled_workers: int | None = None
+    """How many of the job's worker Pods the Kubernetes scheduler has placed (the operator's
+    ``phalanx.dev/scheduled-workers`` annotation); None where nobody says (outside Kubernetes)."""
 
 
 class FileStateStore:
-    """The state as one JSON file, replaced atomically (temporary file, fsync, rename, fsync of the dir)."""
+    """The state as one JSON file, replaced atomically: a temporary file beside it written in full (every byte
+    checked), fsync, rename, fsync of the directory. Any error on the way keeps the previous file."""
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
@@ -79,17 +93,26 @@ class FileStateStore:
         return data
 
     def save(self, state: Mapping[str, Any]) -> None:
+        """Replaces the file with ``state``, or raises :class:`StateStoreError` and leaves the previous
+        file as it was: a full disk or a short write never puts a torn state in its place."""
         data = json.dumps(state, separators=(",", ":"), sort_keys=True).encode()
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
-                os.write(fd, data)
-                os.fsync(fd)
+                write_all(fd, data)
+                os.fsync(fd)  # a full disk may only show here (delayed allocation)
             finally:
                 os.close(fd)
             tmp.replace(self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise StateStoreError(
+                f"cannot write the master state {self.path} (the previous state is kept): {exc}"
+            ) from exc
+        try:
             # The rename is durable only once the directory entry is on disk.
             dir_fd = os.open(self.path.parent, os.O_RDONLY)
             try:
@@ -97,7 +120,19 @@ class FileStateStore:
             finally:
                 os.close(dir_fd)
         except OSError as exc:
-            raise StateStoreError(f"cannot write the master state {self.path}: {exc}") from exc
+            raise StateStoreError(f"cannot make the master state {self.path} durable: {exc}") from exc
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Writes every byte of ``data``: ``os.write`` may write only part of it (a disk filling up takes what
+    fits and reports the rest only on the next call), so it is called until all is written; a call that
+    writes nothing is a full disk."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, "no space left on device")
+        view = view[written:]
 
 
 class MemoryStateStore:

@@ -7,10 +7,15 @@ a whole request before it is even parsed.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
 
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+
+from phalanx.api import limits
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.errors import RequestError
 
@@ -20,7 +25,7 @@ _NODE_ID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?")
 MAX_NPROC = 1024
 MAX_RANKS = 4096
 MAX_LINES = 20_000
-MAX_STACKS_BYTES = 1 << 20
+MAX_STACKS_BYTES = limits.MAX_STACKS_CHARS
 MAX_HELD_STEPS = 64  # a node keeps two snapshots per rank; a few more leave room for other layouts
 
 
@@ -53,8 +58,35 @@ def _count(name: str, items: Any, limit: int) -> None:
         raise RequestError(f"too many {name}: {len(items)} (at most {limit})")
 
 
+_FLOATS = (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT)
+
+
+@functools.cache
+def _has_floats(desc: Descriptor) -> bool:
+    """Whether messages of ``desc`` hold a float anywhere (so a ReportLogs of 20,000 lines is not walked)."""
+    return any(
+        f.type in _FLOATS or (f.type == FieldDescriptor.TYPE_MESSAGE and _has_floats(f.message_type))
+        for f in desc.fields
+    )
+
+
+def _finite(message: Message, path: str = "") -> None:
+    """Every float field of ``message``, nested ones included, is finite: nan slips past every bound check
+    and then breaks what the number feeds (medians, the JSON of the HTTP API, the state file)."""
+    for field, value in message.ListFields():
+        values = value if field.is_repeated else (value,)
+        if field.type in _FLOATS:
+            if not all(math.isfinite(v) for v in values):
+                raise RequestError(f"{path}{field.name} must be a finite number, got {value!r}"[:200])
+        elif field.type == FieldDescriptor.TYPE_MESSAGE and _has_floats(field.message_type):
+            for i, item in enumerate(values):
+                _finite(item, f"{path}{field.name}[{i}]." if field.is_repeated else f"{path}{field.name}.")
+
+
 def validate(request: Any) -> None:
     """Raises :class:`RequestError` when a request is malformed."""
+    if _has_floats(request.DESCRIPTOR):
+        _finite(request)
     if isinstance(request, pb.RegisterNodeRequest):
         _node(request.node_id, request.incarnation)
         _nproc(request.nproc_per_node)
@@ -100,6 +132,8 @@ def validate(request: Any) -> None:
         if len(request.held_steps) > MAX_HELD_STEPS or any(s < 0 for s in request.held_steps):
             raise RequestError(f"held_steps must be at most {MAX_HELD_STEPS} steps >= 0")
     elif isinstance(request, pb.ReportProbeRequest):
+        if request.probe not in (pb.PROBE_KIND_MATMUL, pb.PROBE_KIND_ALLGATHER):
+            raise RequestError(f"probe must be a known probe kind, got {request.probe}")
         _count("measurements", request.measurements, MAX_RANKS)
         if any(len(m.error) > 4096 or len(m.peer_node_id) > 253 for m in request.measurements):
             raise RequestError("a probe measurement's error or peer_node_id is too long")

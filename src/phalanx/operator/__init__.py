@@ -1,2 +1,2 @@
-"""The kopf operator for the ElasticJob custom resource: Kubernetes object builders, reconciliation,
+"""The operator for the ElasticJob custom resource: Kubernetes object builders, reconciliation,
 status and conditions. Never imports torch."""

@@ -27,7 +27,9 @@ from phalanx.operator.spec import JobSpec
 
 TOKEN_DIR = "/var/run/phalanx/token"  # noqa: S105 -- a mount path, not a secret
 TOKEN_FILE = f"{TOKEN_DIR}/token"
-METRICS_TOKEN_KEY = "metrics-token"  # noqa: S105 -- a key name, not a secret
+METRICS_DIR = "/var/run/phalanx/metrics"
+METRICS_TOKEN_KEY = "token"  # noqa: S105 -- a key name, not a secret
+METRICS_TOKEN_FILE = f"{METRICS_DIR}/{METRICS_TOKEN_KEY}"
 STATE_KEY = "state.json"
 POD_GROUP_GROUP, POD_GROUP_VERSION, POD_GROUP_PLURAL = "scheduling.k8s.io", "v1beta1", "podgroups"
 POD_GROUP_API_VERSION = f"{POD_GROUP_GROUP}/{POD_GROUP_VERSION}"
@@ -60,19 +62,58 @@ def _meta(
     }
 
 
-def token_secret(job: Mapping[str, Any], *, token: str, metrics_token: str = "") -> Obj:
-    """The job's bearer token, mounted into the master and every worker; with the operator's metrics token
-    (good for /metrics only) beside it, so one Prometheus credential scrapes every job's master."""
+def token_secret(job: Mapping[str, Any], *, token: str) -> Obj:
+    """The job's bearer token, mounted into the master and every worker. Nothing else goes in it: a training
+    script can read whatever its Pod mounts."""
     job_name = job["metadata"]["name"]
-    data = {"token": token}
-    if metrics_token:
-        data[METRICS_TOKEN_KEY] = metrics_token
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _meta(job, names.secret(job_name), component="token"),
         "type": "Opaque",
-        "stringData": data,
+        "stringData": {"token": token},
+    }
+
+
+def metrics_secret(job: Mapping[str, Any], *, metrics_token: str) -> Obj:
+    """The operator's metrics token (good for GET /metrics only, the same for every job's master, so one
+    Prometheus credential scrapes them all), in a Secret of its own that only the master Pod mounts: a
+    worker, which runs the job author's code, never holds a credential that opens other jobs' masters."""
+    job_name = job["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(job, names.metrics_secret(job_name), component="master"),
+        "type": "Opaque",
+        "stringData": {METRICS_TOKEN_KEY: metrics_token},
+    }
+
+
+def master_network_policy(job: Mapping[str, Any], *, settings: OperatorSettings) -> Obj:
+    """Ingress to the master's gRPC and HTTP ports from the job's own Pods (same namespace, its
+    phalanx.dev/job label, which the operator sets on every Pod it makes and a template cannot change) and
+    from the Pods of ``settings.monitoring_namespace``; nothing else reaches the master."""
+    job_name = job["metadata"]["name"]
+    peers: list[Obj] = [{"podSelector": {"matchLabels": {names.JOB_LABEL: job_name}}}]
+    if monitoring := settings.monitoring_namespace:
+        peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": monitoring}}})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(job, names.network_policy(job_name), component="master"),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector(job_name, component="master")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": peers,
+                    "ports": [
+                        {"protocol": "TCP", "port": settings.master_grpc_port},
+                        {"protocol": "TCP", "port": settings.master_http_port},
+                    ],
+                }
+            ],
+        },
     }
 
 
@@ -208,7 +249,7 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
         "--state", f"k8s://{ns}/{job_name}",
     ]  # fmt: skip
     if settings.metrics_token_file:
-        command += ["--metrics-token-file", f"{TOKEN_DIR}/{METRICS_TOKEN_KEY}"]
+        command += ["--metrics-token-file", METRICS_TOKEN_FILE]
     template = spec.master_template
     template_spec: Mapping[str, Any] = template.get("spec") or {}
     given: Mapping[str, Any] = next(iter(template_spec.get("containers") or []), {})
@@ -223,6 +264,17 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
         ],
         "volumeMounts": [dict(_TOKEN_MOUNT)],
     }
+    volumes = [_token_volume(job_name)]
+    if settings.metrics_token_file:
+        container["volumeMounts"].append(
+            {"name": "phalanx-metrics", "mountPath": METRICS_DIR, "readOnly": True}
+        )
+        volumes.append(
+            {
+                "name": "phalanx-metrics",
+                "secret": {"secretName": names.metrics_secret(job_name), "defaultMode": 0o444},
+            }
+        )
     if resources_ := (given.get("resources") or spec.master_resources):
         container["resources"] = copy.deepcopy(dict(resources_))
     if given.get("securityContext"):
@@ -238,7 +290,7 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
         "serviceAccountName": names.master(job_name),
         "restartPolicy": "Never",
         "containers": [container],
-        "volumes": [_token_volume(job_name)],
+        "volumes": volumes,
     }
     for key in MASTER_POD_FIELDS:
         if template_spec.get(key):
@@ -361,6 +413,10 @@ def worker_pod(
         _field_env("PHALANX_MACHINE", "spec.nodeName"),
         {"name": "PHALANX_NODE_ID", "value": name},
         {"name": "PHALANX_JOB_ID", "value": job_name},
+        # Two jobs of one name in two namespaces, or a job and a deleted one of its name, are two jobs to the
+        # flash checkpoint: their files on a node and their claims on storage differ.
+        _field_env("PHALANX_NAMESPACE", "metadata.namespace"),
+        *([{"name": "PHALANX_JOB_UID", "value": uid}] if (uid := job["metadata"].get("uid")) else []),
         {"name": "PHALANX_TOKEN_FILE", "value": TOKEN_FILE},
         {"name": "PHALANX_MASTER_ADDR", "value": master_address(job, settings=settings)},
         *_settings_env(spec, master=False),

@@ -30,9 +30,49 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MAX_JOB_NAME = 40
 """Longest job name: worker Pod names append ``-worker-<slot>-<incarnation>`` and must stay DNS labels."""
 
+# --- Bounds of every count, size and duration of the spec -----------------------------------------------
+# Admission refuses a value above these (OpenAPI ``maximum``, CEL for durations and quantities), and
+# :func:`phalanx.operator.spec.parse_spec` checks them again for an object that slipped past an older CRD:
+# the operator's memory and API calls grow with them (a pass walks every worker slot), so one job asking
+# for 2**31 nodes must fail alone, never take the operator down with it.
+MAX_NODES = 5000
+"""nodes.min, nodes.max, nodes.unit and gangScheduling.minNodes: Kubernetes' own tested limit is 5000 nodes
+per cluster, and a job has one worker Pod per node."""
+MAX_NPROC_PER_NODE = 128
+"""nprocPerNode: processes (ranks) per worker Pod; the largest machines have 8 to 16 accelerators, CPU
+training rarely runs more than one process per core pair."""
+MAX_PARALLEL_DEGREE = 4096
+"""parallelism.tensor and parallelism.pipeline (each divides nprocPerNode x nodes.unit anyway)."""
+MAX_RESTART_BUDGET = 10000
+"""restart.maxRestarts and restart.maxEvictions."""
+MAX_INTERVAL_STEPS = 1_000_000_000
+"""checkpoint.memoryIntervalSteps and checkpoint.persistIntervalSteps."""
+MAX_KEEP_LAST = 1000
+"""checkpoint.keepLast: committed steps kept on storage."""
+MAX_HANG_FACTOR = 1000
+"""hang.factor."""
+MAX_SHARED_MEMORY = "4Ti"
+"""sharedMemory.sizeLimit: more than the memory of the largest machines sold today."""
+MAX_DURATIONS: dict[tuple[str, ...], str] = {
+    ("nodes", "lastCall"): "1h",
+    ("nodes", "minNodesTimeout"): "168h",
+    ("heartbeat", "interval"): "1m",
+    ("heartbeat", "timeout"): "1h",
+    ("hang", "floor"): "24h",
+    ("hang", "startup"): "24h",
+    ("restart", "gracePeriod"): "1h",
+    ("healthChecks", "interval"): "24h",
+    ("healthChecks", "timeout"): "1h",
+    ("terminationGracePeriod",): "2h",
+    ("createRefusedTimeout",): "24h",
+    ("activeDeadline",): "8760h",
+    ("ttlAfterFinished",): "8760h",
+}
+"""Longest value of every duration of the spec (8760h: a year)."""
+
 CONDITION_TYPES = (
     "Created", "MasterReady", "GangScheduled", "ReplicaFailure", "Running", "Restarting", "Suspended",
-    "Succeeded", "Failed",
+    "Succeeded", "Failed", "ReconcileError",
 )  # fmt: skip
 PHASES = ("Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 CLEAN_POD_POLICIES = ("None", "Running", "All")
@@ -103,7 +143,7 @@ def _setting_prop(path: tuple[str, ...], **extra: Any) -> dict[str, Any]:
     doc = str(f.metadata.get("doc", ""))
     prop: dict[str, Any]
     if name.endswith("_s"):
-        prop = _duration(doc)
+        prop = _duration(doc, path=path)
         prop["default"] = format_duration(float(f.default))  # type: ignore[arg-type]
     elif isinstance(f.default, bool):
         prop = {"type": "boolean", "description": doc, "default": f.default}
@@ -120,30 +160,43 @@ def _setting_prop(path: tuple[str, ...], **extra: Any) -> dict[str, Any]:
     return prop
 
 
-def _duration(doc: str) -> dict[str, Any]:
+def _duration(doc: str, *, path: tuple[str, ...]) -> dict[str, Any]:
+    limit = MAX_DURATIONS[path]
     return {
         "type": "string",
-        "description": f"{doc} A duration such as 500ms, 30s, 2m or 1h.",
+        "description": f"{doc} A duration such as 500ms, 30s, 2m or 1h; at most {limit}.",
         "maxLength": 32,
         "x-kubernetes-validations": [
             {
                 "rule": f"self.matches('{DURATION_RE}')",
                 "message": "must be a duration such as 500ms, 30s, 2m or 1h",
-            }
+            },
+            _duration_limit(path, empty_ok=False),
         ],
     }
 
 
-def _optional_duration(doc: str, *, positive: bool = False) -> dict[str, Any]:
+def _duration_limit(path: tuple[str, ...], *, empty_ok: bool) -> dict[str, str]:
+    """The CEL rule bounding a duration; a value that is no duration passes it (the syntax rule speaks)."""
+    limit = MAX_DURATIONS[path]
+    empty = "self == '' || " if empty_ok else ""
+    return {
+        "rule": f"{empty}!self.matches('{DURATION_RE}') || duration(self) <= duration('{limit}')",
+        "message": f"{'.'.join(path)} must be at most {limit}",
+    }
+
+
+def _optional_duration(doc: str, *, path: tuple[str, ...], positive: bool = False) -> dict[str, Any]:
     """A run-policy duration without a default: absent or "" means not set. The syntax rule is the one of
     every duration; the rule for > 0 passes a value that is no duration (CEL's ``||`` is true when either
     side is, even if the other errs), so such a value gets the syntax message only."""
-    prop = _duration(doc)
+    prop = _duration(doc, path=path)
     prop["x-kubernetes-validations"] = [
         {
             "rule": f"self == '' || self.matches('{DURATION_RE}')",
             "message": "must be a duration such as 500ms, 30s, 2m or 1h",
-        }
+        },
+        _duration_limit(path, empty_ok=True),
     ]
     if positive:
         prop["x-kubernetes-validations"].append(
@@ -164,12 +217,16 @@ def _obj(description: str, properties: dict[str, Any], **extra: Any) -> dict[str
     return obj
 
 
-def _int(description: str, *, default: int | None = None, minimum: int | None = None) -> dict[str, Any]:
+def _int(
+    description: str, *, default: int | None = None, minimum: int | None = None, maximum: int | None = None
+) -> dict[str, Any]:
     prop: dict[str, Any] = {"type": "integer", "format": "int32", "description": description}
     if default is not None:
         prop["default"] = default
     if minimum is not None:
         prop["minimum"] = minimum
+    if maximum is not None:
+        prop["maximum"] = maximum
     return prop
 
 
@@ -252,9 +309,9 @@ def _spec_schema() -> dict[str, Any]:
     nodes = _obj(
         "How many nodes (worker Pods, one agent each) the job runs.",
         {
-            "min": _setting_prop(("nodes", "min"), minimum=1),
-            "max": _setting_prop(("nodes", "max"), minimum=1),
-            "unit": _setting_prop(("nodes", "unit"), minimum=1),
+            "min": _setting_prop(("nodes", "min"), minimum=1, maximum=MAX_NODES),
+            "max": _setting_prop(("nodes", "max"), minimum=1, maximum=MAX_NODES),
+            "unit": _setting_prop(("nodes", "unit"), minimum=1, maximum=MAX_NODES),
             "lastCall": _setting_prop(("nodes", "lastCall")),
             "minNodesTimeout": _setting_prop(("nodes", "minNodesTimeout")),
         },
@@ -276,16 +333,16 @@ def _spec_schema() -> dict[str, Any]:
     parallelism = _obj(
         "Model-parallel degrees, fixed for the life of the job; the data-parallel degree follows membership.",
         {
-            "tensor": _int("Tensor-parallel degree.", default=1, minimum=1),
-            "pipeline": _int("Pipeline-parallel degree.", default=1, minimum=1),
+            "tensor": _int("Tensor-parallel degree.", default=1, minimum=1, maximum=MAX_PARALLEL_DEGREE),
+            "pipeline": _int("Pipeline-parallel degree.", default=1, minimum=1, maximum=MAX_PARALLEL_DEGREE),
         },
         default={},
     )
     restart = _obj(
         "Restart and eviction budgets.",
         {
-            "maxRestarts": _setting_prop(("restart", "maxRestarts"), minimum=0),
-            "maxEvictions": _setting_prop(("restart", "maxEvictions"), minimum=0),
+            "maxRestarts": _setting_prop(("restart", "maxRestarts"), minimum=0, maximum=MAX_RESTART_BUDGET),
+            "maxEvictions": _setting_prop(("restart", "maxEvictions"), minimum=0, maximum=MAX_RESTART_BUDGET),
             "gracePeriod": _setting_prop(("restart", "gracePeriod")),
         },
         default={},
@@ -320,7 +377,7 @@ def _spec_schema() -> dict[str, Any]:
         {
             "enabled": _setting_prop(("hang", "enabled")),
             "floor": _setting_prop(("hang", "floor")),
-            "factor": _setting_prop(("hang", "factor"), minimum=1),
+            "factor": _setting_prop(("hang", "factor"), minimum=1, maximum=MAX_HANG_FACTOR),
             "startup": _setting_prop(("hang", "startup")),
         },
         default={},
@@ -362,10 +419,14 @@ def _spec_schema() -> dict[str, Any]:
     checkpoint = _obj(
         "Flash checkpoint: in-memory snapshots every few steps, persisted to storage in the background.",
         {
-            "memoryIntervalSteps": _setting_prop(("checkpoint", "memoryIntervalSteps"), minimum=1),
-            "persistIntervalSteps": _setting_prop(("checkpoint", "persistIntervalSteps"), minimum=0),
+            "memoryIntervalSteps": _setting_prop(
+                ("checkpoint", "memoryIntervalSteps"), minimum=1, maximum=MAX_INTERVAL_STEPS
+            ),
+            "persistIntervalSteps": _setting_prop(
+                ("checkpoint", "persistIntervalSteps"), minimum=0, maximum=MAX_INTERVAL_STEPS
+            ),
             "storagePath": _setting_prop(("checkpoint", "storagePath"), maxLength=1024),
-            "keepLast": _setting_prop(("checkpoint", "keepLast"), minimum=1),
+            "keepLast": _setting_prop(("checkpoint", "keepLast"), minimum=1, maximum=MAX_KEEP_LAST),
         },
         default={},
     )
@@ -420,6 +481,7 @@ def _spec_schema() -> dict[str, Any]:
                 "Worker Pods that must fit at once before any is bound. Default: nodes.min (and it follows "
                 "nodes.min when that changes). Replacements of lost nodes join the running gang one by one.",
                 minimum=1,
+                maximum=MAX_NODES,
             ),
         },
         default={},
@@ -471,6 +533,11 @@ def _spec_schema() -> dict[str, Any]:
                     },
                     {
                         "rule": "!isQuantity(string(self)) || "
+                        f"quantity(string(self)).compareTo(quantity('{MAX_SHARED_MEMORY}')) <= 0",
+                        "message": f"sharedMemory.sizeLimit must be at most {MAX_SHARED_MEMORY}",
+                    },
+                    {
+                        "rule": "!isQuantity(string(self)) || "
                         f"quantity(string(self)).compareTo(quantity('{MIN_SHARED_MEMORY}')) >= 0",
                         "message": f"sharedMemory.sizeLimit must be at least {MIN_SHARED_MEMORY}: a "
                         "container has that much /dev/shm without the volume; leave sizeLimit out for the "
@@ -483,8 +550,9 @@ def _spec_schema() -> dict[str, Any]:
     )
     grace = s.JobPodSettings().persist_on_exit_s
     termination_grace = _optional_duration(
-        "terminationGracePeriodSeconds of the worker Pods: a deleted, evicted or suspended worker's agent "
-        "stops its workers (up to restart.gracePeriod), then persists the newest in-memory snapshot to "
+        path=("terminationGracePeriod",),
+        doc="terminationGracePeriodSeconds of the worker Pods: a deleted, evicted or suspended worker's "
+        "agent stops its workers (up to restart.gracePeriod), then persists the newest in-memory snapshot to "
         "storage before it exits. Must be longer than restart.gracePeriod. Default: restart.gracePeriod "
         f"+ {format_duration(grace)} (the agent waits up to 2m for that write, and 10s more for its "
         "checkpoint host to stop). A template's own terminationGracePeriodSeconds wins.",
@@ -513,7 +581,11 @@ def _spec_schema() -> dict[str, Any]:
         {
             "rule": f"type(self) == string ? self == '{AUTO}' : int(self) >= 1",
             "message": f"nprocPerNode must be a whole number from 1, or {AUTO}",
-        }
+        },
+        {
+            "rule": f"type(self) == string || int(self) <= {MAX_NPROC_PER_NODE}",
+            "message": f"nprocPerNode must be at most {MAX_NPROC_PER_NODE}",
+        },
     ]
     return _obj(
         "Desired state of an elastic training job.",
@@ -534,8 +606,11 @@ def _spec_schema() -> dict[str, Any]:
             "gangScheduling": gang,
             "cordonBadNodes": {
                 "type": "boolean",
-                "description": "Cordon and taint the Kubernetes node of an evicted worker, so nothing else "
-                "lands on a bad machine.",
+                "description": "Cordon and taint the Kubernetes node of an evicted worker (the node its Pod "
+                "ran on, as the operator saw it), so nothing else lands on a bad machine. Only where the "
+                "operator's administrator allows it (its cordon_nodes setting, Helm operator.cordonNodes; "
+                "off by default): otherwise a NodeNotCordoned Event says so, and the job's own replacements "
+                "still avoid that node.",
                 "default": False,
             },
             "cleanPodPolicy": {
@@ -556,7 +631,8 @@ def _spec_schema() -> dict[str, Any]:
                 "default": False,
             },
             "activeDeadline": _optional_duration(
-                "How long the job may be active before the operator fails it (reason DeadlineExceeded; "
+                path=("activeDeadline",),
+                doc="How long the job may be active before the operator fails it (reason DeadlineExceeded; "
                 "its Pods are then cleaned up per cleanPodPolicy), like a batch/v1 Job's "
                 "activeDeadlineSeconds. Counted from status.startTime: the job's start, and again from "
                 "each resume after a suspension; a suspended job is never failed by it. Raising it on a "
@@ -564,7 +640,8 @@ def _spec_schema() -> dict[str, Any]:
                 positive=True,
             ),
             "ttlAfterFinished": _optional_duration(
-                "How long the job is kept once it Succeeded or Failed; then the operator deletes it, and "
+                path=("ttlAfterFinished",),
+                doc="How long the job is kept once it Succeeded or Failed; then the operator deletes it, and "
                 "its Pods, Secret, ConfigMap and master RBAC with it (they are owned by the job), like a "
                 "batch/v1 Job's ttlSecondsAfterFinished. 0s: as soon as it finished. Absent or empty: kept "
                 "until deleted by hand.",

@@ -49,7 +49,7 @@ class Aggregator:
         self.window_s = window_s
         self.max_keys = max_keys
         self._seen: OrderedDict[Key, Seen] = OrderedDict()
-        self._lock = threading.Lock()  # passes of different jobs run on kopf's worker threads
+        self._lock = threading.Lock()  # passes of different jobs run on the pass threads
 
     def record(self, key: Key, *, now: float, stamp: str, new_name: str) -> Decision:
         """One occurrence of the Event ``key`` at ``now`` (``stamp`` its RFC 3339 form); ``new_name`` is

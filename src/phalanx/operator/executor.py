@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from phalanx.api.errors import ConfigError, KubernetesError
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import names, refusals
 from phalanx.operator.builders import POD_GROUP_GROUP, POD_GROUP_PLURAL, POD_GROUP_VERSION
-from phalanx.operator.conditions import rfc3339
+from phalanx.operator.conditions import rfc3339, set_condition
 from phalanx.operator.crd import GROUP, KIND, PLURAL, VERSION
 from phalanx.operator.events import Aggregator
 from phalanx.operator.reconcile import (
@@ -30,13 +32,20 @@ from phalanx.operator.reconcile import (
     PatchStatus,
     PodView,
     reconcile,
+    supporting_names,
+    supporting_objects,
 )
 from phalanx.operator.spec import gang_enabled
 from phalanx.operator.telemetry import OperatorMetrics
 
 log = logging.getLogger("phalanx.operator")
 
-_SUPPORTING_KINDS = ("Secret", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service")
+SCHEDULED_ANNOTATION = "phalanx.dev/scheduled-workers"
+"""The count of a job's worker Pods placed on a node, for its master (phalanx.master.kube reads it)."""
+SUPPORTING_RECHECK_S = 300.0
+"""How long a job whose supporting objects all existed is trusted to still have them before they are read
+again (6 GETs). They are the job's own, deleted only with it; the operator does not watch them (a watch on
+Secrets would be a read of every Secret in the cluster)."""
 
 
 def read_metrics_token(path: str) -> str:
@@ -82,7 +91,11 @@ class Executor:
     job), so an edge-triggered pass and the timer's pass never act on the same observation twice."""
 
     def __init__(
-        self, *, api: Any, settings: OperatorSettings, metrics: OperatorMetrics | None = None
+        self,
+        *,
+        api: Any,
+        settings: OperatorSettings,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         from kubernetes import client
 
@@ -92,12 +105,23 @@ class Executor:
         # Typed as Any: the operator passes plain dicts (the builders' output), which the client accepts.
         self.core: Any = client.CoreV1Api(api)
         self.rbac: Any = client.RbacAuthorizationV1Api(api)
+        self.networking: Any = client.NetworkingV1Api(api)
         self.custom: Any = client.CustomObjectsApi(api)
         self._pod_group_api = False
         self._events = Aggregator()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._dirty: set[tuple[str, str]] = set()
         self._guard = threading.Lock()
+        self.jobs: Any = None  # the watch caches (phalanx.operator.cache), once use_caches() was called
+        self.pods: Any = None
+        self.may_act: Callable[[], bool] = lambda: True
+        """Whether this replica may write now (leader election: phalanx.operator.leader); checked before
+        every action, so a replica that lost its Lease does nothing more."""
+        self._supporting_seen: dict[str, float] = {}  # job uid -> when all its supporting objects existed
+
+    def use_caches(self, *, jobs: Any, pods: Any) -> None:
+        """Reads jobs and Pods from these watch caches instead of a GET and a LIST per pass."""
+        self.jobs, self.pods = jobs, pods
 
     def reconcile_job(self, *, namespace: str, name: str) -> None:
         """Runs a reconciliation pass of job ``namespace/name`` now, or makes the pass already running
@@ -115,9 +139,39 @@ class Executor:
                     if key not in self._dirty:
                         return
                     self._dirty.discard(key)
-                self.run_pass(namespace=namespace, name=name)
+                try:
+                    self.run_pass(namespace=namespace, name=name)
+                except Exception as exc:  # one job's bad object never stops the others' passes
+                    log.exception("%s/%s: reconciliation pass failed", namespace, name)
+                    self._record_pass_error(namespace, name, exc)
         finally:
             lock.release()
+
+    def _record_pass_error(self, namespace: str, name: str, exc: Exception) -> None:
+        """Records a failed pass on its job: the ReconcileError condition (False again after the next pass
+        that succeeds) and a Warning Event, so `kubectl describe ej` says why the job does not move. The
+        timer tries again; the other jobs' passes never wait for this one."""
+        from kubernetes.client.exceptions import ApiException
+
+        if not self.may_act():  # a replica that is not the leader writes nothing
+            return
+        job: Mapping[str, Any] | None = self.jobs.get(namespace, name) if self.jobs is not None else None
+        try:
+            if job is None:
+                job = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            assert job is not None
+            message = pass_error_message(exc)
+            meta, status = job["metadata"], job.get("status") or {}
+            conditions = set_condition(
+                status.get("conditions") or [], kind="ReconcileError", status=True, reason=type(exc).__name__,
+                message=message, now=time.time(), generation=int(meta.get("generation", 1)),
+            )  # fmt: skip
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": {"conditions": conditions}}
+            )
+            self._event(job, Event("Warning", "ReconcileError", message))
+        except (ApiException, KubernetesError, KeyError, TypeError, AssertionError) as again:
+            log.warning("%s/%s: cannot record the failed pass: %s", namespace, name, again)
 
     def run_pass(self, *, namespace: str, name: str) -> list[Action]:
         """One reconciliation pass: observe, decide, act. Returns the actions carried out."""
@@ -135,6 +189,8 @@ class Executor:
                 metrics_token=self._metrics_token,
             )
             self.apply(observed.job, actions)
+            if not any(isinstance(a, DeleteJob) for a in actions):
+                self._publish_scheduled(observed)
         except Exception:
             self.metrics.passes.labels(result="error").inc()
             raise
@@ -147,29 +203,60 @@ class Executor:
         )
         return actions
 
+    def _publish_scheduled(self, observed: Observed) -> None:
+        """Tells the master how many worker Pods the scheduler placed (annotation
+        ``phalanx.dev/scheduled-workers``, which it reads with the spec): its min-nodes timeout runs only
+        once min_nodes of them could be scheduled, so a job waiting in a queue or for an autoscaler is
+        not failed for nodes that never had a machine. Written only when the count changes."""
+        meta = observed.job["metadata"]
+        if (observed.job.get("status") or {}).get("phase") in ("Succeeded", "Failed") or not self.may_act():
+            return
+        placed = sum(1 for p in observed.pods if p.role == "worker" and p.live and p.node_name)
+        if (meta.get("annotations") or {}).get(SCHEDULED_ANNOTATION) == str(placed):
+            return
+        body = {"metadata": {"annotations": {SCHEDULED_ANNOTATION: str(placed)}}}
+        patched = self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body
+        )
+        if self.jobs is not None:
+            self.jobs.put(patched)
+
     def observe(self, *, namespace: str, name: str) -> Observed | None:
-        """A fresh read of the job (never kopf's cached body: the status must be current) and its objects."""
+        """The job and its objects: from the watch caches when the operator runs them, else read fresh."""
         from kubernetes.client.exceptions import ApiException
 
-        try:
-            job = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-        except ApiException as exc:
-            if exc.status == 404:
+        if self.jobs is not None:
+            # The watch cache is current to within the watch's latency, and the executor writes what it
+            # changed through to it, so no pass acts on its own stale state.
+            cached = self.jobs.get(namespace, name)
+            if cached is None:
                 return None
-            raise KubernetesError(f"cannot read ElasticJob {namespace}/{name}: {exc.reason}") from exc
+            job = copy.deepcopy(cached)
+        else:
+            try:
+                job = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return None
+                raise KubernetesError(f"cannot read ElasticJob {namespace}/{name}: {exc.reason}") from exc
         if job["metadata"].get("deletionTimestamp"):
             return None
-        selector = f"{names.JOB_LABEL}={name}"
-        pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
+        if self.pods is not None:
+            pods = self.pods.by_index((namespace, name))
+        else:
+            selector = f"{names.JOB_LABEL}={name}"
+            pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
         owned = [p for p in pods if _owned_by(p.metadata.owner_references, job["metadata"]["uid"])]
         group, serves = None, True
         if gang_enabled(job.get("spec") or {}):
             serves = self._serves_pod_groups()
             group = self._pod_group(namespace, name) if serves else None
+        existing, foreign = self._existing(namespace, name, job["metadata"]["uid"])
         return Observed(
             job=job,
             pods=[pod_view(p) for p in owned],
-            existing=self._existing(namespace, name),
+            existing=existing,
+            foreign=foreign,
             pod_group=group,
             pod_group_api=serves,
         )
@@ -207,28 +294,59 @@ class Executor:
             raise KubernetesError(f"cannot read PodGroup {namespace}/{group}: {exc.reason}") from exc
         return found
 
-    def _existing(self, namespace: str, name: str) -> frozenset[tuple[str, str]]:
+    def _existing(
+        self, namespace: str, name: str, uid: str = ""
+    ) -> tuple[frozenset[tuple[str, str]], frozenset[tuple[str, str]]]:
+        """(the job's supporting objects that exist and are its own, those of their names that exist but
+        are not: no ownerReference with the job's uid). Read as metadata only: the operator never holds a
+        Secret's data, and a foreign object is never adopted."""
         from kubernetes.client.exceptions import ApiException
 
         reads = {
-            "Secret": (self.core.read_namespaced_secret, names.secret(name)),
-            "ConfigMap": (self.core.read_namespaced_config_map, names.state_config_map(name)),
-            "ServiceAccount": (self.core.read_namespaced_service_account, names.master(name)),
-            "Role": (self.rbac.read_namespaced_role, names.master(name)),
-            "RoleBinding": (self.rbac.read_namespaced_role_binding, names.master(name)),
-            "Service": (self.core.read_namespaced_service, names.master(name)),
+            "Secret": self.core.read_namespaced_secret,
+            "ConfigMap": self.core.read_namespaced_config_map,
+            "ServiceAccount": self.core.read_namespaced_service_account,
+            "Role": self.rbac.read_namespaced_role,
+            "RoleBinding": self.rbac.read_namespaced_role_binding,
+            "Service": self.core.read_namespaced_service,
+            "NetworkPolicy": self.networking.read_namespaced_network_policy,
         }
-        found = set()
-        for kind in _SUPPORTING_KINDS:
-            read, obj_name = reads[kind]
+        wanted = [(kind, obj_name) for kind, obj_name in self._supporting_names(name) if kind in reads]
+        everything = frozenset(wanted)
+        seen = self._supporting_seen.get(uid)
+        if self.jobs is not None and seen is not None and time.monotonic() - seen < SUPPORTING_RECHECK_S:
+            return everything, frozenset()
+
+        found, foreign = set(), set()
+        for kind, obj_name in wanted:
             try:
-                read(obj_name, namespace)
+                meta = read_metadata(reads[kind], obj_name, namespace)
             except ApiException as exc:
-                if exc.status == 404:
-                    continue
                 raise KubernetesError(f"cannot read {kind} {namespace}/{obj_name}: {exc.reason}") from exc
-            found.add((kind, obj_name))
-        return frozenset(found)
+            if meta is None:
+                continue
+            refs = meta.get("ownerReferences") or []
+            if uid and not any(isinstance(r, Mapping) and r.get("uid") == uid for r in refs):
+                foreign.add((kind, obj_name))
+            else:
+                found.add((kind, obj_name))
+        if found == everything and uid:
+            self._supporting_seen[uid] = time.monotonic()
+        else:
+            self._supporting_seen.pop(uid, None)
+        return frozenset(found), frozenset(foreign)
+
+    def _supporting_names(self, name: str) -> list[tuple[str, str]]:
+        """(kind, name) of the job's supporting objects under this operator's settings (no job needed: the
+        names follow from the job's name)."""
+        stub = {"metadata": {"name": name, "namespace": "", "uid": ""}}
+        objects = supporting_objects(
+            stub,
+            settings=self.settings,
+            token="-",  # noqa: S106 -- a placeholder: only the objects' names are used
+            metrics_token=self._metrics_token,
+        )
+        return supporting_names(objects)
 
     def apply(self, job: Mapping[str, Any], actions: Sequence[Action]) -> None:
         """Carries out the actions in order. A create the API server refuses (Forbidden, Invalid, quota) is
@@ -242,6 +360,9 @@ class Executor:
             if isinstance(action, Event) and any(r.kind == "Pod" and r.name == action.about for r in refused):
                 continue
             kind = type(action).__name__
+            if not self.may_act():
+                log.warning("%s/%s: not the leader any more; dropping %s and what follows", ns, name, kind)
+                return
             self.metrics.actions.labels(action=kind).inc()
             try:
                 self._apply_one(job, action)
@@ -288,18 +409,24 @@ class Executor:
         ns = job["metadata"]["namespace"]
         if isinstance(action, Create):
             try:
-                self._create(ns, action.obj)
+                created = self._create(ns, action.obj)
+                if action.obj["kind"] == "Pod" and self.pods is not None:
+                    self.pods.put(created)  # write-through: the next pass counts it at once
             except ApiException as exc:
                 if exc.status != 409:  # 409: it exists already (a previous pass or operator made it)
                     raise
+                if action.obj["kind"] == "Pod":
+                    self._foreign_pod(job, action.obj["metadata"]["name"])
         elif isinstance(action, DeletePod):
             try:
-                self.core.delete_namespaced_pod(
+                deleted = self.core.delete_namespaced_pod(
                     action.name,
                     ns,
                     grace_period_seconds=action.grace_period_s,
                     propagation_policy="Background",
                 )
+                if self.pods is not None and getattr(deleted, "metadata", None) is not None:
+                    self.pods.put(deleted)  # terminating (or gone: the watch's DELETED follows)
             except ApiException as exc:
                 if exc.status != 404:
                     raise
@@ -309,9 +436,11 @@ class Executor:
                 POD_GROUP_GROUP, POD_GROUP_VERSION, ns, POD_GROUP_PLURAL, action.name, body
             )
         elif isinstance(action, PatchStatus):
-            self.custom.patch_namespaced_custom_object_status(
+            patched = self.custom.patch_namespaced_custom_object_status(
                 GROUP, VERSION, ns, PLURAL, job["metadata"]["name"], {"status": action.status}
             )
+            if self.jobs is not None:
+                self.jobs.put(patched)
         elif isinstance(action, Event):
             self._event(job, action)
         elif isinstance(action, CordonNode):
@@ -319,10 +448,26 @@ class Executor:
         elif isinstance(action, DeleteJob):
             self._delete_job(job, action)
 
-    def _create(self, ns: str, obj: dict[str, Any]) -> None:
+    def _foreign_pod(self, job: Mapping[str, Any], name: str) -> None:
+        """A Pod of the name the job's Pod should have exists: normally the job's own (made by an earlier
+        pass, not yet seen); one that is not the job's is never adopted nor deleted, and the job says so."""
+        meta = read_metadata(self.core.read_namespaced_pod, name, job["metadata"]["namespace"])
+        refs = (meta or {}).get("ownerReferences") or []
+        if meta is None or any(
+            isinstance(r, Mapping) and r.get("uid") == job["metadata"]["uid"] for r in refs
+        ):
+            return
+        ns, uid = job["metadata"]["namespace"], job["metadata"]["uid"]
+        message = (
+            f"Pod {ns}/{name} already exists and is not this job's (no ownerReference with uid {uid}): the "
+            "operator never uses or deletes it; delete or rename it"
+        )
+        self._event(job, Event("Warning", "ForeignObject", message))
+
+    def _create(self, ns: str, obj: dict[str, Any]) -> Any:
         kind = obj["kind"]
         if kind == "Pod":
-            self.core.create_namespaced_pod(ns, obj)
+            return self.core.create_namespaced_pod(ns, obj)
         elif kind == "Secret":
             self.core.create_namespaced_secret(ns, obj)
         elif kind == "ConfigMap":
@@ -335,6 +480,8 @@ class Executor:
             self.rbac.create_namespaced_role(ns, obj)
         elif kind == "RoleBinding":
             self.rbac.create_namespaced_role_binding(ns, obj)
+        elif kind == "NetworkPolicy":
+            self.networking.create_namespaced_network_policy(ns, obj)
         elif kind == "PodGroup":
             self.custom.create_namespaced_custom_object(
                 POD_GROUP_GROUP, POD_GROUP_VERSION, ns, POD_GROUP_PLURAL, obj
@@ -426,6 +573,38 @@ class Executor:
     @staticmethod
     def _event_name(meta: Mapping[str, Any]) -> str:
         return f"{meta['name']}.{secrets.token_hex(8)}"
+
+
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+"""The Accept header that makes the API server send an object's metadata without its data or spec."""
+
+
+def read_metadata(read: Callable[..., Any], name: str, namespace: str) -> Mapping[str, Any] | None:
+    """The metadata of one object through a kubernetes.client ``read_namespaced_*`` method (None: it does
+    not exist). A Secret's data never reaches the operator: it only needs to know whose the object is."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        response = read(name, namespace, _preload_content=False, _headers={"Accept": METADATA_ONLY})
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    body = json.loads(response.data or b"{}")
+    meta = body.get("metadata") if isinstance(body, Mapping) else None
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def pass_error_message(exc: Exception) -> str:
+    """What a failed pass records on its job: the exception's type and message, without an API response's
+    headers and body (an ApiException's text carries both)."""
+    from kubernetes.client.exceptions import ApiException
+
+    if isinstance(exc, ApiException):
+        text = f"the API server answered {exc.status} {exc.reason}"
+    else:
+        text = str(exc) or "no message"
+    return f"reconciliation pass failed ({type(exc).__name__}): {text}"[:1024]
 
 
 def _owned_by(refs: Sequence[Any] | None, uid: str) -> bool:

@@ -1,69 +1,130 @@
-"""kopf wiring: when to reconcile. Every handler only triggers a pass of the executor; the decision is
-:func:`phalanx.operator.reconcile.reconcile` and the state is read fresh from the API in each pass.
+"""When to reconcile: every trigger only asks for a pass of the executor; the decision is
+:func:`phalanx.operator.reconcile.reconcile`, and the state it sees comes from the watch caches
+(:mod:`phalanx.operator.cache`).
 
-Level based: a timer reconciles every job every ``reconcile_interval_s`` whatever events were missed
-(an operator restarted mid-job simply continues); creation, spec changes and Pod events trigger an
-immediate pass so the common cases react at once. kopf's own bookkeeping lives in annotations
-(``phalanx.dev/...``), never in the strict status schema.
+Level based: every job is reconciled every ``reconcile_interval_s`` whatever events were missed (an
+operator restarted mid-job, or a new leader, simply continues); a change of a job (created, spec or status
+changed) or of one of its Pods triggers a pass at once. A pass reads memory only, so the periodic passes
+cost the API server nothing; it is written to only when a pass changes something.
+
+No finalizer: deleting an ElasticJob never waits for a live operator. Everything a job owns carries an
+ownerReference to it, so Kubernetes' garbage collector removes it. The finalizer older versions (kopf) put on
+jobs is taken off by the first pass that sees it, deleted jobs included.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-import kopf
+import threading
+import time
+from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
 
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import names
+from phalanx.operator.cache import WatchCache
 from phalanx.operator.crd import GROUP, PLURAL, VERSION
 from phalanx.operator.executor import Executor
 
 log = logging.getLogger("phalanx.operator")
 
-_state: dict[str, Any] = {}
+LEGACY_FINALIZER = f"{GROUP}/operator"
+"""The finalizer kopf kept on every job (its timers needed it); a job deleted while no operator ran hung."""
+PASS_WORKERS = 8
+SYNC_TIMEOUT_S = 120
 
 
-def install(*, executor: Executor, settings: OperatorSettings) -> kopf.OperatorRegistry:
-    """Registers the handlers into a fresh kopf registry and returns it."""
-    registry = kopf.OperatorRegistry()
-    _state["executor"] = executor
+def pod_key(meta: dict[str, Any]) -> Hashable | None:
+    job = meta["labels"].get(names.JOB_LABEL)
+    return (meta["namespace"], job) if job else None
 
-    def run(namespace: str, name: str) -> None:
-        executor.reconcile_job(namespace=namespace, name=name)
 
-    @kopf.on.startup(registry=registry)
-    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=GROUP, key="last-handled-configuration"
+def job_key(meta: dict[str, Any]) -> Hashable | None:
+    return (meta["namespace"], meta["name"])
+
+
+class Reconciler:
+    """Keeps the watch caches and runs the passes: on changes, and for every job every interval."""
+
+    def __init__(self, *, executor: Executor, settings: OperatorSettings) -> None:
+        self.executor = executor
+        self.interval_s = settings.reconcile_interval_s
+        core, custom = executor.core, executor.custom
+        selector = f"app.kubernetes.io/managed-by={names.MANAGED_BY}"
+        jobs_args: tuple[str, ...]
+        pods_args: tuple[str, ...]
+        if settings.namespace:
+            jobs_list, jobs_args = (
+                custom.list_namespaced_custom_object,
+                (GROUP, VERSION, settings.namespace, PLURAL),
+            )
+            pods_list, pods_args = core.list_namespaced_pod, (settings.namespace,)
+        else:
+            jobs_list, jobs_args = custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL)
+            pods_list, pods_args = core.list_pod_for_all_namespaces, ()
+        self.jobs = WatchCache(
+            kind="elasticjobs", list_fn=jobs_list, list_args=jobs_args, index=job_key, on_change=self._changed
         )
-        settings.persistence.finalizer = f"{GROUP}/operator"
-        settings.posting.level = logging.WARNING  # the executor records the Events that tell the story
-        settings.watching.server_timeout = 60
-        settings.execution.max_workers = 8
+        self.pods = WatchCache(
+            kind="pods", list_fn=pods_list, list_args=pods_args, label_selector=selector, index=pod_key,
+            on_change=self._changed,
+        )  # fmt: skip
+        executor.use_caches(jobs=self.jobs, pods=self.pods)
+        self._pool = ThreadPoolExecutor(max_workers=PASS_WORKERS, thread_name_prefix="pass")
+        self._stop = threading.Event()
+        self._last_tick = time.monotonic()
 
-    @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        return kopf.login_via_client(**kwargs)
+    def start(self) -> Reconciler:
+        self.jobs.start()
+        self.pods.start()
+        for cache in (self.jobs, self.pods):
+            if not cache.wait_synced(SYNC_TIMEOUT_S):
+                raise TimeoutError(f"could not list {cache.kind} within {SYNC_TIMEOUT_S}s")
+        threading.Thread(target=self._resync, name="resync", daemon=True).start()
+        return self
 
-    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
-    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
-    @kopf.on.field(GROUP, VERSION, PLURAL, field="spec", registry=registry)
-    def on_change(**kwargs: Any) -> None:
-        run(kwargs["namespace"], kwargs["name"])
+    def stop(self) -> None:
+        self._stop.set()
+        self.jobs.stop()
+        self.pods.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=settings.reconcile_interval_s, registry=registry)
-    def periodic(**kwargs: Any) -> None:
-        run(kwargs["namespace"], kwargs["name"])
+    def healthy(self) -> bool:
+        """Whether the periodic passes are still being scheduled (a wedged operator is restarted)."""
+        return time.monotonic() - self._last_tick < max(30.0, 10 * self.interval_s)
 
-    @kopf.on.event(
-        "", "v1", "pods", labels={"app.kubernetes.io/managed-by": names.MANAGED_BY}, registry=registry
-    )
-    def pod_event(**kwargs: Any) -> None:
-        # A worker or master Pod changed (failed, vanished): reconcile its job now, not at the next tick.
-        job = kwargs["labels"].get(names.JOB_LABEL)
-        if job and kwargs["event"].get("type") in ("MODIFIED", "DELETED"):
-            run(kwargs["namespace"], job)
+    def _changed(self, key: Hashable, _obj: Any) -> None:
+        namespace, name = cast(tuple[str, str], key)
+        self.trigger(namespace, name)
 
-    return registry
+    def trigger(self, namespace: str, name: str) -> None:
+        if not self._stop.is_set():
+            self._pool.submit(self._pass, namespace, name)
+
+    def _resync(self) -> None:
+        while not self._stop.is_set():
+            self._last_tick = time.monotonic()
+            for namespace, name in self.jobs.idents():
+                self.trigger(namespace, name)
+            self._stop.wait(self.interval_s)
+
+    def _pass(self, namespace: str, name: str) -> None:
+        try:
+            self._drop_legacy_finalizer(namespace, name)
+            self.executor.reconcile_job(namespace=namespace, name=name)
+        except Exception:  # logged and counted; the next periodic pass tries again
+            log.exception("%s/%s: reconciliation pass failed", namespace, name)
+
+    def _drop_legacy_finalizer(self, namespace: str, name: str) -> None:
+        job = self.jobs.get(namespace, name)
+        finalizers = list(((job or {}).get("metadata") or {}).get("finalizers") or [])
+        if LEGACY_FINALIZER not in finalizers or not self.executor.may_act():
+            return
+        meta = job["metadata"]  # type: ignore[index]
+        kept = [f for f in finalizers if f != LEGACY_FINALIZER]
+        body = {"metadata": {"finalizers": kept or None, "resourceVersion": meta["resourceVersion"]}}
+        self.jobs.put(
+            self.executor.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, body)
+        )
+        log.info("%s/%s: removed the finalizer %s", namespace, name, LEGACY_FINALIZER)

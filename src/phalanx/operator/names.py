@@ -30,6 +30,16 @@ def secret(job: str) -> str:
     return f"{job}-token"
 
 
+def metrics_secret(job: str) -> str:
+    """The master's metrics credential, mounted into the master Pod only (never into a worker)."""
+    return f"{job}-metrics"
+
+
+def network_policy(job: str) -> str:
+    """The NetworkPolicy guarding the master's ports (operator setting network_policy)."""
+    return f"{job}-master"
+
+
 def state_config_map(job: str) -> str:
     return f"{job}-master-state"
 

@@ -6,14 +6,22 @@ missed, the next pass sees the world as it is) and hands the actions to the exec
 
 Rules, per pass:
 
-* the job's supporting objects (token Secret, state ConfigMap, master ServiceAccount/Role/RoleBinding,
-  master Service) and the master Pod exist; a lost or finished master Pod (while the job runs) is deleted
-  and recreated under the same name, and the new master resumes from the state ConfigMap;
+* the job's supporting objects (token Secret, the master's metrics Secret when the operator has a metrics
+  token, state ConfigMap, master ServiceAccount/Role/RoleBinding, master Service, and the master's
+  NetworkPolicy when the operator's network_policy switch is on) and the master Pod exist; a lost or
+  finished master Pod (while the job runs) is deleted and recreated under the same name, and the new master
+  resumes from the state ConfigMap;
 * every worker slot ``0..nodes.max-1`` has one live Pod. A slot whose Pod failed or vanished gets the
   next incarnation; that is a *replacement* and counts against ``restart.maxEvictions``;
 * evictions the master wrote into ``status.evictions`` are carried out: the replacement is created with
   node affinity keeping it off the evicted machine, then the evicted Pod is deleted (in this order, so a
-  crash between the two steps loses nothing); with ``cordonBadNodes`` the machine is cordoned and tainted;
+  crash between the two steps loses nothing). The machine kept off and, with ``cordonBadNodes`` and the
+  operator's ``cordon_nodes`` switch, cordoned and tainted is the ``spec.nodeName`` of the evicted Pod as
+  the operator observed it, never the machine name the master reports (a training script can read the
+  job token and report any name);
+* a supporting object of the job's name that exists but is not the job's (no ownerReference with its uid)
+  is neither used, overwritten nor deleted: the job waits with Created False (reason ForeignObject) and
+  creates no Pod until it is gone;
 * slots beyond ``nodes.max`` (the spec was scaled down) are deleted, new slots (scaled up) created; the
   master Pod is restarted with the new ``--nodes MIN:MAX`` and resumes from its state;
 * the master's verdict (``status.master.phase``) ends the job: Succeeded or Failed with the master's
@@ -108,7 +116,9 @@ class Observed:
     job: Mapping[str, Any]
     pods: Sequence[PodView] = ()
     existing: frozenset[tuple[str, str]] = frozenset()
-    """(kind, name) of the supporting objects that exist."""
+    """(kind, name) of the supporting objects that exist and are the job's (ownerReference with its uid)."""
+    foreign: frozenset[tuple[str, str]] = frozenset()
+    """(kind, name) of objects with the names of the job's supporting objects that are not the job's."""
     pod_group: Mapping[str, Any] | None = None
     """The job's PodGroup as read (``spec.gangScheduling`` only); None when it does not exist."""
     pod_group_api: bool = True
@@ -181,24 +191,44 @@ class _Pass:
 
 
 def supporting_objects(
-    job: Mapping[str, Any], *, settings: OperatorSettings, token: str, metrics_token: str = ""
+    job: Mapping[str, Any],
+    *,
+    settings: OperatorSettings,
+    token: str,
+    metrics_token: str = "",
 ) -> list[dict[str, Any]]:
     """The objects the job needs besides its Pods, in creation order (the Role before its binding)."""
-    return [
-        builders.token_secret(job, token=token, metrics_token=metrics_token),
+    objects = [builders.token_secret(job, token=token)]
+    if metrics_token:
+        objects.append(builders.metrics_secret(job, metrics_token=metrics_token))
+    objects += [
         builders.state_config_map(job),
         builders.master_service_account(job),
         builders.master_role(job),
         builders.master_role_binding(job),
         builders.master_service(job, settings=settings),
     ]
+    if settings.network_policy:
+        objects.append(builders.master_network_policy(job, settings=settings))
+    return objects
+
+
+def supporting_names(objects: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(kind, name) of each object, as :attr:`Observed.existing` lists them."""
+    return [(str(o["kind"]), str(o["metadata"]["name"])) for o in objects]
 
 
 def reconcile(
-    observed: Observed, *, now: float, settings: OperatorSettings, new_token: str, metrics_token: str = ""
+    observed: Observed,
+    *,
+    now: float,
+    settings: OperatorSettings,
+    new_token: str,
+    metrics_token: str = "",
 ) -> list[Action]:
     """The actions that bring the cluster closer to the job's spec. ``new_token`` and ``metrics_token`` are
-    used only if the token Secret does not exist yet."""
+    used only if the token Secret does not exist yet. ``settings`` carries the administrator's trust
+    switches too (cordoning, NetworkPolicies)."""
     job = observed.job
     status: Mapping[str, Any] = job.get("status") or {}
     generation = int(job["metadata"].get("generation", 1))
@@ -212,6 +242,8 @@ def reconcile(
 
     phase = status.get("phase", "")
     workers = [pod for pod in observed.pods if pod.role == "worker"]
+    if is_true(p.status["conditions"], "ReconcileError"):  # this pass got this far: the error is over
+        condition("ReconcileError", False, "Reconciled", "the last reconciliation pass succeeded")
     if phase in ("Succeeded", "Failed"):
         _cleanup(p, job, observed.pods, finished_for=_finished_for(status, now), settings=settings)
         actions = _finish(p, status)
@@ -234,10 +266,14 @@ def reconcile(
     refused = frozenset(str(n) for n in status.get("refusedPods") or [])
 
     # --- supporting objects ------------------------------------------------------------------------
-    for obj in supporting_objects(job, settings=settings, token=new_token, metrics_token=metrics_token):
+    wanted = supporting_objects(job, settings=settings, token=new_token, metrics_token=metrics_token)
+    if foreign := sorted(set(supporting_names(wanted)) & observed.foreign):
+        return _blocked_by_foreign(p, status, condition, foreign, job=job)
+    for obj in wanted:
         if (obj["kind"], obj["metadata"]["name"]) not in observed.existing:
             p.actions.append(Create(obj))
-    if not get_condition(p.status["conditions"], "Created"):
+    created = get_condition(p.status["conditions"], "Created")
+    if not created or created.get("status") != "True":
         condition(
             "Created", True, "ObjectsCreated", "Secret, RBAC, Service and state ConfigMap of the job exist"
         )
@@ -495,6 +531,33 @@ def _gang(
         p.actions.append(Event(kind, event, message))
 
 
+def _blocked_by_foreign(
+    p: _Pass,
+    status: Mapping[str, Any],
+    condition: SetCondition,
+    foreign: Sequence[tuple[str, str]],
+    *,
+    job: Mapping[str, Any],
+) -> list[Action]:
+    """Objects with the names of the job's own exist but belong to someone else (or to an earlier job of
+    the name, still being garbage-collected): the job neither adopts, overwrites nor deletes them, and
+    starts no Pod, which would mount or run as them. It says so and waits; a later pass goes on once they
+    are gone."""
+    meta = job["metadata"]
+    listed = ", ".join(f"{kind} {meta['namespace']}/{name}" for kind, name in foreign)
+    message = (
+        f"{listed} already exists and is not this job's (no ownerReference with uid {meta['uid']}): the "
+        "operator never uses, overwrites or deletes an object it does not own. Delete or rename it, or "
+        "give the job another name"
+    )
+    before = get_condition(p.status["conditions"], "Created")
+    condition("Created", False, "ForeignObject", message)
+    if not before or before.get("reason") != "ForeignObject" or before.get("message") != message:
+        p.actions.append(Event("Warning", "ForeignObject", message))
+    p.status["phase"] = status.get("phase") or "Pending"
+    return _finish(p, status)
+
+
 def _exit(pod: PodView) -> str:
     if pod.exit_code is not None:
         return f"exit code {pod.exit_code}" + (f", {pod.reason}" if pod.reason else "")
@@ -519,12 +582,18 @@ def _reconcile_workers(
     evicted = {str(e.get("nodeId")): e for e in evictions}
     excluded = list(status.get("excludedMachines") or [])
     for e in evictions:
-        machine = str(e.get("machine") or "")
+        machine = evicted_machine(e, workers)
         if machine and machine not in excluded:
             excluded.append(machine)
-            if spec.cordon_bad_nodes:
+            if spec.cordon_bad_nodes and settings.cordon_nodes:
                 p.actions.append(CordonNode(machine, reason=str(e.get("reason") or "evicted by phalanx")))
                 p.actions.append(Event("Warning", "NodeCordoned", f"cordoned and tainted bad node {machine}"))
+            elif spec.cordon_bad_nodes:
+                message = (
+                    "spec.cordonBadNodes is set but this operator does not cordon nodes (its cordon_nodes "
+                    f"setting is off): {machine} stays schedulable; the job's replacements are kept off it"
+                )
+                p.actions.append(Event("Warning", "NodeNotCordoned", message))
     p.status["excludedMachines"] = excluded
     incarnations = _incarnations(status, workers, slots=spec.max_nodes)
     by_slot: dict[int, list[PodView]] = {}
@@ -599,6 +668,16 @@ def _reconcile_workers(
                     )
     p.status["workerIncarnations"] = incarnations
     return replaced
+
+
+def evicted_machine(eviction: Mapping[str, Any], workers: Sequence[PodView]) -> str:
+    """The Kubernetes node of an eviction the master asked for: the ``spec.nodeName`` of the live worker Pod
+    it names, as the operator observed it; "" when no such Pod is seen (already gone, or not the job's).
+    The ``machine`` the master reports is never used: it is what an agent said, and a training script can
+    register a node under any name with the job token."""
+    node_id = str(eviction.get("nodeId") or "")
+    pod = next((w for w in workers if w.name == node_id and w.live), None)
+    return pod.node_name if pod else ""
 
 
 def _incarnations(status: Mapping[str, Any], workers: Sequence[PodView], *, slots: int) -> list[int]:

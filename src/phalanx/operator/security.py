@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 Obj = dict[str, Any]
+
 _ROOT_CAPS = ("SYS_ADMIN", "CAP_SYS_ADMIN")
 """Added capabilities the API server refuses beside ``allowPrivilegeEscalation: false``."""
 

@@ -26,7 +26,18 @@ from phalanx.api.settings import (
     parse_duration,
 )
 from phalanx.operator import resources
-from phalanx.operator.crd import CLEAN_POD_POLICIES
+from phalanx.operator.crd import (
+    CLEAN_POD_POLICIES,
+    MAX_DURATIONS,
+    MAX_HANG_FACTOR,
+    MAX_INTERVAL_STEPS,
+    MAX_KEEP_LAST,
+    MAX_NODES,
+    MAX_NPROC_PER_NODE,
+    MAX_PARALLEL_DEGREE,
+    MAX_RESTART_BUDGET,
+    MAX_SHARED_MEMORY,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,8 +92,18 @@ def _group(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return value
 
 
+def _bounded(seconds: float, path: tuple[str, ...], given: Any) -> float:
+    """``seconds`` unless it is above the CRD's limit for that duration (:data:`MAX_DURATIONS`)."""
+    limit = MAX_DURATIONS[path]
+    if seconds > parse_duration(limit):
+        raise ConfigError(f"must be at most {limit}, got {given!r}", field="spec." + ".".join(path))
+    return seconds
+
+
 def _dur(group: Mapping[str, Any], key: str, default: float, where: str) -> float:
-    return parse_duration(group[key], name=f"spec.{where}.{key}") if key in group else default
+    if key not in group:
+        return default
+    return _bounded(parse_duration(group[key], name=f"spec.{where}.{key}"), (where, key), group[key])
 
 
 def _optional_dur(spec: Mapping[str, Any], key: str) -> float | None:
@@ -90,7 +111,26 @@ def _optional_dur(spec: Mapping[str, Any], key: str) -> float | None:
     value = spec.get(key)
     if value is None or value == "":
         return None
-    return parse_duration(value, name=f"spec.{key}")
+    return _bounded(parse_duration(value, name=f"spec.{key}"), (key,), value)
+
+
+def _count(group: Mapping[str, Any], key: str, default: int, *, where: str, maximum: int) -> int:
+    """A whole number of the spec no greater than ``maximum`` (the CRD's bound; the lower bounds are the
+    settings classes' own checks). The operator's memory and API calls grow with these numbers, so an object
+    that slipped past admission fails here, alone, with the field named."""
+    value = group.get(key, default)
+    name = f"spec.{where}.{key}" if where else f"spec.{key}"
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"expected a whole number, got {value!r}", field=name)
+    try:
+        number = int(value)
+    except (ValueError, OverflowError) as exc:
+        raise ConfigError(f"expected a whole number, got {value!r}", field=name) from exc
+    if number != value and str(number) != value:  # 2.5 or "2.5": not whole
+        raise ConfigError(f"expected a whole number, got {value!r}", field=name)
+    if number > maximum:
+        raise ConfigError(f"must be at most {maximum}, got {number}", field=name)
+    return number
 
 
 def active_deadline(spec: Mapping[str, Any]) -> float | None:
@@ -132,6 +172,18 @@ def _gang_min_nodes(spec: Mapping[str, Any], rendezvous: RendezvousSettings) -> 
             field="spec.gangScheduling.minNodes",
         )
     return count
+
+
+def _factor(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"expected a number, got {value!r}", field="spec.hang.factor")
+    try:
+        factor = float(value)
+    except ValueError as exc:
+        raise ConfigError(f"expected a number, got {value!r}", field="spec.hang.factor") from exc
+    if factor > MAX_HANG_FACTOR:
+        raise ConfigError(f"must be at most {MAX_HANG_FACTOR}, got {value!r}", field="spec.hang.factor")
+    return factor
 
 
 def _probes(health: Mapping[str, Any]) -> ProbeSettings:
@@ -190,6 +242,12 @@ def _shared_memory(spec: Mapping[str, Any], nproc: int, container: Mapping[str, 
             nproc, container, per_process_mib=default.shared_memory_per_process_mib, field=where
         )
     size = int(resources.parse_quantity(group["sizeLimit"], field="spec.sharedMemory.sizeLimit"))
+    ceiling = int(resources.parse_quantity(MAX_SHARED_MEMORY, field="MAX_SHARED_MEMORY"))
+    if size > ceiling:
+        raise ConfigError(
+            f"must be at most {MAX_SHARED_MEMORY}, got {group['sizeLimit']!r}",
+            field="spec.sharedMemory.sizeLimit",
+        )
     floor = int(resources.parse_quantity(resources.MIN_SHARED_MEMORY, field="MIN_SHARED_MEMORY"))
     if size < floor:
         raise ConfigError(
@@ -241,10 +299,11 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     nodes = _group(spec, "nodes")
     rdzv_default = RendezvousSettings()
     try:
+        min_nodes = _count(nodes, "min", 1, where="nodes", maximum=MAX_NODES)
         rendezvous = RendezvousSettings(
-            min_nodes=int(nodes.get("min", 1)),
-            max_nodes=int(nodes.get("max", nodes.get("min", 1))),
-            unit=int(nodes.get("unit", 1)),
+            min_nodes=min_nodes,
+            max_nodes=_count(nodes, "max", min_nodes, where="nodes", maximum=MAX_NODES),
+            unit=_count(nodes, "unit", 1, where="nodes", maximum=MAX_NODES),
             last_call_s=_dur(nodes, "lastCall", rdzv_default.last_call_s, "nodes"),
             min_nodes_timeout_s=_dur(nodes, "minNodesTimeout", rdzv_default.min_nodes_timeout_s, "nodes"),
         )
@@ -257,21 +316,37 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         hang = HangSettings(
             enabled=bool(hg.get("enabled", hg_default.enabled)),
             floor_s=_dur(hg, "floor", hg_default.floor_s, "hang"),
-            factor=float(hg.get("factor", hg_default.factor)),
+            factor=_factor(hg.get("factor", hg_default.factor)),
             startup_s=_dur(hg, "startup", hg_default.startup_s, "hang"),
         )
         rs, rs_default = _group(spec, "restart"), RestartSettings()
         restart = RestartSettings(
-            max_restarts=int(rs.get("maxRestarts", rs_default.max_restarts)),
-            max_evictions=int(rs.get("maxEvictions", rs_default.max_evictions)),
+            max_restarts=_count(
+                rs, "maxRestarts", rs_default.max_restarts, where="restart", maximum=MAX_RESTART_BUDGET
+            ),
+            max_evictions=_count(
+                rs, "maxEvictions", rs_default.max_evictions, where="restart", maximum=MAX_RESTART_BUDGET
+            ),
             grace_period_s=_dur(rs, "gracePeriod", rs_default.grace_period_s, "restart"),
         )
         ck, ck_default = _group(spec, "checkpoint"), CheckpointSettings()
         checkpoint = CheckpointSettings(
-            memory_interval_steps=int(ck.get("memoryIntervalSteps", ck_default.memory_interval_steps)),
-            persist_interval_steps=int(ck.get("persistIntervalSteps", ck_default.persist_interval_steps)),
+            memory_interval_steps=_count(
+                ck,
+                "memoryIntervalSteps",
+                ck_default.memory_interval_steps,
+                where="checkpoint",
+                maximum=MAX_INTERVAL_STEPS,
+            ),
+            persist_interval_steps=_count(
+                ck,
+                "persistIntervalSteps",
+                ck_default.persist_interval_steps,
+                where="checkpoint",
+                maximum=MAX_INTERVAL_STEPS,
+            ),
             storage_path=str(ck.get("storagePath", ck_default.storage_path)),
-            keep_last=int(ck.get("keepLast", ck_default.keep_last)),
+            keep_last=_count(ck, "keepLast", ck_default.keep_last, where="checkpoint", maximum=MAX_KEEP_LAST),
         )
         probes = _probes(_group(spec, "healthChecks"))
     except ConfigError as exc:
@@ -294,7 +369,12 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         raise ConfigError("the worker template needs at least one container", field="spec.template")
     where = "spec.template.spec.containers[0]"
     nproc = resources.nproc_per_node(spec.get("nprocPerNode", 1), containers[0], field=where)
-    tensor, pipeline = int(par.get("tensor", 1)), int(par.get("pipeline", 1))
+    if nproc > MAX_NPROC_PER_NODE:
+        raise ConfigError(f"must be at most {MAX_NPROC_PER_NODE}, got {nproc}", field="spec.nprocPerNode")
+    tensor = _count(par, "tensor", 1, where="parallelism", maximum=MAX_PARALLEL_DEGREE)
+    pipeline = _count(par, "pipeline", 1, where="parallelism", maximum=MAX_PARALLEL_DEGREE)
+    if tensor < 1 or pipeline < 1:
+        raise ConfigError(f"degrees must be at least 1, got {tensor} x {pipeline}", field="spec.parallelism")
     if (nproc * rendezvous.unit) % (tensor * pipeline):
         raise ConfigError(
             f"parallelism.tensor x parallelism.pipeline ({tensor} x {pipeline}) must divide nprocPerNode x "

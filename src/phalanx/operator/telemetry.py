@@ -1,7 +1,7 @@
 """The operator's own health and metrics, on one HTTP port (``OperatorSettings.http_port``).
 
-* ``GET /healthz``: 200 while kopf's event loop answers within a few seconds, else 503; the Deployment's
-  liveness probe, so a wedged operator is restarted instead of leaving every job unreconciled.
+* ``GET /healthz``: 200 while the operator's event loop answers within a few seconds, else 503; the
+  Deployment's liveness probe, so a wedged operator is restarted instead of leaving every job unreconciled.
 * ``GET /metrics``: Prometheus text, only with ``Authorization: Bearer <metrics token>`` (the chart's shared
   metrics token, the one every master also takes for its /metrics); served only when there is such a token.
 

@@ -89,6 +89,7 @@ class Cluster:
     def install_operator_rbac(self) -> None:
         """The operator's identity, from the same manifest people deploy."""
         self.cp.kubectl("apply", "-f", str(ROOT / "deploy" / "operator-rbac.yaml"))
+        self.cp.kubectl("apply", "-f", str(ROOT / "deploy" / "operator-leader-election.yaml"))
         token = self.cp.kubectl(
             "create", "token", "phalanx-operator", "-n", "phalanx-system", "--duration=4h"
         ).strip()
@@ -99,20 +100,23 @@ class Cluster:
     def start_operator(self) -> None:
         if not self.operator_http:  # kept across restarts: tests scrape the same address
             self.operator_http = f"127.0.0.1:{free_port()}"
+        self.operator_starts += 1
+        self.operator = self.spawn_operator(self.operator_http, log="operator.log")
+        (self.cp.state_dir / "operator.pid").write_text(str(self.operator.pid))
+
+    def spawn_operator(self, http: str, *, log: str) -> subprocess.Popen[bytes]:
+        """One operator replica (they elect a leader on the Lease phalanx-system/phalanx-operator)."""
         env = {
             **os.environ,
             "KUBECONFIG": str(self.operator_kubeconfig),
             "PHALANX_OPERATOR_RECONCILE_INTERVAL_S": "1",
             # Its /healthz and /metrics; a fixed port would clash with a second cluster on this machine.
-            "PHALANX_OPERATOR_HTTP_PORT": self.operator_http.rsplit(":", 1)[1],
+            "PHALANX_OPERATOR_HTTP_PORT": http.rsplit(":", 1)[1],
+            "PHALANX_OPERATOR_LEASE_NAMESPACE": "phalanx-system",
             **self.extra_env,
         }
         env.pop("KUBERNETES_SERVICE_HOST", None)
-        self.operator_starts += 1
-        self.operator = _spawn(
-            [sys.executable, "-m", "phalanx", "operator"], log=self.cp.state_dir / "operator.log", env=env
-        )
-        (self.cp.state_dir / "operator.pid").write_text(str(self.operator.pid))
+        return _spawn([sys.executable, "-m", "phalanx", "operator"], log=self.cp.state_dir / log, env=env)
 
     def power_off(self, node: str) -> None:
         """One process node's machine dies (see the test kubelet's docstring): its Pods' processes are
@@ -141,7 +145,7 @@ class Cluster:
         _stop(self.operator, sig=signal.SIGKILL)
 
     def stop(self) -> None:
-        _stop(self.operator, timeout=3)  # kopf waits long for sync timers; nothing to flush here
+        _stop(self.operator, timeout=3)  # it hands its Lease over; nothing else to flush
         _stop(self.kubelet)
 
     # --- helpers for tests -------------------------------------------------------------------------

@@ -1,0 +1,427 @@
+"""Who can do what, attacked on the real control plane: a user with only ElasticJob rights gets nothing
+through the operator that they could not create themselves (the ValidatingAdmissionPolicy of
+deploy/elasticjob-admission.yaml, with `kubectl --as`), a fake machine name is never cordoned, an oversized
+or broken job fails alone, workers never hold the metrics token, and a foreign object named like the job's
+own is left untouched."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from k8s_harness.cluster import Cluster
+from k8s_harness.controlplane import ControlPlane
+from kubernetes import config as k8s_config
+
+from phalanx.api.settings import OperatorSettings
+from phalanx.operator import names
+from phalanx.operator.crd import MAX_NODES, build_crd
+from phalanx.operator.executor import Executor
+from phalanx.operator.reconcile import reconcile
+
+pytestmark = [pytest.mark.k8s, pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[2]
+ADMISSION = ROOT / "deploy" / "elasticjob-admission.yaml"
+CORDON_RBAC = ROOT / "deploy" / "operator-rbac-cordon.yaml"
+AUTHOR = "alice"  # ElasticJob rights only
+POWER_USER = "bob"  # may create Pods in the namespace too
+SIMULATED = {
+    "nodeSelector": {"phalanx.dev/test-kubelet": "simulated"},
+    "tolerations": [{"key": "phalanx.dev/simulated", "operator": "Exists", "effect": "NoSchedule"}],
+}
+"""Worker Pods on the test kubelet's simulated nodes: Running, with no process."""
+
+
+def _job(name: str, namespace: str, **pod: Any) -> dict[str, Any]:
+    container = {
+        "name": "trainer",
+        "image": "x",
+        "command": ["python", "train.py"],
+        **pod.pop("container", {}),
+    }
+    return {
+        "apiVersion": "phalanx.dev/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"nodes": {"min": 1, "max": 1}, "template": {"spec": {"containers": [container], **pod}}},
+    }
+
+
+def _create(cp: ControlPlane, obj: dict[str, Any], *, user: str = "") -> str:
+    args = ["create", "-f", "-"] + (["--as", user] if user else [])
+    return cp.kubectl(*args, input_text=json.dumps(obj), check=False)
+
+
+# ------------------------------------------------------------------------------------------------------
+# A job author gets no more than they could create
+
+
+@pytest.fixture(scope="module")
+def authors(control_plane: ControlPlane) -> Iterator[str]:
+    """The admission policy installed, a namespace where alice may only manage ElasticJobs (and read the
+    Secret `readable`) and bob may also create Pods."""
+    cp = control_plane
+    ns = "trust-admission"
+    cp.kubectl("apply", "-f", str(ADMISSION))
+    cp.kubectl("create", "namespace", ns)
+    rbac = f"""
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {{name: elasticjob-author, namespace: {ns}}}
+rules:
+  - apiGroups: [phalanx.dev]
+    resources: [elasticjobs]
+    verbs: [get, list, watch, create, update, patch, delete]
+  - {{apiGroups: [""], resources: [secrets], resourceNames: [readable], verbs: [get]}}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {{name: elasticjob-authors, namespace: {ns}}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: elasticjob-author}}
+subjects:
+  - {{apiGroup: rbac.authorization.k8s.io, kind: User, name: {AUTHOR}}}
+  - {{apiGroup: rbac.authorization.k8s.io, kind: User, name: {POWER_USER}}}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {{name: pod-creator, namespace: {ns}}}
+rules:
+  - {{apiGroups: [""], resources: [pods], verbs: [create]}}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {{name: pod-creators, namespace: {ns}}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: pod-creator}}
+subjects:
+  - {{apiGroup: rbac.authorization.k8s.io, kind: User, name: {POWER_USER}}}
+"""
+    cp.kubectl("apply", "-f", "-", input_text=rbac)
+    # The policy's binding takes a moment to reach the API server's admission plugin.
+    probe = _job("probe", ns, hostPID=True)
+    deadline = time.monotonic() + 30
+    while "hostPID" not in _create(cp, probe, user=AUTHOR):
+        cp.kubectl("delete", "ej", "probe", "-n", ns, "--ignore-not-found", "--wait=false")
+        assert time.monotonic() < deadline, "the ValidatingAdmissionPolicy never took effect"
+        time.sleep(0.5)
+    yield ns
+    cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+REFUSED = [
+    (
+        "privileged",
+        {"container": {"securityContext": {"privileged": True}}},
+        "securityContext.privileged of container trainer: a privileged container owns its node; remove it",
+    ),
+    (
+        "host-path",
+        {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]},
+        "spec.template.spec.volumes root: allowed are emptyDir",
+    ),
+    (
+        "foreign-service-account",
+        {"serviceAccountName": "ci-deployer"},
+        "spec.template.spec.serviceAccountName ci-deployer: you may not create tokens for that service "
+        "account in trust-admission",
+    ),
+    ("host-network", {"hostNetwork": True}, "spec.template.spec: hostNetwork would share the node"),
+    (
+        "capability",
+        {"container": {"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}},
+        "only NET_BIND_SERVICE may be added",
+    ),
+    (
+        "unconfined-seccomp",
+        {"securityContext": {"seccompProfile": {"type": "Unconfined"}}},
+        "an Unconfined seccomp or AppArmor profile",
+    ),
+    (
+        "unreadable-secret-env",
+        {"container": {"env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "db", "key": "k"}}}]}},
+        "env/envFrom of container trainer names a Secret or ConfigMap you may not read",
+    ),
+    (
+        "unreadable-secret-volume",
+        {"volumes": [{"name": "creds", "secret": {"secretName": "db"}}]},
+        "spec.template.spec.volumes creds: one of them mounts a ConfigMap, Secret or PersistentVolumeClaim "
+        "you may not read",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "pod", "message"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_a_template_beyond_the_authors_rights_is_refused_with_what_to_fix(
+    control_plane: ControlPlane, authors: str, case: str, pod: dict[str, Any], message: str
+) -> None:
+    out = _create(control_plane, _job(case, authors, **copy.deepcopy(pod)), user=AUTHOR)
+    assert "created" not in out, f"{case}: an ElasticJob author got {pod} through the operator"
+    assert "ValidatingAdmissionPolicy 'phalanx-elasticjob-templates'" in out, out
+    assert message in out, out
+
+
+def test_the_master_template_is_held_to_the_same_rules(control_plane: ControlPlane, authors: str) -> None:
+    job = _job("master-privileged", authors)
+    job["spec"]["master"] = {
+        "template": {"spec": {"containers": [{"name": "master", "securityContext": {"privileged": True}}]}}
+    }
+    out = _create(control_plane, job, user=AUTHOR)
+    assert "securityContext.privileged of container master" in out, out
+    job["spec"]["master"] = {"template": {"spec": {"imagePullSecrets": [{"name": "registry"}]}}}
+    out = _create(control_plane, job, user=AUTHOR)
+    assert "imagePullSecrets registry: one of them is a Secret you may not read yourself" in out, out
+
+
+def test_what_the_author_may_use_or_could_create_is_admitted(
+    control_plane: ControlPlane, authors: str
+) -> None:
+    cp = control_plane
+    plain = _job("plain", authors, volumes=[{"name": "scratch", "emptyDir": {}}])
+    assert "created" in _create(cp, plain, user=AUTHOR)
+    readable = _job("readable", authors, volumes=[{"name": "creds", "secret": {"secretName": "readable"}}])
+    assert "created" in _create(cp, readable, user=AUTHOR), "a Secret alice may read herself"
+    # bob may create Pods here: he could create a privileged, hostPath or other-account Pod himself.
+    mighty = _job(
+        "mighty", authors, serviceAccountName="ci-deployer", hostNetwork=True,
+        volumes=[{"name": "root", "hostPath": {"path": "/"}}],
+        container={"securityContext": {"privileged": True}},
+    )  # fmt: skip
+    assert "created" in _create(cp, mighty, user=POWER_USER)
+    # An update that leaves the templates alone is not checked again (the operator's annotations,
+    # kubectl scale).
+    out = cp.kubectl(
+        "patch", "ej", "mighty", "-n", authors, "--as", AUTHOR, "--type=merge",
+        "-p", '{"metadata": {"annotations": {"note": "x"}}}', check=False,
+    )  # fmt: skip
+    assert "patched" in out, out
+    out = cp.kubectl(
+        "patch", "ej", "plain", "-n", authors, "--as", AUTHOR, "--type=json",
+        "-p", '[{"op": "add", "path": "/spec/template/spec/hostPID", "value": true}]', check=False,
+    )  # fmt: skip
+    assert "hostPID would share the node" in out, "an edited template is checked again"
+
+
+def test_an_oversized_job_is_refused_at_admission(control_plane: ControlPlane) -> None:
+    job = _job("huge", "default")
+    job["spec"]["nodes"] = {"min": 1, "max": 2147483647}
+    out = _create(control_plane, job)
+    assert "created" not in out
+    assert (
+        "spec.nodes.max: Invalid value: 2147483647: spec.nodes.max in body should be less than or equal "
+        f"to {MAX_NODES}" in out
+    ), out
+
+
+# ------------------------------------------------------------------------------------------------------
+# The cluster: cordoning, bounds, Secrets, foreign objects (the test kubelet's simulated nodes: Pods run
+# there without a process, so these jobs cost the machine nothing)
+
+
+def _sim_job(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
+    job = _job(name, namespace, **copy.deepcopy(SIMULATED))
+    job["spec"]["master"] = {"template": {"spec": copy.deepcopy(SIMULATED)}}
+    job["spec"].update(spec)
+    return job
+
+
+@pytest.fixture(scope="module")
+def trust_ns(cluster: Cluster) -> Iterator[str]:
+    ns = "trust"
+    cluster.cp.kubectl("create", "namespace", ns)
+    yield ns
+    cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _pods(cluster: Cluster, ns: str, job: str, role: str = "") -> list[dict[str, Any]]:
+    selector = f"phalanx.dev/job={job}" + (f",phalanx.dev/role={role}" if role else "")
+    return list(cluster.get_json("pods", "-n", ns, "-l", selector)["items"])
+
+
+def _running(cluster: Cluster, ns: str, job: str) -> list[dict[str, Any]]:
+    return [p for p in _pods(cluster, ns, job, "worker") if p["status"].get("phase") == "Running"]
+
+
+def _node(cluster: Cluster, name: str) -> dict[str, Any]:
+    return dict(cluster.get_json("node", name))
+
+
+def _cordoned(node: dict[str, Any]) -> bool:
+    taints = node["spec"].get("taints") or []
+    return bool(node["spec"].get("unschedulable")) or any(t["key"] == "phalanx.dev/bad-node" for t in taints)
+
+
+def test_a_fake_machine_name_is_never_cordoned(cluster: Cluster, trust_ns: str) -> None:
+    """A training script holds the job token and can register a node under any name, so the master's
+    eviction request may name any cluster node as its machine. The operator (with both switches on: the
+    operator's cordon_nodes and the job's cordonBadNodes, and the RBAC of deploy/operator-rbac-cordon.yaml)
+    cordons the spec.nodeName of the evicted Pod it owns, never the machine the request names.
+
+    The eviction request is handed to the pass as the master writes it; written into the API it would be
+    carried out first by the cluster's own operator, whose cordon_nodes is off."""
+    cp, ns = cluster.cp, trust_ns
+    cp.kubectl("apply", "-f", str(CORDON_RBAC))
+    cp.kubectl("create", "-f", "-", input_text=json.dumps(_sim_job("cordon", ns, cordonBadNodes=True)))
+    victim, decoy = "sim-1", "sim-2"
+    try:
+        cluster.wait_for(
+            "the worker Pod on a simulated node",
+            lambda: _running(cluster, ns, "cordon"),
+            timeout=60,
+        )  # fmt: skip
+        (worker,) = _pods(cluster, ns, "cordon", "worker")
+        victim = worker["spec"]["nodeName"]
+        decoy = next(n for n in ("node-a", "sim-0", "sim-1", "sim-2", "sim-3") if n != victim)
+        api = k8s_config.new_client_from_config(str(cluster.operator_kubeconfig))
+        executor = Executor(api=api, settings=OperatorSettings(cordon_nodes=True))
+        observed = executor.observe(namespace=ns, name="cordon")
+        assert observed is not None
+        status = observed.job.setdefault("status", {})
+        status["evictions"] = [
+            {"nodeId": worker["metadata"]["name"], "machine": decoy, "reason": "no heartbeat for 10s"}
+        ]
+        actions = reconcile(observed, now=time.time(), settings=executor.settings, new_token="t" * 32)
+        executor.apply(observed.job, actions)
+        assert not _cordoned(_node(cluster, decoy)), f"{decoy}, named by the job, was cordoned"
+        assert _cordoned(_node(cluster, victim)), "the evicted Pod's own node is cordoned (the switch works)"
+        assert _node(cluster, victim)["spec"]["unschedulable"] is True
+    finally:
+        for node in {victim, decoy}:
+            cp.kubectl("uncordon", node, check=False)
+            cp.kubectl("taint", "nodes", node, "phalanx.dev/bad-node-", check=False)
+
+
+def _condition(cluster: Cluster, ns: str, job: str, kind: str) -> dict[str, Any] | None:
+    status = cluster.get_json("ej", job, "-n", ns).get("status") or {}
+    return next((c for c in status.get("conditions") or [] if c["type"] == kind), None)
+
+
+def _stripped_of_bounds(node: Any) -> Any:
+    """The CRD as it was before it had bounds: no `maximum`, no rule bounding a duration or a size."""
+    if isinstance(node, dict):
+        return {
+            k: _stripped_of_bounds(v) for k, v in node.items()
+            if k != "maximum" and not (k == "x-kubernetes-validations" and not v)
+        }  # fmt: skip
+    if isinstance(node, list):
+        return [
+            _stripped_of_bounds(v) for v in node
+            if not (isinstance(v, dict) and "must be at most" in str(v.get("message", "")))
+        ]  # fmt: skip
+    return node
+
+
+def test_a_job_past_the_bounds_or_breaking_a_pass_fails_alone(cluster: Cluster, trust_ns: str) -> None:
+    """nodes.max 6000 slipped past admission (created under the CRD as it was before its bounds) and a
+    template the schema cannot judge (volumeMounts: 5 breaks the pass that builds the worker Pod): each is
+    refused or recorded on its own job, while a job created after them runs."""
+    cp, ns = cluster.cp, trust_ns
+    crd_file = Path(cp.state_dir) / "crd-without-bounds.yaml"
+    crd_file.write_text(yaml.safe_dump(_stripped_of_bounds(build_crd())))
+    current = ROOT / "crds" / "elasticjobs.phalanx.dev.yaml"
+    cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd_file))
+    try:
+        huge = _sim_job("huge", ns)
+        huge["spec"]["nodes"] = {"min": 1, "max": MAX_NODES + 1000}
+        deadline = time.monotonic() + 30
+        while "created" not in (out := _create(cp, huge)):  # the API server takes the old schema in a moment
+            assert time.monotonic() < deadline, out
+            time.sleep(0.5)
+    finally:
+        cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(current))
+    broken = _sim_job("broken", ns)
+    broken["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] = 5
+    cp.kubectl("create", "-f", "-", input_text=json.dumps(broken))
+    cp.kubectl("create", "-f", "-", input_text=json.dumps(_sim_job("fine", ns)))
+
+    failed = cluster.wait_for(
+        "the oversized job Failed", lambda: _condition(cluster, ns, "huge", "Failed"), timeout=60
+    )
+    assert failed["reason"] == "InvalidSpec"
+    assert f"spec.nodes.max: must be at most {MAX_NODES}, got {MAX_NODES + 1000}" in failed["message"]
+    error = cluster.wait_for(
+        "the broken job's pass recorded",
+        lambda: _condition(cluster, ns, "broken", "ReconcileError"),
+        timeout=60,
+    )
+    assert error["status"] == "True"
+    assert "reconciliation pass failed (TypeError)" in error["message"], error
+    cluster.wait_for(
+        "the fine job's worker Running",
+        lambda: _running(cluster, ns, "fine"),
+        timeout=60,
+    )  # fmt: skip
+    assert _pods(cluster, ns, "huge") == [], "nothing was created for the oversized job"
+
+
+def test_workers_never_hold_the_metrics_token(cluster: Cluster, trust_ns: str) -> None:
+    """The cluster's operator has a metrics token (the PodMonitor's credential, good for every master's
+    /metrics): it is in <job>-metrics, mounted by the master Pod only; a worker mounts the job token alone."""
+    cp, ns = cluster.cp, trust_ns
+    cp.kubectl("create", "-f", "-", input_text=json.dumps(_sim_job("scraped", ns)))
+
+    def by_role() -> dict[str, dict[str, Any]]:
+        return {p["metadata"]["labels"]["phalanx.dev/role"]: p for p in _pods(cluster, ns, "scraped")}
+
+    cluster.wait_for("master and worker Pods", lambda: by_role().keys() == {"master", "worker"}, timeout=60)
+    pods = by_role()
+
+    def secrets(pod: dict[str, Any]) -> set[str]:
+        spec = pod["spec"]
+        found = {v["secret"]["secretName"] for v in spec.get("volumes") or [] if "secret" in v}
+        for c in spec["containers"]:
+            found |= {
+                e["valueFrom"]["secretKeyRef"]["name"]
+                for e in c.get("env") or []
+                if "secretKeyRef" in e.get("valueFrom", {})
+            }
+            found |= {e["secretRef"]["name"] for e in c.get("envFrom") or [] if "secretRef" in e}
+        return found
+
+    assert secrets(pods["worker"]) == {names.secret("scraped")}
+    assert secrets(pods["master"]) == {names.secret("scraped"), names.metrics_secret("scraped")}
+    token = cluster.get_json("secret", names.secret("scraped"), "-n", ns)
+    assert set(token["data"]) == {"token"}, "the Secret every worker mounts holds the job token only"
+    metrics = cluster.get_json("secret", names.metrics_secret("scraped"), "-n", ns)
+    assert set(metrics["data"]) == {"token"}
+    assert metrics["metadata"]["ownerReferences"][0]["kind"] == "ElasticJob"
+
+
+def test_a_foreign_secret_named_like_the_jobs_token_is_left_untouched(
+    cluster: Cluster, trust_ns: str
+) -> None:
+    """Someone created squat-token before the job squat: the operator neither adopts (its Pods would mount a
+    token someone else chose), overwrites nor deletes it; the job says why and starts no Pod."""
+    cp, ns = cluster.cp, trust_ns
+    cp.kubectl(
+        "create",
+        "secret",
+        "generic",
+        names.secret("squat"),
+        "-n",
+        ns,
+        "--from-literal=token=chosen-by-someone-else",
+    )
+    before = cluster.get_json("secret", names.secret("squat"), "-n", ns)
+    cp.kubectl("create", "-f", "-", input_text=json.dumps(_sim_job("squat", ns)))
+    created = cluster.wait_for(
+        "the job's ForeignObject condition",
+        lambda: (c := _condition(cluster, ns, "squat", "Created")) and c["reason"] == "ForeignObject" and c,
+        timeout=60,
+    )
+    assert created["status"] == "False"
+    assert f"Secret {ns}/squat-token already exists and is not this job's" in created["message"]
+    assert "Delete or rename it" in created["message"]
+    time.sleep(2)  # a few more passes of the operator
+    after = cluster.get_json("secret", names.secret("squat"), "-n", ns)
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], "overwritten"
+    assert after["data"] == before["data"]
+    assert "ownerReferences" not in after["metadata"], "adopted"
+    assert _pods(cluster, ns, "squat") == []
+    events = cluster.get_json("events", "-n", ns, "--field-selector", "involvedObject.name=squat")["items"]
+    assert "ForeignObject" in [e["reason"] for e in events]

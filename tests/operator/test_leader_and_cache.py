@@ -1,0 +1,79 @@
+"""The pure parts of leader election (what a candidate does with the Lease as read) and of the watch caches
+(which copy of an object wins). The I/O around them runs against the real control plane in
+tests/k8s/test_operator_ha.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from phalanx.operator.cache import WatchCache, newer
+from phalanx.operator.leader import LeaseTiming, Observation, decide
+
+TIMING = LeaseTiming(lease_s=8, renew_deadline_s=5, retry_s=1)
+
+
+def _lease(holder: str, renew: str = "t1", version: str = "10") -> dict[str, Any]:
+    return {"metadata": {"resourceVersion": version}, "spec": {"holderIdentity": holder, "renewTime": renew}}
+
+
+def test_no_lease_is_created_and_a_free_or_own_lease_is_taken() -> None:
+    assert decide(None, identity="a", last=None, now=0, timing=TIMING)[0] == "create"
+    assert decide(_lease(""), identity="a", last=None, now=0, timing=TIMING)[0] == "take"
+    assert decide(_lease("a"), identity="a", last=None, now=0, timing=TIMING)[0] == "take"
+
+
+def test_anothers_lease_is_taken_only_after_it_went_unrenewed_for_its_duration_on_our_clock() -> None:
+    what, seen = decide(_lease("b"), identity="a", last=None, now=100, timing=TIMING)
+    assert what == "wait"
+    assert seen == Observation(("b", "t1", "10"), 100)
+    # The same record 7.9 s later (by our clock, whatever the holder's says): still the holder's.
+    assert decide(_lease("b"), identity="a", last=seen, now=107.9, timing=TIMING) == ("wait", seen)
+    # A renewal resets the wait.
+    what, renewed = decide(_lease("b", "t2", "11"), identity="a", last=seen, now=107.9, timing=TIMING)
+    assert what == "wait"
+    assert renewed is not None
+    assert renewed.seen_at == 107.9
+    assert decide(_lease("b", "t2", "11"), identity="a", last=renewed, now=115.8, timing=TIMING)[0] == "wait"
+    assert decide(_lease("b", "t2", "11"), identity="a", last=renewed, now=115.9, timing=TIMING)[0] == "take"
+
+
+def test_the_holder_stops_acting_before_a_standby_may_take_over() -> None:
+    # The holder acts until renew_deadline_s after the start of its last successful renewal; a standby
+    # sees that renewal no earlier than its start and waits lease_s after seeing it.
+    assert TIMING.renew_deadline_s < TIMING.lease_s
+    with pytest.raises(ValueError, match="retry_s < renew_deadline_s < lease_s"):
+        LeaseTiming(lease_s=5, renew_deadline_s=5, retry_s=1)
+    # Killing the leader hands over within lease_s + retry_s (plus the new leader's start) < 15 s.
+    assert LeaseTiming().lease_s + LeaseTiming().retry_s < 15
+
+
+def test_resource_versions_order_the_copies() -> None:
+    assert newer("11", "10")
+    assert not newer("10", "10")  # the watch delivering what a write-through already stored
+    assert not newer("9", "10")
+    assert newer("x", "10")  # not an etcd revision: never stuck on the old copy
+
+
+def _pod(name: str, job: str, version: str, ns: str = "n") -> dict[str, Any]:
+    meta = {"name": name, "namespace": ns, "resourceVersion": version, "labels": {"phalanx.dev/job": job}}
+    return {"metadata": meta}
+
+
+def test_the_cache_indexes_by_job_and_ignores_older_copies() -> None:
+    cache = WatchCache(
+        kind="pods",
+        list_fn=lambda: None,
+        index=lambda m: (m["namespace"], m["labels"].get("phalanx.dev/job")),
+    )
+    cache.put(_pod("p0", "a", "5"))
+    cache.put(_pod("p1", "a", "6"))
+    cache.put(_pod("q0", "b", "7"))
+    assert sorted(p["metadata"]["name"] for p in cache.by_index(("n", "a"))) == ["p0", "p1"]
+    cache.put(_pod("p0", "a", "9"))  # written through from a create/patch answer
+    cache.put(_pod("p0", "a", "8"))  # a late watch event of an older version
+    assert cache.get("n", "p0")["metadata"]["resourceVersion"] == "9"
+    cache.remove("n", "p1")
+    assert [p["metadata"]["name"] for p in cache.by_index(("n", "a"))] == ["p0"]
+    assert cache.by_index(("n", "c")) == []
