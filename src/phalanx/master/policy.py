@@ -1,4 +1,4 @@
-"""Failure policy (DESIGN.md section 3): what the master does when a node reports failed workers.
+"""Failure policy: what the master does when a node reports failed workers.
 
 :func:`decide_failure` is a pure function of the job's situation, the report and ``now``; the job
 (:mod:`phalanx.master.job`) carries the decision out. In order of precedence:

@@ -1,5 +1,5 @@
-"""Probe rounds: the master's side of health probes (DESIGN.md section 3, "probe fails or node is a
-straggler -> evict and replace the node").
+"""Probe rounds: the master's side of health probes (a node that fails a probe, or is a straggler, is
+evicted and replaced).
 
 A probe round is started on demand (``POST /v1/probe``), right after a rendezvous round completes
 (``probes.on_round_complete``), every ``probes.interval_s``, or when the step-time check finds ranks whose
