@@ -318,7 +318,7 @@ class LocalCluster:
                 node=target if inj.kind != "kill-master" else "master",
                 rank=inj.rank if inj.kind in ("kill-worker", "hang-worker") else -1,
                 injected_at=self.elapsed(),
-                step_at_injection=self.max_step,
+                step_at_injection=_job_step(steps, fallback=self.max_step),
                 round_at_injection=int(self.job.get("round", 0) or 0),
             )
             if inj.kind == "kill-worker":
@@ -575,3 +575,9 @@ class LocalCluster:
         print(table(s), file=self.out, flush=True)
         if self.o.summary_json is not None:
             self.o.summary_json.write_text(json.dumps(s.to_json(), indent=2))
+
+
+def _job_step(steps: dict[tuple[str, int], tuple[int, int, int]], *, fallback: int) -> int:
+    """The step every live rank has completed (the slowest rank's), ``fallback`` before any rank stepped."""
+    stepped = [s for (s, _, _) in steps.values() if s >= 0]
+    return min(stepped) if stepped else fallback

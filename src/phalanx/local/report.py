@@ -15,6 +15,8 @@ class FailureRecord:
     rank: int
     injected_at: float
     step_at_injection: int = -1
+    """The step every live rank had completed when the fault hit (the slowest rank's): a synchronous job's
+    step is done when its last rank is, and ranks one step ahead hold work the job never completed."""
     detected_at: float | None = None
     recovered_at: float | None = None
     healed_at: float | None = None

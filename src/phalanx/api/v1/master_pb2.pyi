@@ -305,6 +305,8 @@ class RankProgress(_message.Message):
     STEP_UNIX_NS_FIELD_NUMBER: _builtins.int
     BEACON_AGE_S_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    ACTIVITY_FIELD_NUMBER: _builtins.int
+    INTERVALS_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     """Global rank in the node's current round."""
     local_rank: _builtins.int
@@ -317,6 +319,16 @@ class RankProgress(_message.Message):
     """Seconds since the last beacon update as the agent saw it (its own clock)."""
     pid: _builtins.int
     """OS process id of the worker."""
+    @_builtins.property
+    def activity(self) -> Global___RankActivity:
+        """Where the rank is in its training loop, from its interval recorder; unset without one."""
+
+    @_builtins.property
+    def intervals(self) -> _containers.RepeatedCompositeFieldContainer[Global___Interval]:
+        """Intervals the recorder closed (or opened) since the previous heartbeat, oldest first, cut to the
+        master's limit. The master keeps the last minutes of them per rank for `phalanx timeline`.
+        """
+
     def __init__(
         self,
         *,
@@ -326,14 +338,127 @@ class RankProgress(_message.Message):
         step_unix_ns: _builtins.int = ...,
         beacon_age_s: _builtins.float = ...,
         pid: _builtins.int = ...,
+        activity: Global___RankActivity | None = ...,
+        intervals: _abc.Iterable[Global___Interval] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["beacon_age_s", b"beacon_age_s", "local_rank", b"local_rank", "pid", b"pid", "rank", b"rank", "step", b"step", "step_unix_ns", b"step_unix_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "beacon_age_s", b"beacon_age_s", "intervals", b"intervals", "local_rank", b"local_rank", "pid", b"pid", "rank", b"rank", "step", b"step", "step_unix_ns", b"step_unix_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RankProgress: _TypeAlias = RankProgress  # noqa: Y015
+
+@_typing.final
+class Interval(_message.Message):
+    """One interval a training process recorded: a step, or one collective from its start to its end."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    START_UNIX_NS_FIELD_NUMBER: _builtins.int
+    END_UNIX_NS_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"step", or the collective's operation ("all_reduce", "all_gather", "broadcast", ...)."""
+    group: _builtins.str
+    """The process group the collective ran in, the same string on every member (e.g. "dp:0,2"); empty for
+    a step.
+    """
+    seq: _builtins.int
+    """The step number for a step; for a collective, its sequence number within its group (1-based)."""
+    start_unix_ns: _builtins.int
+    end_unix_ns: _builtins.int
+    """0 while the interval is still open."""
+    device: _builtins.bool
+    """Timed by CUDA events on the device (else by the host clock)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        group: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        start_unix_ns: _builtins.int = ...,
+        end_unix_ns: _builtins.int = ...,
+        device: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "end_unix_ns", b"end_unix_ns", "group", b"group", "name", b"name", "seq", b"seq", "start_unix_ns", b"start_unix_ns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Interval: _TypeAlias = Interval  # noqa: Y015
+
+@_typing.final
+class RankActivity(_message.Message):
+    """A rank's position as its interval recorder last saw it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnteredEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CURRENT_FIELD_NUMBER: _builtins.int
+    ENTERED_FIELD_NUMBER: _builtins.int
+    LAST_RECORD_UNIX_NS_FIELD_NUMBER: _builtins.int
+    DEVICE_PENDING_SINCE_UNIX_NS_FIELD_NUMBER: _builtins.int
+    STEP_TIME_S_FIELD_NUMBER: _builtins.int
+    COLLECTIVE_TIME_S_FIELD_NUMBER: _builtins.int
+    last_record_unix_ns: _builtins.int
+    """When the recorder last recorded anything (a step or a collective's start or end)."""
+    device_pending_since_unix_ns: _builtins.int
+    """The oldest device work recorded (a CUDA event) but not yet complete; 0 when none is pending."""
+    step_time_s: _builtins.float
+    """Median over recent steps: the step's duration, and the part of it spent inside collectives (seconds;
+    0 when unknown). Step minus collective time is the rank's own compute, which collectives do not
+    equalise across ranks the way they equalise step times.
+    """
+    collective_time_s: _builtins.float
+    @_builtins.property
+    def current(self) -> Global___Interval:
+        """The collective the rank is in now (entered, not yet complete); unset name when it is in none."""
+
+    @_builtins.property
+    def entered(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Per group, the sequence number of the newest collective the rank entered ("group" -> seq)."""
+
+    def __init__(
+        self,
+        *,
+        current: Global___Interval | None = ...,
+        entered: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        last_record_unix_ns: _builtins.int = ...,
+        device_pending_since_unix_ns: _builtins.int = ...,
+        step_time_s: _builtins.float = ...,
+        collective_time_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["current", b"current"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective_time_s", b"collective_time_s", "current", b"current", "device_pending_since_unix_ns", b"device_pending_since_unix_ns", "entered", b"entered", "last_record_unix_ns", b"last_record_unix_ns", "step_time_s", b"step_time_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankActivity: _TypeAlias = RankActivity  # noqa: Y015
 
 @_typing.final
 class Action(_message.Message):
@@ -768,6 +893,7 @@ class WorkerFailure(_message.Message):
     ERROR_UNIX_NS_FIELD_NUMBER: _builtins.int
     LOG_TAIL_FIELD_NUMBER: _builtins.int
     LAST_STEP_FIELD_NUMBER: _builtins.int
+    HANG_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     exit_code: _builtins.int
@@ -786,6 +912,10 @@ class WorkerFailure(_message.Message):
     def log_tail(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Last lines of the worker's output."""
 
+    @_builtins.property
+    def hang(self) -> Global___HangEvidence:
+        """For a hang: the agent's verdict and its evidence."""
+
     def __init__(
         self,
         *,
@@ -799,14 +929,51 @@ class WorkerFailure(_message.Message):
         error_unix_ns: _builtins.int = ...,
         log_tail: _abc.Iterable[_builtins.str] | None = ...,
         last_step: _builtins.int = ...,
+        hang: Global___HangEvidence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hang", b"hang"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "error_traceback", b"error_traceback", "error_unix_ns", b"error_unix_ns", "exit_code", b"exit_code", "failure_class", b"failure_class", "last_step", b"last_step", "local_rank", b"local_rank", "log_tail", b"log_tail", "observed_unix_ns", b"observed_unix_ns", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "error_traceback", b"error_traceback", "error_unix_ns", b"error_unix_ns", "exit_code", b"exit_code", "failure_class", b"failure_class", "hang", b"hang", "last_step", b"last_step", "local_rank", b"local_rank", "log_tail", b"log_tail", "observed_unix_ns", b"observed_unix_ns", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerFailure: _TypeAlias = WorkerFailure  # noqa: Y015
+
+@_typing.final
+class HangEvidence(_message.Message):
+    """Why the agent called a rank hung."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIDE_FIELD_NUMBER: _builtins.int
+    AGE_S_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    ACTIVITY_FIELD_NUMBER: _builtins.int
+    side: _builtins.str
+    """"device": work recorded on the GPU did not complete (a kernel or a collective is stuck);
+    "host": the process recorded nothing new (a Python, data-loader or host-side stall);
+    "beacon": no recorder, the step beacon alone went stale.
+    """
+    age_s: _builtins.float
+    """How long the rank had shown no progress, and the adaptive timeout that was exceeded."""
+    timeout_s: _builtins.float
+    @_builtins.property
+    def activity(self) -> Global___RankActivity: ...
+    def __init__(
+        self,
+        *,
+        side: _builtins.str = ...,
+        age_s: _builtins.float = ...,
+        timeout_s: _builtins.float = ...,
+        activity: Global___RankActivity | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "age_s", b"age_s", "side", b"side", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HangEvidence: _TypeAlias = HangEvidence  # noqa: Y015
 
 @_typing.final
 class ReportFailureRequest(_message.Message):
