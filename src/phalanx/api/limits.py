@@ -17,3 +17,7 @@ MAX_TAIL_LINES = 50
 """Lines of a failure's log tail the master keeps (the last ones)."""
 MAX_STACKS_CHARS = 1 << 20
 """The stack dumps of all ranks of one ReportStacks request together; the master refuses more."""
+MAX_INTERVALS_PER_BEAT = 256
+"""Intervals one rank's progress may carry in one heartbeat; the agent sends the newest, the master cuts."""
+MAX_NAME_CHARS = 64
+"""An interval's name and group; the master cuts longer ones."""
