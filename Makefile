@@ -50,7 +50,7 @@ test: setup lint
 			&& scripts/coredns-binary >/dev/null; \
 	else echo "WARNING: Go not found; the Kubernetes, Helm, Prometheus and S3 tests will be skipped (a failure under CI=true)"; fi
 	@$(BIN)/python -m compileall -q src  # this checkout's own modules, for the same reason as in setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all

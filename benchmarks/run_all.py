@@ -24,6 +24,7 @@ BENCHMARKS = {
     "probes": ["--runs", "5"],
     "shard_loss": ["--runs", "3"],
     "host_failover": ["--runs", "5"],
+    "stragglers": ["--runs", "3"],
 }
 
 

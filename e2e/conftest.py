@@ -191,6 +191,9 @@ def phalanx(target: Target) -> Iterator[Target]:
         # One replica: the node-loss scenario spares the operator's node (tests/k8s/test_operator_ha.py runs
         # two replicas and kills the leader).
         "--set", "operator.replicas=1",
+        # Every scenario runs over TLS: the operator issues each master a certificate for its Service name,
+        # which the agents verify through cluster DNS (the process kubelet's rewritten addresses cannot).
+        "--set", "operator.masterTLS.enabled=true",
         *(arg for value in target.chart_values for arg in ("--set", value)),
     )  # fmt: skip
     try:

@@ -141,6 +141,16 @@ def test_the_example_trains_to_success(phalanx: Target, ns: str) -> None:
     reasons = _events(phalanx, ns)
     assert {"Created", "MasterCreated", "WorkerCreated", "Succeeded"} <= reasons, reasons
     assert "Restarting" not in reasons, "a job that succeeds never passes through Restarting"
+    # It ran over TLS (the chart's operator.masterTLS, on for every scenario here): the master served only
+    # its issued certificate, and the agents and flash-checkpoint hosts reached it through the CA alone.
+    pods = phalanx.kube.get("pods", "-n", ns)["items"]
+    (master,) = [p for p in pods if p["metadata"]["labels"].get("phalanx.dev/role") == "master"]
+    assert "--tls-cert-file" in master["spec"]["containers"][0]["command"]
+    for worker in (p for p in pods if p["metadata"]["labels"].get("phalanx.dev/role") == "worker"):
+        env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
+        assert env["PHALANX_TLS_CA_FILE"].endswith("/ca.crt")
+        (volume,) = [v for v in worker["spec"]["volumes"] if v["name"] == "phalanx-tls"]
+        assert [i["key"] for i in volume["secret"]["items"]] == ["ca.crt"], "a worker never holds the key"
 
 
 def test_a_worker_killed_in_its_container_resumes_from_memory_with_no_step_lost(

@@ -5,7 +5,8 @@ from __future__ import annotations
 from phalanx.api.settings import HangSettings
 from phalanx.diagnostics.hang import RankHistory, p99, timeout_for, verdict
 
-S = HangSettings(floor_s=5.0, factor=10.0, startup_s=30.0)
+S = HangSettings(floor_s=2.0, idle_floor_s=5.0, factor=10.0, startup_s=30.0)
+"""A beacon alone cannot tell where the rank is: it is judged by the idle floor (5 s), never the floor."""
 
 
 def test_no_step_within_startup_is_a_hang() -> None:
@@ -21,7 +22,8 @@ def test_stale_beacon_past_floor_with_fast_steps() -> None:
     for i in range(20):
         h.observe(step=i, now=1.0 + 0.1 * i)  # 100 ms steps: the floor dominates
     last = 1.0 + 0.1 * 19
-    assert timeout_for(h, S) == 5.0
+    assert timeout_for(h, S, waiting=False) == 5.0
+    assert timeout_for(h, S) == 2.0  # a rank waiting in a recorded collective
     assert not verdict(h, S, now=last + 4.9).hung
     v = verdict(h, S, now=last + 5.1)
     assert v.hung
@@ -32,7 +34,7 @@ def test_slow_steps_raise_the_timeout() -> None:
     h = RankHistory(started_at=0.0)
     for i in range(10):
         h.observe(step=i, now=2.0 * i)  # 2 s steps: 10 x p99 = 20 s
-    assert timeout_for(h, S) == 20.0
+    assert timeout_for(h, S) == timeout_for(h, S, waiting=False) == 20.0
     assert not verdict(h, S, now=18.0 + 19.0).hung
     assert verdict(h, S, now=18.0 + 21.0).hung
 

@@ -15,6 +15,14 @@ import phalanx
 from phalanx.api import round as round_file
 
 
+def spin(cpu_s: float) -> None:
+    """Busy-waits until this thread has used ``cpu_s`` of CPU time: the wall time it takes grows as the CPU
+    the process may use shrinks."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
@@ -32,6 +40,12 @@ def main() -> None:
     p.add_argument("--regroup", action="store_true", help="announce in-process regroup capability")
     p.add_argument("--slow-node", default="", help="this node's ranks take --slow-factor times longer a step")
     p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument(
+        "--spin",
+        action="store_true",
+        help="each step burns --step-time seconds of CPU time instead of sleeping, so a node whose CPU is "
+        "capped (the slow-cpu fault) steps slower, as a compute-bound trainer would",
+    )
     p.add_argument(
         "--finish-when-joined",
         action="store_true",
@@ -63,7 +77,10 @@ def main() -> None:
                 ErrorHandler().record_exception(error)  # what @record does, before a slow teardown
                 time.sleep(args.slow_exit_s)
             raise error
-        time.sleep(step_time)
+        if args.spin:
+            spin(step_time)
+        else:
+            time.sleep(step_time)
         info = round_file.read(Path(os.environ["PHALANX_ROUND_FILE"]))
         if info is not None:
             rank, world = info.rank(int(os.environ["LOCAL_RANK"])), info.world_size

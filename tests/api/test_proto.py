@@ -35,7 +35,14 @@ def populate(message: Message, depth: int = 0) -> Message:
     """Sets every field of `message` (recursing into messages) to a non-default value."""
     for field in message.DESCRIPTOR.fields:
         repeated = field.is_repeated
-        if field.type == FD.TYPE_MESSAGE:
+        entry = field.message_type if field.type == FD.TYPE_MESSAGE else None
+        if entry is not None and entry.GetOptions().map_entry:  # a map: two entries
+            key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
+            for i in range(2):
+                k = _value(key, depth)
+                k = f"{k}{i}" if isinstance(k, str) else k - i
+                getattr(message, field.name)[k] = _value(value, depth + i)
+        elif field.type == FD.TYPE_MESSAGE:
             if repeated:
                 for _ in range(2):
                     populate(getattr(message, field.name).add(), depth + 1)

@@ -430,3 +430,38 @@ def test_a_foreign_claim_file_is_read_safely(tmp_path: Path) -> None:
     assert storage.read_claim(store) == ""
     (tmp_path / storage.CLAIM).write_text(json.dumps({"job": "a"}))
     assert storage.read_claim(store) == "a"
+
+
+def race_for_the_claim(store: storage.Storage, contenders: int = 8) -> None:
+    """``contenders`` jobs claim one unclaimed root at the same moment: exactly one gets it, and every other
+    is refused at once, with a message naming the winner (not at a later persist, its files mixed in)."""
+    import threading
+
+    start = threading.Barrier(contenders)
+    outcome: dict[str, str] = {}
+
+    def contend(job: str) -> None:
+        start.wait()
+        try:
+            storage.claim(store, job=job)
+            outcome[job] = "claimed"
+        except storage.ForeignStorageError as exc:
+            outcome[job] = str(exc)
+
+    threads = [threading.Thread(target=contend, args=(f"job-{i}",)) for i in range(contenders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    winners = [job for job, what in outcome.items() if what == "claimed"]
+    assert len(outcome) == contenders
+    assert len(winners) == 1, outcome
+    assert storage.read_claim(store) == winners[0]
+    for job, what in outcome.items():
+        if job != winners[0]:
+            assert repr(winners[0]) in what, what
+
+
+def test_of_jobs_claiming_one_directory_at_once_exactly_one_gets_it(tmp_path: Path) -> None:
+    for attempt in range(5):
+        race_for_the_claim(storage.open_storage(str(tmp_path / f"root-{attempt}")))

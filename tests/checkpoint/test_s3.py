@@ -156,3 +156,10 @@ def test_a_bucket_that_does_not_exist_is_a_clear_error_and_the_memory_snapshot_s
     fresh = Checkpointer(storage="s3://no-such-bucket/x", shm_dir=str(tmp_path))
     with pytest.raises(CheckpointError, match="cannot list the checkpoints on s3://no-such-bucket/x"):
         fresh.load()
+
+
+def test_of_jobs_claiming_one_bucket_prefix_at_once_exactly_one_gets_it(bucket: str) -> None:
+    from tests.checkpoint.test_local_trust import race_for_the_claim
+
+    for attempt in range(3):
+        race_for_the_claim(storage.open_storage(f"s3://{bucket}/race-{attempt}"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,17 @@ def _missing(reason: str) -> None:
     pytest.skip(message)
 
 
+def _wait_established(cp: ControlPlane, crd: str, *, timeout_s: float = 90.0) -> None:
+    """Polls the CRD's Established condition. ``kubectl wait`` gives up at once on a CRD whose status has no
+    conditions yet, which a loaded API server takes a moment to write."""
+    query = '{.status.conditions[?(@.type=="Established")].status}'
+    deadline = time.monotonic() + timeout_s
+    while cp.kubectl("get", f"crd/{crd}", "-o", f"jsonpath={query}", check=False).strip() != "True":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the CRD {crd} was not Established within {timeout_s:g}s")
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="session")
 def control_plane() -> Iterator[ControlPlane]:
     bin_dir = find_binaries()
@@ -42,7 +54,7 @@ def control_plane() -> Iterator[ControlPlane]:
     try:
         cp.start()
         cp.kubectl("apply", "--server-side", "-f", str(CRD))
-        cp.kubectl("wait", "--for=condition=Established", "crd/elasticjobs.phalanx.dev", "--timeout=30s")
+        _wait_established(cp, "elasticjobs.phalanx.dev")
         yield cp
     finally:
         cp.stop()

@@ -145,7 +145,7 @@ def test_valid_job_gets_defaults_and_immutable_fields(control_plane: ControlPlan
         assert spec["restart"]["maxEvictions"] == 3
         assert spec["healthChecks"] == {
             "enabled": False, "probes": ["matmul", "allgather"], "interval": "0s", "timeout": "2m",
-            "confirmRounds": 2,
+            "confirmRounds": 2, "evictSlowNodes": False,
         }  # fmt: skip
         assert spec["gangScheduling"] == {"enabled": False}
         changed = copy.deepcopy(got)

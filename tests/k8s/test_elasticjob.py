@@ -91,6 +91,17 @@ def _get(url: str, token: str) -> int:
 def test_example_runs_to_success(cluster: Cluster) -> None:
     ns = "example"
     _apply_example(cluster, ns, steps=40, step_s=0.1)
+    # Beside it, a job another controller manages (spec.managedBy, as MultiKueue sets it): left alone.
+    container = {"name": "t", "image": "x", "command": ["python", "t.py"]}
+    foreign = {
+        "apiVersion": "phalanx.dev/v1alpha1", "kind": "ElasticJob",
+        "metadata": {"name": "foreign", "namespace": ns},
+        "spec": {
+            "managedBy": "kueue.x-k8s.io/multikueue", "nodes": {"min": 1, "max": 1},
+            "template": {"spec": {"containers": [container]}},
+        },
+    }  # fmt: skip
+    cluster.cp.kubectl("create", "-f", "-", input_text=json.dumps(foreign))
     cluster.wait_for("job Running", lambda: _phase(cluster, ns) in ("Running", "Succeeded"), timeout=90)
     # One Prometheus credential for every job: the operator's metrics token opens the master's /metrics
     # and nothing else.
@@ -107,7 +118,7 @@ def test_example_runs_to_success(cluster: Cluster) -> None:
     assert conditions["Succeeded"]["status"] == "True"
     assert conditions["Created"]["status"] == "True"
     assert all(c["observedGeneration"] == job["metadata"]["generation"] for c in status["conditions"])
-    table = cluster.cp.kubectl("get", "ej", "-n", ns)
+    table = cluster.cp.kubectl("get", "ej", "tiny", "-n", ns)
     header, row = table.splitlines()[:2]
     assert header.split() == ["NAME", "PHASE", "NODES", "WORLD", "STEP", "AGE"]
     assert row.split()[:2] == ["tiny", "Succeeded"]
@@ -133,6 +144,19 @@ def test_example_runs_to_success(cluster: Cluster) -> None:
     assert re.search(r'^phalanx_operator_reconcile_passes_total\{result="ok"\} [1-9]', metrics, re.M), metrics
     assert re.search(r'^phalanx_operator_actions_total\{action="Create"\} [1-9]', metrics, re.M), metrics
     assert re.search(r'^phalanx_operator_jobs\{phase="Succeeded"\} [1-9]', metrics, re.M), metrics
+
+    # Many passes later, the other controller's job has no status and not one object from this operator,
+    # and its controller cannot be changed.
+    assert not _job(cluster, ns, "foreign").get("status")
+    made = cluster.cp.kubectl(
+        "get", "pods,secrets,services,configmaps", "-n", ns, "-l", "phalanx.dev/job=foreign", "-o", "name"
+    )  # fmt: skip
+    assert not made.strip(), made
+    out = cluster.cp.kubectl(
+        "patch", "ej", "foreign", "-n", ns, "--type=merge",
+        "-p", '{"spec": {"managedBy": "phalanx.dev/operator"}}', check=False,
+    )  # fmt: skip
+    assert "managedBy cannot be changed" in out, out
 
     # Everything the operator made is owned by the job: deleting it garbage-collects the lot.
     cluster.cp.kubectl("delete", "ej", "tiny", "-n", ns, "--wait=false")

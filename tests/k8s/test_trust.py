@@ -153,6 +153,53 @@ REFUSED = [
         "spec.template.spec.volumes creds: one of them mounts a ConfigMap, Secret or PersistentVolumeClaim "
         "you may not read",
     ),
+    (
+        "unreadable-secret-env-from",
+        {"container": {"envFrom": [{"secretRef": {"name": "db"}}]}},
+        "env/envFrom of container trainer names a Secret or ConfigMap you may not read",
+    ),
+    (
+        "unreadable-configmap-env",
+        {
+            "container": {
+                "env": [{"name": "K", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "k"}}}]
+            }
+        },
+        "env/envFrom of container trainer names a Secret or ConfigMap you may not read",
+    ),
+    (
+        "unreadable-projected-secret",
+        {
+            "volumes": [
+                {
+                    "name": "bundle",
+                    "projected": {"sources": [{"downwardAPI": {"items": []}}, {"secret": {"name": "db"}}]},
+                }
+            ]
+        },
+        "spec.template.spec.volumes bundle: one of them mounts a ConfigMap, Secret or PersistentVolumeClaim "
+        "you may not read",
+    ),
+    (
+        "ephemeral-claim",  # alice may not create PersistentVolumeClaims, which an ephemeral volume does
+        {
+            "volumes": [
+                {
+                    "name": "scratch",
+                    "ephemeral": {
+                        "volumeClaimTemplate": {
+                            "spec": {
+                                "accessModes": ["ReadWriteOnce"],
+                                "resources": {"requests": {"storage": "1Gi"}},
+                            }
+                        }
+                    },
+                }
+            ]
+        },
+        "spec.template.spec.volumes scratch: one of them mounts a ConfigMap, Secret or PersistentVolumeClaim "
+        "you may not read",
+    ),
 ]
 
 
@@ -186,6 +233,17 @@ def test_what_the_author_may_use_or_could_create_is_admitted(
     assert "created" in _create(cp, plain, user=AUTHOR)
     readable = _job("readable", authors, volumes=[{"name": "creds", "secret": {"secretName": "readable"}}])
     assert "created" in _create(cp, readable, user=AUTHOR), "a Secret alice may read herself"
+    projected = _job(
+        "projected", authors,
+        volumes=[{"name": "bundle", "projected": {"sources": [
+            {"secret": {"name": "readable"}},
+            {"downwardAPI": {"items": [{"path": "n", "fieldRef": {"fieldPath": "metadata.name"}}]}},
+        ]}}],
+        container={"envFrom": [{"secretRef": {"name": "readable"}}]},
+    )  # fmt: skip
+    assert "created" in _create(cp, projected, user=AUTHOR), (
+        "a projected and an envFrom Secret alice may read"
+    )
     # bob may create Pods here: he could create a privileged, hostPath or other-account Pod himself.
     mighty = _job(
         "mighty", authors, serviceAccountName="ci-deployer", hostNetwork=True,

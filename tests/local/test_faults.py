@@ -114,6 +114,7 @@ def test_hung_worker_is_detected_and_recovered(tmp_path: Path) -> None:
         "--nproc-per-node",
         "2",
         "--agent-arg=--hang-floor=2s",
+        "--agent-arg=--hang-idle-floor=2s",  # the torch-free workload has no recorder: its beacon decides
         "--inject",
         "hang-worker@step=8,node=0,rank=1",
         workload=["--steps", "50", "--step-time", "0.1"],

@@ -1,7 +1,8 @@
 """A node that still works, only slower, is found by the master's health probes and replaced, MegaScale's
 order, with the fault made for real: a node whose network the kernel limits (a token bucket on its port of
 a private switch, phalanx.local.fabric) and a node whose CPU time a cgroup caps (phalanx.local.cpulimit).
-The job is examples/ddp_mlp.py: gloo all-reduces over that network, a checkpoint every step."""
+The job is examples/ddp_mlp.py: gloo all-reduces over that network, a checkpoint every step. Without probes,
+the master's step-time checks alone find and (with evict_slow_nodes) evict a node whose CPU is capped."""
 
 from __future__ import annotations
 
@@ -100,3 +101,45 @@ def test_a_node_with_a_capped_cpu_is_found_by_the_matmul_probe_and_replaced(
     assert not list(Path("/sys/fs/cgroup").glob(f"*/phalanx-{s['job_id']}-*")), "a cgroup was left behind"
     slots = shm.private_dir(Path("/dev/shm"))  # the user's directory of checkpoint slots
     assert not list(slots.glob(f"phx-{s['job_id']}.*")), "checkpoint segments were left behind"
+
+
+WORKLOAD = Path(__file__).resolve().parents[1] / "agent" / "workload.py"
+
+
+def test_a_node_with_a_capped_cpu_is_evicted_from_step_times_alone_without_probes(
+    tmp_path: Path, cgroups: None
+) -> None:
+    """No probe runs: the master scores the nodes from their step reports, confirms node-1 slow over three
+    checks and, with evict_slow_nodes, evicts it. The workload spins for its step time (each rank steps on
+    its own, no collective), so the capped CPU is what slows node-1."""
+    summary = tmp_path / "summary.json"
+    proc = phalanx_local(
+        [
+            "--nodes", "2:3", "--initial", "2", "--nproc-per-node", "1", "--agent-arg=--no-warm-spares",
+            "--workdir", str(tmp_path / "wd"), "--summary-json", str(summary),
+            "--master-arg=--heartbeat-interval-s=0.5",
+            "--master-arg=--probes-stragglers-step-check-interval-s=0.5",
+            "--master-arg=--probes-stragglers-step-window=8",
+            "--master-arg=--probes-stragglers-step-min-samples=4",
+            "--master-arg=--probes-stragglers-evict-slow-nodes=true",
+            "--inject", "slow-cpu@step=1,node=1,cpu=100m",
+            "--", str(WORKLOAD), "--dir", str(tmp_path / "w"), "--steps", "250", "--step-time", "0.03",
+            "--spin",
+        ],
+        cwd=tmp_path,
+        timeout=100,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    s = json.loads(summary.read_text())
+    assert s["exit"] == "succeeded", out
+    assert "probe_started" not in out, "probes are off: the step times alone must do it"
+    assert re.search(r"event straggler\s+node-1\s+step times: node-1's median step interval", out), out
+    [eviction] = s["evictions"]
+    assert eviction["node_id"] == "node-1"
+    assert eviction["kind"] == "straggler"
+    assert "the other nodes' median" in eviction["reason"]
+    assert eviction["replacement"] == "node-2"
+    [fault] = s["failures"]
+    assert fault["recovered_at"] is not None, out
+    assert s["steps_completed"] == 250

@@ -143,6 +143,11 @@ def message(desc: Descriptor, known: list[tuple[str, str]], depth: int = 0) -> s
     names = [f.name for f in desc.fields]
 
     def field_strategy(field: FieldDescriptor, is_wild: bool) -> st.SearchStrategy[Any]:
+        entry = field.message_type if field.type == FieldDescriptor.TYPE_MESSAGE else None
+        if entry is not None and entry.GetOptions().map_entry:
+            key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
+            pick = wild if is_wild else tame
+            return st.dictionaries(pick(key), pick(value), max_size=3)
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             one = message(field.message_type, known, depth + 1)
         else:

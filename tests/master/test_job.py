@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.job import Job
 
@@ -561,3 +563,31 @@ def test_held_heartbeat_answer_carries_new_actions_and_refreshes_liveness() -> N
     answer = sim.job.heartbeat_answer(req, now=sim.now)
     assert kinds(list(answer.actions)) == ["REJOIN"]
     assert sim.job.nodes["a"].last_seen == sim.now
+
+
+def test_registrations_beyond_the_cap_are_refused_and_silent_nodes_do_not_accumulate() -> None:
+    """Anyone with the job token can call RegisterNode: a script registering node after node must neither grow
+    the master without bound nor push out the job's own nodes."""
+    from phalanx.master.errors import RequestError
+    from phalanx.master.membership import KEPT_LOST_RECORDS, registration_cap
+
+    sim = Sim(restart={"max_evictions": 1000}, **TWO)
+    cap = registration_cap(2)
+    for i in range(cap):
+        sim.register(f"n{i}")
+    with pytest.raises(RequestError, match=rf"the most it accepts \({cap}") as refused:
+        sim.register("one-too-many")
+    assert refused.value.code == "failed_precondition"
+    sim.register("n0", inc="n0-i2")  # a known node's new incarnation is no new record: accepted
+    # Every node goes silent and is lost; registrations go on, and the lost records stay bounded.
+    t = sim.now
+    for wave in range(KEPT_LOST_RECORDS // cap + 2):  # more lost nodes than are kept
+        t += 10.0
+        sim.at(t)
+        assert not sim.job.finished
+        for i in range(cap):
+            sim.now = t
+            sim.register(f"w{wave}-{i}")
+    lost = [n for n in sim.job.nodes.values() if n.status == "lost"]
+    assert len(lost) == KEPT_LOST_RECORDS
+    assert len(sim.job.nodes) <= KEPT_LOST_RECORDS + cap + len(sim.job.members)

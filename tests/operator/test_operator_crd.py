@@ -97,6 +97,7 @@ def test_health_checks_defaults_are_consistent_with_settings() -> None:
         "interval": format_duration(probes.interval_s),
         "timeout": format_duration(probes.timeout_s),
         "confirmRounds": probes.stragglers.confirm_rounds,
+        "evictSlowNodes": probes.stragglers.evict_slow_nodes,
     }
     assert health["properties"]["probes"]["items"]["enum"] == list(s.PROBE_KINDS)
 

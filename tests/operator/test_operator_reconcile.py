@@ -1009,3 +1009,11 @@ def test_the_status_names_the_worker_pods_for_the_scale_subresource() -> None:
     c = started()
     assert c.job["status"]["selector"] == "phalanx.dev/job=j,phalanx.dev/role=worker"
     assert c.job["status"]["nodes"] == 2
+
+
+def test_a_job_another_controller_manages_is_left_alone() -> None:
+    from phalanx.operator.reconcile import managed_here
+
+    assert managed_here(job_obj())
+    assert managed_here(job_obj(managedBy="phalanx.dev/operator"))
+    assert not managed_here(job_obj(managedBy="kueue.x-k8s.io/multikueue"))

@@ -56,6 +56,11 @@ def test_confirm_rounds_reach_the_straggler_settings() -> None:
     assert parse_spec(spec()).probes.stragglers.confirm_rounds == 2
 
 
+def test_the_slow_node_policy_reaches_the_straggler_settings() -> None:
+    assert parse_spec(spec(healthChecks={"evictSlowNodes": True})).probes.stragglers.evict_slow_nodes
+    assert not parse_spec(spec()).probes.stragglers.evict_slow_nodes
+
+
 def test_enabled_alone_keeps_every_other_default() -> None:
     probes = parse_spec(spec(healthChecks={"enabled": True})).probes
     assert probes == ProbeSettings(enabled=True, on_round_complete=True)
@@ -72,6 +77,7 @@ def test_enabled_alone_keeps_every_other_default() -> None:
         ({"interval": "often"}, r"spec\.healthChecks\.interval: expected a duration such as 500ms"),
         ({"confirmRounds": 0}, r"spec\.healthChecks\.confirmRounds: must be greater than 0"),
         ({"confirmRounds": "2"}, r"spec\.healthChecks\.confirmRounds: expected a whole number, got '2'"),
+        ({"evictSlowNodes": "yes"}, r"spec\.healthChecks\.evictSlowNodes: expected true or false, got 'yes'"),
     ],
 )
 def test_invalid_health_checks_name_the_spec_field(health: dict[str, Any], message: str) -> None:

@@ -10,7 +10,7 @@ import selectors
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -22,10 +22,10 @@ TOKEN = "dash-test-token-0123"
 
 
 @contextlib.contextmanager
-def running_master(tmp: Path, *, job_id: str) -> Iterator[tuple[str, str]]:
-    """A ``phalanx master`` for one job of one node, accepting :data:`TOKEN`; yields its (gRPC, HTTP)
-    addresses and stops it afterwards."""
-    proc, grpc_addr, http_addr = start_master(tmp, job_id=job_id)
+def running_master(tmp: Path, *, job_id: str, args: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
+    """A ``phalanx master`` for one job of one node (unless ``args`` say otherwise), accepting :data:`TOKEN`;
+    yields its (gRPC, HTTP) addresses and stops it afterwards."""
+    proc, grpc_addr, http_addr = start_master(tmp, job_id=job_id, args=args)
     try:
         yield grpc_addr, http_addr
     finally:
@@ -54,6 +54,42 @@ def node_reports(grpc_addr: str, *, job_id: str, step: int = -1) -> None:
         stub.Heartbeat(request, metadata=AUTH, timeout=10)
 
 
+def nodes_step(grpc_addr: str, *, job_id: str, step_s: Mapping[str, float], beats: int = 8) -> None:
+    """The nodes of ``step_s`` register, form a rendezvous round, and report ``beats`` heartbeats each, their
+    one rank stepping every ``step_s[node]`` seconds (times as reported, so the beats need not be spaced):
+    the master's step-time check then scores them (per-node step times and straggler scores)."""
+    with grpc.insecure_channel(grpc_addr) as channel:
+        stub = pb_grpc.MasterStub(channel)
+        for i, node in enumerate(step_s):
+            stub.RegisterNode(
+                pb.RegisterNodeRequest(
+                    job_id=job_id, node_id=node, incarnation="i0", host="127.0.0.1", nproc_per_node=1
+                ),
+                metadata=AUTH,
+                timeout=10,
+            )
+            join = pb.JoinRendezvousRequest(
+                node_id=node, incarnation="i0", nproc_per_node=1, store_host="127.0.0.1", store_port=29500 + i
+            )
+            round_ = stub.JoinRendezvous(join, metadata=AUTH, timeout=10).round
+        for node in step_s:
+            got = pb.GetRendezvousRequest(node_id=node, incarnation="i0", round=round_, wait_s=5)
+            answer = stub.GetRendezvous(got, metadata=AUTH, timeout=10)
+            assert answer.status == pb.RENDEZVOUS_STATUS_COMPLETE, answer
+        start = time.time()
+        for beat in range(1, beats + 1):
+            for node, every in step_s.items():
+                rank = pb.RankProgress(
+                    rank=list(step_s).index(node),
+                    step=beat * 10,
+                    step_unix_ns=int((start + beat * 10 * every) * 1e9),
+                )
+                request = pb.HeartbeatRequest(
+                    node_id=node, incarnation="i0", state=pb.NODE_STATE_RUNNING, round=round_, ranks=[rank]
+                )
+                stub.Heartbeat(request, metadata=AUTH, timeout=10)
+
+
 def persist_fails(grpc_addr: str, *, step: int) -> None:
     """Node ``n0`` (registered by :func:`node_reports`) reports that persisting ``step`` failed."""
     with grpc.insecure_channel(grpc_addr) as channel:
@@ -64,12 +100,14 @@ def persist_fails(grpc_addr: str, *, step: int) -> None:
         pb_grpc.MasterStub(channel).ReportCheckpoint(request, metadata=AUTH, timeout=10)
 
 
-def start_master(tmp: Path, *, job_id: str) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_master(
+    tmp: Path, *, job_id: str, args: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], str, str]:
     token_file = tmp / "token"
     token_file.write_text(TOKEN + "\n")
     phalanx = Path(sys.executable).parent / "phalanx"
     cmd = [str(phalanx), "master", "--job-id", job_id, "--nodes", "1:1", "--port", "0"]
-    cmd += ["--http-port", "0", "--token-file", str(token_file), "--state", str(tmp / "state.json")]
+    cmd += ["--http-port", "0", "--token-file", str(token_file), "--state", str(tmp / "state.json"), *args]
     with (tmp / "master.stderr").open("wb") as stderr:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr)
     assert proc.stdout is not None

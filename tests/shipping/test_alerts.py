@@ -27,7 +27,7 @@ import yaml
 from tests.gotools import go_built
 from tests.shipping.grafana import DASHBOARDS, exprs, load
 from tests.shipping.promql import metric_names
-from tests.shipping.realmaster import TOKEN, node_reports, persist_fails, running_master
+from tests.shipping.realmaster import TOKEN, node_reports, nodes_step, persist_fails, running_master
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "charts" / "phalanx" / "alerts" / "phalanx.rules.yaml"
@@ -353,3 +353,65 @@ def test_a_real_prometheus_scrapes_the_master_evaluates_the_rules_and_answers_th
                 if metric_names(expr) <= with_samples and not result:
                     empty.append(f"{path.name}: {query}")
         assert not empty, "dashboard queries with no data on a live master:\n" + "\n".join(empty)
+
+
+@pytest.mark.timeout(120)
+def test_a_real_prometheus_shows_the_step_times_and_straggler_scores_of_each_node(
+    prometheus: tuple[Path, str], tmp_path: Path
+) -> None:
+    """Two nodes report steps to a real master, one three times slower: the dashboards' per-node step-time
+    and straggler-score queries answer with both nodes, and the slow node's relative score stands out."""
+    config, url = prometheus
+    args = ["--nodes", "2:2", "--probes-stragglers-step-check-interval-s=0.5", "--heartbeat-timeout-s=300"]
+    with running_master(tmp_path, job_id="gpt", args=args) as (grpc_addr, http_addr):
+        nodes_step(grpc_addr, job_id="gpt", step_s={"n0": 0.1, "n1": 0.3})
+        token = tmp_path / "metrics-token"
+        token.write_text(TOKEN)
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "scrape_configs": [
+                        {
+                            "job_name": "gpt",
+                            "authorization": {"type": "Bearer", "credentials_file": str(token)},
+                            "static_configs": [{"targets": [http_addr], "labels": {"namespace": "ml"}}],
+                        }
+                    ],
+                }
+            )
+        )
+        assert httpx.post(f"{url}/-/reload", timeout=10).status_code == 200
+        relative = _until(
+            "the slow node's relative score",
+            lambda: _api(
+                url, "query", query='phalanx_node_straggler_score{job="gpt", kind="relative"} > 1.5'
+            )["result"],
+            timeout=30,
+        )
+        assert [r["metric"]["node"] for r in relative] == ["n1"]
+        assert float(relative[0]["value"][1]) == pytest.approx(3.0, rel=0.05)
+        nodes = httpx.get(
+            f"http://{http_addr}/v1/nodes", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+        ).json()["nodes"]
+        straggler = {n["node_id"]: n["straggler"] for n in nodes}
+        assert straggler["n1"]["verdict"] in ("suspect", "slow"), straggler
+        assert straggler["n1"]["relative"] == pytest.approx(3.0, rel=0.05)
+        assert straggler["n0"]["verdict"] == "ok", straggler
+        per_node = {
+            "phalanx_node_step_time_seconds": {("n0",), ("n1",)},
+            "phalanx_node_straggler_score": {
+                (n, k) for n in ("n0", "n1") for k in ("relative", "individual")
+            },
+        }
+        for path in DASHBOARDS:
+            for expr in exprs(load(path)):
+                names = metric_names(expr) & set(per_node)
+                if not names or "$" not in expr:
+                    continue
+                query = expr.replace("$namespace", "ml").replace("$job", "gpt")
+                result = _api(url, "query", query=query)["result"]
+                [name] = names
+                labels = ("node",) if name == "phalanx_node_step_time_seconds" else ("node", "kind")
+                shown = {tuple(r["metric"][k] for k in labels) for r in result}
+                assert shown == per_node[name], f"{path.name}: {query} -> {result}"

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import names
+from phalanx.operator import names, tls
 from phalanx.operator.builders import master_service
 from phalanx.operator.leader import ENVIRONMENT as LEADER_ELECTION_ENV
 from tests.gotools import go_built
@@ -368,3 +368,31 @@ def test_leader_election_role_is_namespaced_and_leases_only(helm: Helm) -> None:
     account = _one(objs, "ServiceAccount")["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
+
+
+def test_master_tls_gives_the_operator_its_ca_and_prometheus_https(helm: Helm) -> None:
+    assert not [o for o in helm.render() if o["kind"] == "Role" and o["metadata"]["name"].endswith("-tls-ca")]
+    objs = helm.render("operator.masterTLS.enabled=true", "podMonitor.enabled=true")
+    container = _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PHALANX_OPERATOR_TLS_CA_SECRET"] == "rel-phalanx-ca"
+    role = _one(objs, "Role", "rel-phalanx-operator-tls-ca")
+    assert role["metadata"]["namespace"] == _one(objs, "Deployment")["metadata"]["namespace"]
+    assert {
+        "resources": ["secrets"],
+        "resourceNames": ["rel-phalanx-ca"],
+        "verbs": ["get"],
+        "apiGroups": [""],
+    } in (role["rules"])
+    (endpoint,) = _one(objs, "PodMonitor", "rel-phalanx-masters")["spec"]["podMetricsEndpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {
+        "ca": {"secret": {"name": "rel-phalanx-ca", "key": "tls.crt"}},
+        "serverName": tls.SCRAPE_NAME,
+    }
+    own = helm.render("operator.masterTLS.enabled=true", "operator.masterTLS.caSecret=corp-ca")
+    env = {
+        e["name"]: e.get("value")
+        for e in _one(own, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["PHALANX_OPERATOR_TLS_CA_SECRET"] == "corp-ca"

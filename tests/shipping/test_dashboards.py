@@ -33,6 +33,9 @@ REQUIRED = {
         "phalanx_checkpoint_failures_total",
         "phalanx_log_lines_total",
         "phalanx_log_lines_dropped_total",
+        "phalanx_node_step_time_seconds",
+        "phalanx_node_straggler_score",
+        "phalanx_hang_verdicts_total",
     },
     "master-health.json": {
         "phalanx_rpc_duration_seconds_bucket",

@@ -51,3 +51,8 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- define "phalanx.metricsTokenSecret" -}}
 {{- default (printf "%s-metrics-token" (include "phalanx.fullname" .)) .Values.podMonitor.authorization.secretName -}}
 {{- end -}}
+
+{{/* The Secret of the CA that signs every master's certificate (operator.masterTLS). */}}
+{{- define "phalanx.caSecret" -}}
+{{- default (printf "%s-ca" (include "phalanx.fullname" .)) .Values.operator.masterTLS.caSecret -}}
+{{- end }}

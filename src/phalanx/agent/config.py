@@ -87,7 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--node-id", default=None, help="Node id (default: $PHALANX_NODE_ID or the host name).")
     add("--token-file", default=None, help="Job token file (default: $PHALANX_TOKEN_FILE).")
     add("--grace-period", default="5", help="Time between SIGTERM and SIGKILL when stopping workers.")
-    add("--hang-floor", default=None, help="Shortest beacon age that counts as a hang.")
+    add(
+        "--hang-floor",
+        default=None,
+        help="Shortest wait in a recorded collective or on GPU work that counts as a hang (default 10s).",
+    )
+    add(
+        "--hang-idle-floor",
+        default=None,
+        help="Shortest silence outside any recorded collective, or of a beacon alone, that counts as a hang "
+        "(default 60s).",
+    )
     add(
         "--hang-factor", default=None, help="Multiple of the p99 step interval after which a beacon is stale."
     )
@@ -155,6 +165,9 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> AgentConfig:
         floor_s=parse_duration(args.hang_floor, name="hang-floor")
         if args.hang_floor
         else hang_values.floor_s,
+        idle_floor_s=parse_duration(args.hang_idle_floor, name="hang-idle-floor")
+        if args.hang_idle_floor
+        else hang_values.idle_floor_s,
         factor=float(args.hang_factor) if args.hang_factor else hang_values.factor,
         startup_s=parse_duration(args.hang_startup, name="hang-startup")
         if args.hang_startup

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from phalanx.api import beacon
+from phalanx.api import beacon, intervals
 from phalanx.api import round as round_file
 from phalanx.api.round import RoundInfo
 
@@ -27,6 +27,8 @@ class WorkerPaths:
     regroup_file: Path
     stdout_log: Path
     stderr_log: Path
+    intervals: Path | None = None
+    """The worker's interval ring (:mod:`phalanx.api.intervals`), beside its beacon; None: no recorder."""
 
 
 def static_env(
@@ -62,7 +64,7 @@ def round_env(
 ) -> dict[str, str]:
     """The part of a worker's environment that a completed round determines."""
     rank = info.rank(local_rank)
-    return {
+    env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(info.world_size),
         "GROUP_RANK": str(info.group_rank),
@@ -79,8 +81,16 @@ def round_env(
         round_file.ENV_VAR: str(round_path),
         round_file.REGROUP_ENV_VAR: str(paths.regroup_file),
     }
+    if paths.intervals is not None:
+        env[intervals.ENV_VAR] = str(paths.intervals)
+    return env
 
 
 def beacon_path(*, shm_dir: Path, job_id: str, node_id: str, local_rank: int) -> Path:
     """Where a worker's beacon lives; the name is stable so ``phalanx local`` can find it."""
     return shm_dir / f"phalanx-{job_id}-{node_id}-{local_rank}.beacon"
+
+
+def intervals_path(*, shm_dir: Path, job_id: str, node_id: str, local_rank: int) -> Path:
+    """Where a worker's interval ring lives: beside its beacon."""
+    return shm_dir / f"phalanx-{job_id}-{node_id}-{local_rank}.intervals"

@@ -22,7 +22,7 @@ from phalanx.agent import errorfile, workers
 from phalanx.agent.client import RequestTooLargeError
 from phalanx.api import limits
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.diagnostics import hang
+from phalanx.diagnostics import hang, rootcause
 from phalanx.diagnostics.classify import FailureClass, classify
 
 
@@ -90,8 +90,11 @@ def worker_failure(
     reason: str,
     history: hang.RankHistory | None,
     stopped_after_raising: bool = False,
+    evidence: pb.HangEvidence | None = None,
+    observed_unix_ns: int = 0,
 ) -> pb.WorkerFailure:
-    """What one failed or hung worker reports: exit code, error file, log tail and failure class."""
+    """What one failed or hung worker reports: exit code, error file, log tail and failure class;
+    ``observed_unix_ns`` is when the agent saw it exit (0: now)."""
     if not hung:
         _drain(w)
     report = errorfile.read(w.paths.error_file) if w.paths else None
@@ -108,12 +111,13 @@ def worker_failure(
         local_rank=local_rank,
         exit_code=code,
         failure_class=int(cls),  # type: ignore[arg-type]
-        observed_unix_ns=time.time_ns(),
+        observed_unix_ns=observed_unix_ns or time.time_ns(),
         error_message=(report.message if report else "") or (reason if hung else ""),
         error_traceback=report.traceback if report else "",
         error_unix_ns=report.unix_ns if report else 0,
         log_tail=tail,
         last_step=history.last_step if history else -1,
+        hang=evidence if hung else None,  # the verdict's side, age, timeout and the rank's activity
     )
 
 
@@ -209,7 +213,7 @@ def cut_failure(failure: pb.WorkerFailure, *, scale: float) -> pb.WorkerFailure:
 def fit_failure_report(request: pb.ReportFailureRequest, budget: int) -> pb.ReportFailureRequest:
     """``request`` cut to the master's per-field limits and to at most ``budget`` bytes: every entry cut
     alike, as little as that takes; when even the shortest entries are too many, the earliest failures
-    (the root cause is the first error) are kept and the rest left out."""
+    (the root cause is the first real error: echoes go last) are kept and the rest left out."""
     base = pb.ReportFailureRequest()
     base.CopyFrom(request)
     del base.failures[:]
@@ -219,10 +223,7 @@ def fit_failure_report(request: pb.ReportFailureRequest, budget: int) -> pb.Repo
         out.failures.extend(cut_failure(f, scale=scale) for f in request.failures)
         if out.ByteSize() <= budget:
             return out
-    ordered = sorted(
-        out.failures,
-        key=lambda f: (f.error_unix_ns or f.observed_unix_ns or math.inf, f.rank),
-    )
+    ordered = sorted(out.failures, key=_cause_first)
     kept = pb.ReportFailureRequest()
     kept.CopyFrom(out)
     del kept.failures[:]
@@ -233,6 +234,20 @@ def fit_failure_report(request: pb.ReportFailureRequest, budget: int) -> pb.Repo
             break
         kept.failures.append(entry)
     return kept
+
+
+def _cause_first(f: pb.WorkerFailure) -> tuple[int, float, int]:
+    """Orders a report's entries as the master picks the root cause: real failures before the
+    communication errors that echo them, then by time (see :mod:`phalanx.diagnostics.rootcause`)."""
+    try:
+        cls = FailureClass(f.failure_class).name.lower()
+    except ValueError:
+        cls = "unknown"
+    return (
+        rootcause.tier(cls, f.error_message or "\n".join(f.log_tail[-2:])),
+        f.error_unix_ns or f.observed_unix_ns or math.inf,
+        f.rank,
+    )
 
 
 def fit_stacks_report(request: pb.ReportStacksRequest, budget: int) -> pb.ReportStacksRequest:

@@ -22,6 +22,7 @@ from phalanx.agent.client import MasterClient, MasterUnavailableError, UnknownNo
 from phalanx.agent.config import AgentConfig
 from phalanx.agent.link import Link, LogShipper
 from phalanx.api import beacon
+from phalanx.api import intervals as interval_ring
 from phalanx.api import round as round_file
 from phalanx.api.errors import RendezvousClosedError, TransportError
 from phalanx.api.round import RoundInfo
@@ -46,6 +47,11 @@ class Event:
     local_ranks: list[int] = field(default_factory=list)
     action: pb.Action | None = None
     reason: str = ""
+    evidence: pb.HangEvidence | None = None
+    """For a hang: the verdict's evidence (side, age, timeout, the rank's activity)."""
+    seen_unix_ns: dict[int, int] = field(default_factory=dict)
+    """For a failure: when each failed local rank was first seen exited (a SIGKILLed rank has no error
+    file to date it: it is dated by this, not by the report's time, which a settle puts up to 1 s later)."""
 
 
 class AgentExit(Exception):
@@ -89,6 +95,8 @@ class Supervisor:
         self.workers: dict[int, workers.Worker] = {}
         self.spares: dict[int, workers.Worker] = {}
         self.histories: dict[int, hang.RankHistory] = {}
+        self.rings: dict[int, tuple[interval_ring.RingReader, interval_ring.Tracker]] = {}
+        """Per local rank: the reader of its interval ring and what it has read so far."""
         self.round: RoundInfo | None = None
         self.last_round = 0
         self.restarts = 0  # failure restarts, counted against --max-restarts
@@ -174,6 +182,9 @@ class Supervisor:
             beacon=worker_env.beacon_path(
                 shm_dir=SHM_DIR, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=local_rank
             ),
+            intervals=worker_env.intervals_path(
+                shm_dir=SHM_DIR, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=local_rank
+            ),
             error_file=d / "error.json",
             stack_file=d / "stacks.txt",
             regroup_file=self.log_dir / "regroup" / f"{local_rank}.pid",
@@ -219,10 +230,14 @@ class Supervisor:
         (self.log_dir / "regroup").mkdir(parents=True, exist_ok=True)
         now = time.monotonic()
         self.workers = {}
+        self._close_rings()
         for lr in range(self.config.nproc_per_node):
             w = self._take(lr)
             paths = self._paths(info, lr)
             beacon.create(paths.beacon)
+            if paths.intervals is not None:
+                interval_ring.create(paths.intervals)
+                self.rings[lr] = (interval_ring.RingReader(paths.intervals), interval_ring.Tracker())
             env = worker_env.round_env(
                 info,
                 local_rank=lr,
@@ -275,20 +290,48 @@ class Supervisor:
             history = self.histories[lr]
             history.observe(step=b.step, now=now)
             age = now - (history.last_change_at if history.last_change_at is not None else history.started_at)
-            ranks.append(
-                pb.RankProgress(
-                    rank=w.rank,
-                    local_rank=lr,
-                    step=b.step,
-                    step_unix_ns=b.unix_ns,
-                    beacon_age_s=age,
-                    pid=w.pid,
-                )
+            progress = pb.RankProgress(
+                rank=w.rank,
+                local_rank=lr,
+                step=b.step,
+                step_unix_ns=b.unix_ns,
+                beacon_age_s=age,
+                pid=w.pid,
             )
-            v = hang.verdict(history, self.config.hang, now=now)
+            activity = self._read_ring(lr, progress)
+            ranks.append(progress)
+            v = hang.evidence_verdict(
+                history, self.config.hang, now=now, activity=activity, now_unix_ns=time.time_ns()
+            )
             if v.hung and hung is None and w.proc.poll() is None:
-                hung = Event("hang", [lr], reason=f"rank {w.rank} hung: {v.reason}")
+                hung = Event(
+                    "hang", [lr], reason=hang.describe(w.rank, v), evidence=hang.evidence(v, activity)
+                )
         return ranks, hung
+
+    def _read_ring(self, lr: int, progress: pb.RankProgress) -> pb.RankActivity | None:
+        """Reads a worker's new interval records into ``progress`` (its activity, the intervals closed since
+        the previous read); returns the activity, None while the worker has recorded nothing."""
+        ring = self.rings.get(lr)
+        if ring is None:
+            return None
+        reader, tracker = ring
+        try:
+            tracker.feed(reader.read())
+        except (OSError, ValueError):
+            return None
+        if not tracker.active:
+            return None
+        activity = tracker.activity()
+        progress.activity.CopyFrom(activity)
+        progress.intervals.extend(tracker.take_intervals())
+        return activity
+
+    def _close_rings(self) -> None:
+        for reader, _ in self.rings.values():
+            with contextlib.suppress(BufferError, OSError):
+                reader.close()
+        self.rings = {}
 
     # -------------------------------------------------------------------------------------------------
     # rendezvous
@@ -383,7 +426,7 @@ class Supervisor:
             codes = {lr: w.proc.poll() for lr, w in self.workers.items()}
             outcome, failed = decisions.workers_outcome(codes)
             if outcome is decisions.Outcome.FAILED:
-                return Event("failed", failed)
+                return Event("failed", failed, seen_unix_ns=dict.fromkeys(failed, time.time_ns()))
             if outcome is decisions.Outcome.SUCCEEDED:
                 return Event("succeeded")
             ranks, hung = self._progress(now)
@@ -434,16 +477,23 @@ class Supervisor:
     def _settle(self, event: Event) -> Event:
         """A user error usually hits every rank at once: give the other local workers a moment to fail on
         their own, so the report shows all of them (the master fails the job at once when every rank
-        raised the same error). A kill or a crash is reported without waiting."""
+        raised the same error). A communication error is the echo of another rank's failure, and that
+        rank may be a local one whose exit is not reaped yet: the same moment puts the cause in the same
+        report as its echo. A kill or a crash is reported without waiting."""
         if event.kind != "failed" or not any(
-            failures.classify_local(self.workers[lr]) is FailureClass.USER for lr in event.local_ranks
+            failures.classify_local(self.workers[lr]) in (FailureClass.USER, FailureClass.COMM)
+            for lr in event.local_ranks
         ):
             return event
+        seen = dict(event.seen_unix_ns)
         deadline = time.monotonic() + USER_ERROR_SETTLE_S
         while time.monotonic() < deadline and any(w.proc.poll() is None for w in self.workers.values()):
             time.sleep(0.05)
+            for lr, w in self.workers.items():
+                if lr not in seen and w.proc.poll() is not None:
+                    seen[lr] = time.time_ns()
         failed = sorted(lr for lr, w in self.workers.items() if w.proc.poll() not in (None, 0))
-        return Event("failed", failed)
+        return Event("failed", failed, seen_unix_ns=seen)
 
     def _handle_failure(self, event: Event) -> decisions.Next:
         event = self._settle(event)
@@ -454,7 +504,13 @@ class Supervisor:
         hung = event.kind == "hang"
         entries = [
             failures.worker_failure(
-                lr, self.workers[lr], hung=hung, reason=event.reason, history=self.histories.get(lr)
+                lr,
+                self.workers[lr],
+                hung=hung,
+                reason=event.reason,
+                history=self.histories.get(lr),
+                evidence=event.evidence,
+                observed_unix_ns=event.seen_unix_ns.get(lr, 0),
             )
             for lr in event.local_ranks
         ]
@@ -702,16 +758,17 @@ class Supervisor:
             self.link.leave()  # after the logs: the master may forget a node that left
         self.breakpoints.finish_pending()
         self.ckpt.stop()  # after the workers: nothing writes to the segments it unlinks
+        self._close_rings()
         for path in self._beacon_paths():
             with contextlib.suppress(OSError):
                 path.unlink()
 
     def _beacon_paths(self) -> list[Path]:
+        """The shared-memory files of the workers: beacons and interval rings."""
         return [
-            worker_env.beacon_path(
-                shm_dir=SHM_DIR, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=lr
-            )
+            where(shm_dir=SHM_DIR, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=lr)
             for lr in range(self.config.nproc_per_node)
+            for where in (worker_env.beacon_path, worker_env.intervals_path)
         ]
 
 

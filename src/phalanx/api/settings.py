@@ -321,12 +321,26 @@ class HeartbeatSettings:
 @_checked
 @dataclass(frozen=True, kw_only=True)
 class HangSettings:
-    """Hang detection from progress beacons: a rank is hung when its beacon is older than
-    ``max(floor_s, factor * p99 of its recent step intervals)``."""
+    """Hang detection from progress beacons and interval recorders: a rank is hung when it shows no progress
+    (its beacon, or its recorder's newest record or oldest pending device work) for longer than
+    ``max(floor_s, factor * p99 of its recent step intervals)`` while it waits in a recorded collective or on
+    the GPU, and ``max(idle_floor_s, factor * p99)`` anywhere else (between collectives, or without the
+    recorder), where a healthy rank may be saving a checkpoint or evaluating."""
 
     enabled: bool = setting(True, doc="Detect hung workers from stale progress beacons.")
-    floor_s: float = setting(60.0, doc="Shortest beacon age that can count as a hang.", unit="s")
-    factor: float = setting(10.0, doc="Multiple of the p99 step interval after which a beacon is stale.")
+    floor_s: float = setting(
+        10.0,
+        doc="Shortest time a rank may wait in a recorded collective, or on GPU work, before it counts as "
+        "hung.",
+        unit="s",
+    )
+    idle_floor_s: float = setting(
+        60.0,
+        doc="Shortest time a rank may show no progress outside any recorded collective (or without the "
+        "interval recorder, from its beacon alone) before it counts as hung.",
+        unit="s",
+    )
+    factor: float = setting(3.0, doc="Multiple of the p99 step interval after which a beacon is stale.")
     startup_s: float = setting(
         600.0,
         doc="How long a worker may run before its first reported step without counting as hung.",
@@ -335,6 +349,7 @@ class HangSettings:
 
     def __post_init__(self) -> None:
         _positive(self.floor_s, "floor_s")
+        _positive(self.idle_floor_s, "idle_floor_s")
         if self.factor < 1:
             raise ConfigError(f"must be at least 1, got {self.factor}", field="factor")
         _positive(self.startup_s, "startup_s")
@@ -426,8 +441,19 @@ class StragglerSettings:
     )
     step_check_interval_s: float = setting(
         10.0,
-        doc="How often the master looks at the ranks' step intervals (0: never); a lag starts a probe round.",
+        doc="How often the master looks at the ranks' step intervals and scores the nodes (0: never); a lag "
+        "starts a probe round.",
         unit="s",
+    )
+    step_confirm_checks: int = setting(
+        3,
+        doc="Step-time checks in a row that must find a node slower than step_factor times the other nodes' "
+        "median before it is reported as a straggler (and evicted with evict_slow_nodes).",
+    )
+    evict_slow_nodes: bool = setting(
+        False,
+        doc="Evict a node that the step-time checks confirm slow, without waiting for a probe round (through "
+        "the eviction budget). Off: it is only reported.",
     )
 
     def __post_init__(self) -> None:
@@ -441,7 +467,7 @@ class StragglerSettings:
             )
         if self.step_factor <= 1:
             raise ConfigError(f"must be greater than 1, got {self.step_factor}", field="step_factor")
-        for name in ("step_window", "step_min_samples", "confirm_rounds"):
+        for name in ("step_window", "step_min_samples", "confirm_rounds", "step_confirm_checks"):
             _positive(getattr(self, name), name)
         if self.step_min_samples > self.step_window:
             raise ConfigError(
@@ -487,6 +513,11 @@ class ProbeSettings:
         return parse_probe_kinds(self.kinds, name="kinds")
 
 
+DEFAULT_STATUS_PROGRESS_INTERVAL_S = 10.0
+"""The step alone changes on every heartbeat while training; one status PATCH per job every 10 s keeps a
+thousand jobs at about 100 writes a second to the API server."""
+
+
 @_checked
 @dataclass(frozen=True, kw_only=True)
 class MasterSettings:
@@ -519,6 +550,13 @@ class MasterSettings:
     max_request_bytes: int = setting(
         limits.DEFAULT_MAX_REQUEST_BYTES, doc="Largest gRPC request the master accepts.", unit="bytes"
     )
+    status_progress_interval_s: float = setting(
+        DEFAULT_STATUS_PROGRESS_INTERVAL_S,
+        doc="In Kubernetes, how often at most training progress alone (the step) is written into the "
+        "ElasticJob status; a phase change, evictions, a new round or a committed checkpoint are written at "
+        "once. 0: every change at once.",
+        unit="s",
+    )
     rendezvous: RendezvousSettings = group(RendezvousSettings, doc="Rendezvous rounds.")
     heartbeat: HeartbeatSettings = group(HeartbeatSettings, doc="Node liveness.")
     restart: RestartSettings = group(RestartSettings, doc="Restart and eviction budgets.")
@@ -543,6 +581,11 @@ class MasterSettings:
         if self.user_error_window_s < 0:
             raise ConfigError(
                 f"cannot be negative, got {self.user_error_window_s}", field="user_error_window_s"
+            )
+        if self.status_progress_interval_s < 0:
+            raise ConfigError(
+                f"cannot be negative, got {self.status_progress_interval_s}",
+                field="status_progress_interval_s",
             )
         if self.max_request_bytes < limits.MIN_MAX_REQUEST_BYTES:
             raise ConfigError(
@@ -663,6 +706,12 @@ class OperatorSettings:
         False,
         doc="Give every job a NetworkPolicy <job>-master: only the job's own Pods and the monitoring "
         "namespace reach its master's ports. Needs a network plugin that enforces NetworkPolicies.",
+    )
+    tls_ca_secret: str = setting(
+        "",
+        doc="Serve every job's master over TLS: the Secret (in the operator's namespace; tls.crt, tls.key) "
+        "of the CA that signs each job's master certificate, made by the operator when it does not exist. "
+        "Workers get the CA certificate only. Empty: masters speak plain text.",
     )
     monitoring_namespace: str = setting(
         "monitoring",

@@ -86,6 +86,10 @@ class Storage(Protocol):
     def write_atomic(self, path: str, chunks: Iterable[bytes | memoryview]) -> int:
         """Writes a whole file so that it appears complete or not at all; returns its size."""
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Writes a small file whole only if no file has the name yet; False when one has (another writer
+        was first). The one atomic test-and-set the claim of a storage root needs."""
+
     def read(self, path: str) -> bytes:
         """Reads a whole file."""
 
@@ -154,6 +158,22 @@ class LocalStorage:
             raise
         self._fsync_dir(final.parent)
         return size
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Writes the file under a temporary name and hard-links it to ``path``: link(2) fails when the
+        name exists, so of two writers exactly one creates it, and the file appears whole."""
+        final = self.root / path
+        tmp_name = f".{final.name}.new-{os.getpid()}-{threading.get_ident()}"
+        self.write_atomic(str(Path(path).with_name(tmp_name)), [data])
+        tmp = final.with_name(tmp_name)
+        try:
+            os.link(tmp, final, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._fsync_dir(final.parent)
+        return True
 
     def read(self, path: str) -> bytes:
         """Reads a whole file and counts the read."""
@@ -237,6 +257,22 @@ class S3Storage:
         except (BotoCoreError, ClientError) as exc:
             raise self._error(exc, path) from exc
         return reader.size
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """A conditional PUT (``If-None-Match: *``, which S3 and MinIO honour): the store refuses it with 412
+        when the key exists, and with 409 when another conditional write of the key is in flight."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(path), Body=data, IfNoneMatch="*")
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                return False
+            raise self._error(exc, path) from exc
+        except BotoCoreError as exc:
+            raise self._error(exc, path) from exc
+        return True
 
     def read(self, path: str) -> bytes:
         """Downloads a whole object and counts the read."""
@@ -483,8 +519,9 @@ def claim(storage: Storage, *, job: str, uid: str = "", resumed_from: dict[str, 
     """Makes sure ``job`` may write to this root, claiming it at the job's first persist; raises
     :class:`ForeignStorageError`, naming both jobs, when another job owns it (see :func:`claim_decision`).
 
-    Two jobs that claim an unclaimed root at the same moment both write the claim; each reads it back, and
-    the one whose claim was overwritten is refused at its next persist (every persist checks)."""
+    An unclaimed root is claimed by an exclusive create, so of two jobs claiming it at the same moment
+    exactly one gets it and the other is refused at once. A takeover (the job continues the owner) replaces
+    the claim and reads it back."""
     owner = read_claim(storage)
     if owner == job:
         return
@@ -492,7 +529,11 @@ def claim(storage: Storage, *, job: str, uid: str = "", resumed_from: dict[str, 
     allowed, why = claim_decision(owner=owner, job=job, resumed_from=resumed_from, newest_committed=newest)
     if not allowed:
         raise ForeignStorageError(f"{storage.url('')}: {why}")
-    storage.write_atomic(CLAIM, [json.dumps({"job": job, "uid": uid}).encode()])
+    body = json.dumps({"job": job, "uid": uid}).encode()
+    if owner is None:
+        storage.create_exclusive(CLAIM, body)  # lost the race: the read-back below names the winner
+    else:
+        storage.write_atomic(CLAIM, [body])
     now = read_claim(storage)
     if now != job:
         raise ForeignStorageError(

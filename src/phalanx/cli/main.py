@@ -16,7 +16,13 @@ from phalanx import __version__
 from phalanx.api.errors import PhalanxError
 
 # name -> module under phalanx.cli; the order is the order in --help.
-SUBCOMMANDS: dict[str, str] = {"local": "local", "master": "master", "operator": "operator"}
+SUBCOMMANDS: dict[str, str] = {
+    "local": "local",
+    "master": "master",
+    "operator": "operator",
+    "status": "status",
+    "timeline": "timeline",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

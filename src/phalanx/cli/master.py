@@ -157,7 +157,7 @@ def _read_metrics_token(path: str) -> str:
     return _read_token(path, field="metrics_token_file")
 
 
-def _stores(state: str) -> tuple[Any, Any]:
+def _stores(state: str, *, progress_interval_s: float = 10.0) -> tuple[Any, Any]:
     from phalanx.master.state import FileStateStore, MemoryStateStore, NullStatusSink
 
     if state.startswith("k8s://"):
@@ -167,7 +167,7 @@ def _stores(state: str) -> tuple[Any, Any]:
         if not namespace or not name or "/" in name:
             raise ConfigError(f"expected k8s://NAMESPACE/ELASTICJOB, got {state!r}", field="state")
         return kube.state_store(namespace=namespace, name=name), kube.status_sink(
-            namespace=namespace, name=name
+            namespace=namespace, name=name, progress_interval_s=progress_interval_s
         )
     if not state:
         logging.getLogger("phalanx.master").warning("no --state: a restarted master will not resume this job")
@@ -186,7 +186,7 @@ def _handle(args: argparse.Namespace) -> int:
     metrics_token = _read_metrics_token(settings.metrics_token_file)
     if metrics_token == token:
         raise ConfigError("the metrics token must differ from the job's token", field="metrics_token_file")
-    store, sink = _stores(settings.state_path)
+    store, sink = _stores(settings.state_path, progress_interval_s=settings.status_progress_interval_s)
     parent = os.getppid() if args.exit_with_parent else 0
     return asyncio.run(
         run_master(

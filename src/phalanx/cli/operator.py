@@ -12,7 +12,7 @@ SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/names
 DEFAULT_LEASE_NAMESPACE = "phalanx-system"
 FLAGS = (
     "namespace", "image", "command_prefix", "master_grpc_port", "master_http_port", "http_port",
-    "cordon_nodes", "network_policy", "monitoring_namespace",
+    "cordon_nodes", "network_policy", "monitoring_namespace", "tls_ca_secret",
 )  # fmt: skip
 """OperatorSettings fields that are also flags (--cordon-nodes true), named after the field."""
 
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     # Two long watches, the elector and up to 8 passes at once: more than urllib3's default 10 connections.
     configuration.connection_pool_maxsize = 32
     api = client.ApiClient(configuration)
-    executor = Executor(api=api, settings=settings)
+    executor = Executor(api=api, settings=settings, own_namespace=lease_namespace(os.environ))
     # The Pod's name (the hostname) and the process: unique per replica and per restart of one.
     identity = f"{socket.gethostname()}_{os.getpid()}"
     elector: LeaderElector | None = None

@@ -1,10 +1,28 @@
-"""Hang verdicts from progress beacons: a pure function of what the agent has seen and ``now``.
+"""Hang verdicts: pure functions of what the agent has seen of a rank (its beacon and, when the training
+process runs the interval recorder, its ``RankActivity``) and ``now``; and, on the master, the suspects
+across ranks.
 
-A rank is hung when its beacon is older than an adaptive timeout, ``max(floor_s, factor * p99)`` of its
-recent step intervals (so a job with 30 s steps is not declared hung after 60 s, and a job with 50 ms steps
-is caught after ``floor_s``), or when it has not reported any step within ``startup_s`` of starting. A
+A rank is hung when it shows no progress for longer than an adaptive timeout, ``max(floor, factor * p99)``
+of its recent step intervals (so a job with 30 s steps is not declared hung after 60 s, and a job with 50 ms
+steps is caught after the floor), or when it has not reported any step within ``startup_s`` of starting. A
 worker that never calls ``phalanx.report_step`` is only ever judged by the startup rule, which is why
-``startup_s`` defaults to minutes.
+``startup_s`` defaults to minutes. The floor is ``floor_s`` (10 s) for a rank that waits in a recorded
+collective or on GPU work, where a healthy rank spends a fraction of a step, and ``idle_floor_s`` (60 s)
+anywhere else: between collectives, or judged by its beacon alone, a healthy rank may be persisting a
+checkpoint, evaluating or tearing down after its last step. A stalled rank is still caught in ``floor_s``
+when its peers run the recorder: they wait for it in their next collective.
+
+With the recorder (:mod:`phalanx.intervals`) the verdict says where the rank is stuck
+(:func:`evidence_verdict`):
+
+- **device**: work recorded on the GPU (a CUDA event at a collective's end or at a step boundary) has not
+  completed for longer than the timeout: a kernel or a collective is stuck on the device;
+- **host**: the process recorded nothing (no step boundary, no collective start or end) for longer than the
+  timeout: Python, the data loader, or a blocking CPU collective is stuck;
+- **beacon**: no recorder; the step beacon alone went stale.
+
+Across ranks (:func:`find_suspects`): the ranks that wait in collective N of group G (entered, not complete)
+wait for the members of G that never entered N; those are the suspects, not the ranks that reported.
 """
 
 from __future__ import annotations
@@ -13,9 +31,12 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from phalanx.api import intervals
 from phalanx.api.settings import HangSettings
+from phalanx.api.v1 import master_pb2 as pb
 
 _WINDOW = 128  # recent step intervals kept per rank for the p99
+SIDES = ("device", "host", "beacon")
 
 
 @dataclass
@@ -49,6 +70,8 @@ class HangVerdict:
     timeout_s: float
     """The timeout the age was compared with."""
     reason: str = ""
+    side: str = ""
+    """Where the rank is stuck when hung: device, host or beacon (see the module docstring)."""
 
 
 def p99(values: list[float]) -> float:
@@ -59,9 +82,12 @@ def p99(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-def timeout_for(history: RankHistory, settings: HangSettings) -> float:
-    """The adaptive stale-beacon timeout for one rank."""
-    return max(settings.floor_s, settings.factor * p99(list(history.intervals)))
+def timeout_for(history: RankHistory, settings: HangSettings, *, waiting: bool = True) -> float:
+    """The adaptive timeout for one rank: ``floor_s`` while it ``waiting`` in a recorded collective or on
+    the GPU, where a healthy rank spends well under a step; ``idle_floor_s`` elsewhere, where a healthy rank
+    may be saving a checkpoint, evaluating or tearing down after its last step."""
+    floor = settings.floor_s if waiting else settings.idle_floor_s
+    return max(floor, settings.factor * p99(list(history.intervals)))
 
 
 def verdict(history: RankHistory, settings: HangSettings, *, now: float) -> HangVerdict:
@@ -72,9 +98,105 @@ def verdict(history: RankHistory, settings: HangSettings, *, now: float) -> Hang
         reason = f"no step reported within {settings.startup_s:g}s of start" if hung else ""
         return HangVerdict(hung=hung, age_s=age, timeout_s=settings.startup_s, reason=reason)
     age = now - history.last_change_at
-    timeout = timeout_for(history, settings)
+    timeout = timeout_for(history, settings, waiting=False)  # a beacon cannot tell where the rank is
     hung = settings.enabled and age > timeout
     reason = (
         f"no progress past step {history.last_step} for {age:.1f}s (timeout {timeout:.1f}s)" if hung else ""
     )
-    return HangVerdict(hung=hung, age_s=age, timeout_s=timeout, reason=reason)
+    return HangVerdict(hung=hung, age_s=age, timeout_s=timeout, reason=reason, side="beacon" if hung else "")
+
+
+def evidence_verdict(
+    history: RankHistory,
+    settings: HangSettings,
+    *,
+    now: float,
+    activity: pb.RankActivity | None,
+    now_unix_ns: int,
+) -> HangVerdict:
+    """Is the rank hung at ``now``, and where? ``activity`` is the rank's recorder state (None or empty:
+    no recorder, the beacon verdict). ``now`` is the agent's monotonic clock (for the beacon history),
+    ``now_unix_ns`` the wall clock the recorder's times are comparable with."""
+    if activity is None or activity.last_record_unix_ns <= 0 or history.last_step < 0:
+        return verdict(history, settings, now=now)  # no recorder yet, or the startup rule
+    pending = activity.device_pending_since_unix_ns
+    device_age = (now_unix_ns - pending) / 1e9 if pending > 0 else 0.0
+    host_age = (now_unix_ns - activity.last_record_unix_ns) / 1e9
+    timeout = timeout_for(history, settings, waiting=True)
+    idle_timeout = timeout if activity.current.name else timeout_for(history, settings, waiting=False)
+    if settings.enabled and device_age > timeout:
+        side, age = "device", device_age
+    elif settings.enabled and host_age > idle_timeout:
+        side, age, timeout = "host", host_age, idle_timeout
+    else:
+        return HangVerdict(hung=False, age_s=max(device_age, host_age), timeout_s=idle_timeout)
+    where = _where(activity, last_step=history.last_step)
+    reason = f"{where} ({side} side, {age:.1f} s > {timeout:.1f} s)"
+    return HangVerdict(hung=True, age_s=age, timeout_s=timeout, reason=reason, side=side)
+
+
+def _where(activity: pb.RankActivity, *, last_step: int) -> str:
+    cur = activity.current
+    if cur.name:
+        return f"in {cur.name} #{cur.seq} of {cur.group}"
+    return f"after step {last_step}, in no collective"
+
+
+def describe(rank: int, v: HangVerdict) -> str:
+    """The hang's one-line reason, e.g.
+    ``rank 1 hung in all_reduce #41 of dp:0,1 (host side, 12.3 s > 10.0 s)`` (beacon verdicts keep their
+    old form: ``rank 1 hung: no progress past step ...``)."""
+    if v.side in ("device", "host"):
+        return f"rank {rank} hung {v.reason}"
+    return f"rank {rank} hung: {v.reason}"
+
+
+def evidence(v: HangVerdict, activity: pb.RankActivity | None) -> pb.HangEvidence:
+    """The verdict as the failure report carries it."""
+    ev = pb.HangEvidence(side=v.side or "beacon", age_s=v.age_s, timeout_s=v.timeout_s)
+    if activity is not None:
+        ev.activity.CopyFrom(activity)
+    return ev
+
+
+@dataclass(frozen=True)
+class Suspects:
+    """The members of a collective's group that never entered it, while others wait in it."""
+
+    op: str
+    group: str
+    seq: int
+    waiting: list[int]
+    """The ranks that entered collective ``seq`` of ``group`` and wait in it."""
+    ranks: list[int]
+    """The members that never entered it: the suspects."""
+
+    def describe(self) -> str:
+        who = ", ".join(str(r) for r in self.ranks)
+        waiting = ", ".join(str(r) for r in self.waiting)
+        return (
+            f"rank(s) {who} never entered {self.op} #{self.seq} of {self.group}; rank(s) {waiting} wait in it"
+        )
+
+
+def find_suspects(activities: dict[int, pb.RankActivity]) -> Suspects | None:
+    """From every rank's last activity (global rank -> activity): the collective that ranks wait in, and the
+    members of its group that never entered it. When ranks wait in several collectives, the one with most
+    suspects (then most waiters) is chosen. None: nobody waits in a collective, or every member entered it
+    (then the hang is not one rank's absence: the ranks that reported it are the ones to blame)."""
+    waits: dict[tuple[str, int], tuple[str, list[int]]] = {}
+    for rank, act in sorted(activities.items()):
+        cur = act.current
+        if cur.name and cur.group:
+            waits.setdefault((cur.group, cur.seq), (cur.name, []))[1].append(rank)
+    best: Suspects | None = None
+    for (group, seq), (op, waiting) in waits.items():
+        _, members = intervals.parse_group(group)
+        # A member whose activity is unknown (no heartbeat with one yet) is not accused.
+        absent = [m for m in members if m in activities and activities[m].entered.get(group, 0) < seq]
+        if not absent:
+            continue
+        found = Suspects(op=op, group=group, seq=seq, waiting=waiting, ranks=absent)
+        if best is None or (len(absent), len(waiting)) > (len(best.ranks), len(best.waiting)):
+            best = found
+    return best

@@ -19,6 +19,11 @@ Three checks, each returning typed verdicts with one sentence of reason:
   check catches ranks whose own progress falls behind (pipeline stages, asynchronous or local-SGD
   training, a rank that reports late) rather than a slow GPU hidden behind an all-reduce; the probes
   cover those.
+* :func:`node_scores` -- the same step figures per node during training (its slowest rank), preferring each
+  rank's compute time per step (step time minus time inside collectives, from its interval recorder),
+  which collectives do not equalise. A node gets a relative score (against the median of the other
+  nodes) and an individual one (against its own baseline, :func:`new_baselines`); only the relative
+  score makes it slow, and :func:`confirm_slow` confirms that over several checks in a row.
 
 Every threshold is relative, so scaling all rates or intervals by the same factor leaves the verdicts
 unchanged, and a cluster of equal nodes yields none. No I/O, no clock: the master injects the values.
@@ -292,3 +297,173 @@ def step_verdicts(
 def suspects(verdicts: Sequence[NodeVerdict]) -> list[str]:
     """Nodes to evict: those with at least one high-confidence verdict, sorted."""
     return sorted({v.node_id for v in verdicts if v.confidence == "high"})
+
+
+# --- Per-node scores during training ---------------------------------------------------------------------
+
+ScoreBasis = Literal["compute", "step"]
+StragglerState = Literal["ok", "suspect", "slow"]
+
+
+@dataclass(frozen=True)
+class NodeTiming:
+    """One node's recent steps as the master sees them: the figures of its slowest rank."""
+
+    step_time_s: float
+    """Median step interval (from the beacons' step reports)."""
+    compute_time_s: float = 0.0
+    """Median step time minus the time spent inside collectives, from the ranks' interval recorders; 0 when
+    a rank of the node has no recorder (the node is then judged on step times)."""
+
+
+@dataclass(frozen=True)
+class NodeScore:
+    """One check's scores of one node: how slow it is against the other nodes and against itself."""
+
+    node_id: str
+    basis: ScoreBasis
+    """What was compared: ``compute`` (own compute time per step) or ``step`` (step interval)."""
+    value_s: float
+    relative: float
+    """``value_s`` over the median of the other nodes' values; 0 with fewer than two nodes."""
+    reference_s: float
+    individual: float
+    """``value_s`` over the node's own baseline; 0 before it has one."""
+    baseline_s: float
+    slow: bool
+    """This check finds the node relatively slow (``relative > step_factor``); unconfirmed."""
+    step_time_s: float = 0.0
+    """The node's median step interval, whatever the basis (what a person reads first)."""
+
+
+def rank_timings(
+    intervals: Mapping[int, Sequence[float]],
+    activity: Mapping[int, tuple[float, float]],
+    *,
+    settings: StragglerSettings | None = None,
+) -> dict[int, NodeTiming]:
+    """Per rank with enough samples: its median recent step interval and its compute time per step.
+
+    ``activity`` maps a rank to the (step time, collective time) medians its recorder reported (0, 0 without
+    a recorder). A rank with fewer than ``step_min_samples`` intervals in the window is not judged yet."""
+    cfg = settings or StragglerSettings()
+    out: dict[int, NodeTiming] = {}
+    for rank, values in intervals.items():
+        recent = list(values)[-cfg.step_window :]
+        if len(recent) < cfg.step_min_samples:
+            continue
+        step_s, collective_s = activity.get(rank, (0.0, 0.0))
+        compute = max(step_s - collective_s, 0.0) if step_s > 0 else 0.0
+        out[rank] = NodeTiming(step_time_s=_median(sorted(recent)), compute_time_s=compute)
+    return out
+
+
+def node_timings(ranks: Mapping[int, NodeTiming], node_of: Mapping[int, str]) -> dict[str, NodeTiming]:
+    """Per node, its slowest rank's figures (one slow device drags the whole node). The compute time is
+    known only when every judged rank of the node reports it."""
+    grouped: dict[str, list[NodeTiming]] = {}
+    for rank, timing in ranks.items():
+        node = node_of.get(rank)
+        if node:
+            grouped.setdefault(node, []).append(timing)
+    out: dict[str, NodeTiming] = {}
+    for node, timings in grouped.items():
+        computes = [t.compute_time_s for t in timings]
+        out[node] = NodeTiming(
+            step_time_s=max(t.step_time_s for t in timings),
+            compute_time_s=max(computes) if all(c > 0 for c in computes) else 0.0,
+        )
+    return out
+
+
+def score_basis(timings: Mapping[str, NodeTiming]) -> ScoreBasis:
+    """``compute`` when every node reports its compute time, else ``step``. In synchronous data parallelism
+    the collectives make every rank's step as long as the slowest one's, so only the compute time (the step
+    minus the wait in collectives) tells the slow node; step intervals tell it only where ranks step on
+    their own. Nodes are compared on one basis, never a mix."""
+    if timings and all(t.compute_time_s > 0 for t in timings.values()):
+        return "compute"
+    return "step"
+
+
+def node_scores(
+    timings: Mapping[str, NodeTiming],
+    baselines: Mapping[str, float],
+    *,
+    settings: StragglerSettings | None = None,
+) -> dict[str, NodeScore]:
+    """Scores every node of ``timings`` against the median of the other nodes (relative) and against its own
+    baseline (individual, from ``baselines``: node -> its value on the same basis when it was first judged
+    healthy in the round). Only the relative score makes a node slow: when every node slows down together
+    (a shared file system, the machine's load) no node is to blame, and the individual scores show it."""
+    cfg = settings or StragglerSettings()
+    basis = score_basis(timings)
+
+    def value(t: NodeTiming) -> float:
+        return t.compute_time_s if basis == "compute" else t.step_time_s
+
+    ordered_nodes = sorted(timings, key=lambda n: (value(timings[n]), n))
+    ordered = [value(timings[n]) for n in ordered_nodes]
+    scores: dict[str, NodeScore] = {}
+    for index, node in enumerate(ordered_nodes):
+        mine = ordered[index]
+        reference = _median_without(ordered, index) if len(ordered) >= 2 else 0.0
+        relative = mine / reference if reference > 0 else 0.0
+        baseline = baselines.get(node, 0.0)
+        scores[node] = NodeScore(
+            node_id=node,
+            basis=basis,
+            value_s=mine,
+            relative=relative,
+            reference_s=reference,
+            individual=mine / baseline if baseline > 0 else 0.0,
+            baseline_s=baseline,
+            slow=reference > 0 and relative > cfg.step_factor,
+            step_time_s=timings[node].step_time_s,
+        )
+    return dict(sorted(scores.items()))
+
+
+def new_baselines(
+    scores: Mapping[str, NodeScore], baselines: Mapping[str, float], *, previous: ScoreBasis
+) -> dict[str, float]:
+    """Baselines after a check: a node without one takes its value from the first check that scores it
+    without finding it slow (its first healthy window of the round). When the basis changed since the
+    ``previous`` check (the recorders' figures arrived or went) they start afresh: seconds of compute and
+    seconds of steps do not compare."""
+    same = all(s.basis == previous for s in scores.values())
+    kept = {n: b for n, b in baselines.items() if n in scores} if same else {}
+    for node, score in scores.items():
+        if node not in kept and not score.slow and score.relative > 0 and score.value_s > 0:
+            kept[node] = score.value_s
+    return kept
+
+
+def confirm_slow(
+    streaks: Mapping[str, int], scores: Mapping[str, NodeScore], *, need: int
+) -> tuple[dict[str, int], list[str]]:
+    """Checks in a row that found each node slow, and the nodes confirmed by this check (the streak reached
+    ``need`` now). A check that finds a node fast, or cannot score it, starts it over: no flapping verdict
+    from one slow window."""
+    updated = {n: streaks.get(n, 0) + 1 for n, s in scores.items() if s.slow}
+    confirmed = sorted(n for n, c in updated.items() if c == need)
+    return updated, confirmed
+
+
+def straggler_state(streak: int, *, need: int) -> StragglerState:
+    """``slow`` once confirmed, ``suspect`` while being confirmed, else ``ok``."""
+    if streak >= need:
+        return "slow"
+    return "suspect" if streak > 0 else "ok"
+
+
+def straggler_reason(score: NodeScore, *, checks: int, factor: float) -> str:
+    """One sentence for the event, the eviction and ``/v1/nodes``."""
+    what = "compute time per step" if score.basis == "compute" else "step interval"
+    own = (
+        f"; {score.individual:.2f}x its own baseline {score.baseline_s:.3g}s" if score.individual > 0 else ""
+    )
+    return (
+        f"{score.node_id}'s median {what} {score.value_s:.3g}s is {score.relative:.2f}x the other nodes' "
+        f"median {score.reference_s:.3g}s (threshold {factor}x) in {checks} check(s) in a row{own}"
+    )

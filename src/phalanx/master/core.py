@@ -29,6 +29,7 @@ from phalanx.master.events import EventLog
 from phalanx.master.membership import ALIVE, EVICTED, LOST, Node, absent, expired, unheard_since_restore
 from phalanx.master.policy import FailureRecord
 from phalanx.master.stats import JobStats
+from phalanx.master.timeline import Timeline
 
 __all__ = ["EVENT_SEQ_GAP", "FINISHED", "JobCore", "action"]
 
@@ -75,6 +76,10 @@ class JobCore:
         self.round_failures: list[FailureRecord] = []
         self.root_cause: dict[str, Any] | None = None
         self.hang_counts: dict[str, int] = {}
+        self.activities: dict[int, tuple[str, int, pb.RankActivity]] = {}
+        """Each global rank's last ``RankActivity`` from heartbeats: rank -> (node, round, activity). Where
+        the ranks are when a hang is reported: the ones that never entered the collective the others wait in
+        are the suspects (not durable: a restarted master learns them again within a heartbeat)."""
         self.hang: dict[str, Any] | None = None
         """The pending hang analysis of a round: round, node, requested_at, stacks."""
         self.early_stacks: tuple[int, dict[str, dict[int, str]]] = (0, {})
@@ -90,6 +95,8 @@ class JobCore:
         the min-nodes timeout does not run; it starts when they could be scheduled."""
         self.stats = JobStats()
         self.events = EventLog()
+        self.timeline = Timeline()
+        """The ranks' recent intervals and the failures, for ``phalanx timeline`` (not durable)."""
         self.durable_version = 0
         self.status_version = 0
         self.round_version = 0
@@ -199,7 +206,7 @@ class JobCore:
     def _event(
         self, kind: str, *, now: float, node: str = "", rank: int = -1, round: int = -1, message: str = ""
     ) -> None:
-        self.events.add(
+        event = self.events.add(
             kind,
             now=now,
             node=node,
@@ -207,6 +214,7 @@ class JobCore:
             round=self.round_number if round < 0 else round,
             message=message,
         )
+        self.timeline.note_event(event)
         self._changed(durable=True)  # the event counter is durable (see EVENT_SEQ_GAP)
 
     def _node(self, node_id: str, incarnation: str) -> Node:

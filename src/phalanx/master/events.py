@@ -30,6 +30,7 @@ KINDS = (
     "node_lost",
     "failure",
     "restart",
+    "root_cause",
     "eviction_requested",
     "hang",
     "hang_analysis",

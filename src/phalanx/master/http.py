@@ -30,7 +30,11 @@ rename or remove one.
     committed_checkpoint_step: int   -1 if none
     max_step: int                    highest step any rank reported, -1 before the first
     root_cause: null | {node_id, round, rank, local_rank, exit_code, failure_class, kind, message,
-                        traceback, log_tail: [str], unix, last_step}      of the latest failed round
+                        traceback, log_tail: [str], unix, last_step, explanation}
+                                     of the latest failed round: its first real failure, a peer's
+                                     communication error (an echo) only when nothing else failed;
+                                     explanation: one sentence ("rank 1 on node-1 SIGKILLed at
+                                     12:00:01.2 UTC; ranks 0, 2, 3 lost their peer after it")
     hang_analysis: null | {round, hung_node, odd_nodes: [str], odd_ranks: [int], nodes_reported, reason}
     started_unix: float
     completed: [node_id]             members that reported completion of `round`
@@ -48,13 +52,16 @@ last_heartbeat_unix, heartbeat_age_s, disconnected_unix (when a held heartbeat's
 and the node was not heard from since, else null), ranks: [{rank, local_rank, step, step_unix,
 beacon_age_s, pid}], agent_restarts, memory_checkpoint_step, probes: {matmul|allgather: [{peer_node_id,
 ok, elapsed_s, rate, error, unix, probe_round}]}, exit_reason, member: bool, group_rank: int (-1 if not a
-member), hang_count}]}``
+member), hang_count, straggler: null | {verdict (ok|suspect|slow), basis (compute|step), step_time_s, value_s,
+relative, reference_s, individual, baseline_s, slow_checks, reason}}]}``: ``straggler`` is the node's
+latest step-time scores (see :meth:`phalanx.master.probing.ProbeCore.straggler_view`)
 
 ``GET /v1/events?since=SEQ&limit=N`` -> ``{"events": [{seq, unix, kind, node, rank, round, message}],
 "next_seq": int}``: events with ``seq > since``, oldest first. ``seq`` increases by one per event and
 jumps forward (never back) when the master restarts; kinds
 are listed in :data:`phalanx.master.events.KINDS` (job_started, master_resumed, node_registered,
 node_replaced, node_joined, round_open, round_complete, node_disconnected, node_lost, failure, restart,
+root_cause (a later report of the round named a better root cause than the restart went by),
 eviction_requested, hang, hang_analysis, checkpoint_breakpoint, checkpoint_committed, checkpoint_failed,
 node_completed, job_succeeded, job_failed, probe_started, probe_finished, probe_failed, straggler,
 slow_steps, job_suspended, job_resumed, node_left).
@@ -66,6 +73,17 @@ kind of ``probes.kinds`` that runs on this many nodes).
 ``GET /v1/logs?node=&rank=&tail=N`` -> ``{"lines": [{unix, node, rank, local_rank, stream (out|err),
 text}]}``: the newest ``tail`` (default 100) lines of the matching (node, rank) rings, oldest first.
 
+``GET /v1/timeline?around=&window_s=S&node=&rank=`` -> the ranks' recent intervals (see
+:mod:`phalanx.master.timeline`): ``{now_unix, start_unix, end_unix, ranks: [{node, rank, local_rank, pid,
+last_beat_unix, intervals: [{name, group, seq, start_unix_ns, end_unix_ns (0: open), device, open,
+unfinished}]}], failures: [{id, unix, kind, node, rank, round, message}], around_failure: null | <a
+failure>, refused, kept, omitted, max_age_s}``. At most 65,536 intervals, each rank's newest share;
+``omitted`` counts the rest (narrow with ``node``, ``rank`` or ``window_s``). ``around`` empty: the last
+``window_s`` (default 120) seconds up to now; ``latest``: the newest failure, and the window is
+``window_s`` seconds each side of it; a whole number below 10^9: the failure with that id (its event's
+``seq``), likewise; otherwise a unix time, likewise. 404 ``{"error": str}`` when no such failure is
+remembered.
+
 ``GET /metrics`` -> Prometheus text format (see :mod:`phalanx.master.metrics`).
 
 ``GET /openapi.json`` -> the OpenAPI schema of these endpoints (behind the token like the rest; the fuzz
@@ -74,6 +92,7 @@ tests generate their requests from it).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -88,6 +107,7 @@ from pydantic import BaseModel
 from phalanx.api import auth
 from phalanx.master.errors import RequestError
 from phalanx.master.runtime import Runtime
+from phalanx.master.timeline import Timeline
 
 __all__ = ["create_app"]
 
@@ -151,6 +171,33 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+DEFAULT_WINDOW_S = 120.0
+MAX_WINDOW_S = 3600.0
+_FIRST_UNIX = 1e9
+"""Below this, ``around`` is a failure id (an event seq); from here on, a unix time (2001 onwards)."""
+
+
+def timeline_center(around: str, timeline: Timeline) -> tuple[float | None, dict[str, Any] | None]:
+    """The unix time ``around`` names (None for "now") and the failure it names, if any: ``latest`` is the
+    newest failure, a number below 10^9 a failure id (LookupError for either when there is none), another
+    number a unix time. The endpoint's pattern lets nothing else through."""
+    text = around.strip()
+    if not text:
+        return None, None
+    if text == "latest":
+        known = timeline.failures()
+        if not known:
+            raise LookupError("no failure is remembered")
+        return float(known[-1]["unix"]), known[-1]
+    value = float(text)
+    if value < _FIRST_UNIX:
+        failure = timeline.failure(int(value)) if value.is_integer() else None
+        if failure is None:
+            raise LookupError(f"no failure {text} is remembered (GET /v1/timeline?around=latest, /v1/events)")
+        return float(failure["unix"]), failure
+    return value, None
+
+
 def create_app(runtime: Runtime, *, token: str, metrics_token: str = "") -> ASGIApp:
     """The HTTP API over ``runtime``'s job, wrapped in the bearer-token check (see :class:`BearerAuth`).
 
@@ -191,6 +238,7 @@ def create_app(runtime: Runtime, *, token: str, metrics_token: str = "") -> ASGI
             view["member"] = member is not None
             view["group_rank"] = member.group_rank if member else -1
             view["hang_count"] = job.hang_counts.get(node.node_id, 0)
+            view["straggler"] = job.straggler_view(node.node_id)
             nodes.append(view)
         return {"nodes": nodes}
 
@@ -227,6 +275,28 @@ def create_app(runtime: Runtime, *, token: str, metrics_token: str = "") -> ASGI
         tail: int = Query(100, ge=0, le=100_000),
     ) -> dict[str, Any]:
         return {"lines": runtime.logs.tail(node=node, rank=rank, tail=tail)}
+
+    @app.get(
+        "/v1/timeline",
+        responses={404: {"description": "No failure with that id is remembered.", "model": ErrorBody}},
+    )
+    async def get_timeline(
+        around: str = Query("", max_length=32, pattern=r"^(latest|[0-9]{1,20}(\.[0-9]{0,9})?)?$"),
+        window_s: float = Query(DEFAULT_WINDOW_S, gt=0, le=MAX_WINDOW_S),
+        node: str = Query("", max_length=253),
+        rank: int | None = Query(None, ge=0),
+    ) -> Response:
+        now = runtime.now()
+        try:
+            center, failure = timeline_center(around, job.timeline)
+        except LookupError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=404)
+        start, end = (now - window_s, now) if center is None else (center - window_s, center + window_s)
+        answer = job.timeline.window(start=start, end=end, now=now, node=node, rank=rank)
+        answer["around_failure"] = failure
+        # The answer is a copy: encoding it (megabytes at the bound) need not hold up the event loop.
+        body = await asyncio.to_thread(json.dumps, answer)
+        return Response(body, media_type="application/json")
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:

@@ -14,16 +14,34 @@ the first), ``Succeeded``, ``Failed``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from phalanx.api.v1 import master_pb2 as pb
+from phalanx.diagnostics import hang
 from phalanx.master import rendezvous as rdzv
 from phalanx.master.breakpoints import Breakpoint
 from phalanx.master.core import FINISHED, action, failure_log, log
 from phalanx.master.errors import RequestError
-from phalanx.master.membership import ALIVE, Node
-from phalanx.master.policy import FailureRecord, PolicyInput, Verdict, decide_failure, records_from_request
+from phalanx.master.membership import ALIVE, Node, lost_records_to_drop, registration_refusal
+from phalanx.master.policy import (
+    FailureRecord,
+    PolicyInput,
+    Verdict,
+    decide_failure,
+    explain_cause,
+    records_from_request,
+    root_cause,
+)
 from phalanx.master.probing import ProbeCore
 
 __all__ = ["FINISHED", "Job", "RendezvousAnswer"]
+
+
+def _same_failure(recorded: dict[str, Any] | None, root: FailureRecord) -> bool:
+    """Whether the recorded root cause (JSON) is ``root``'s failure."""
+    if recorded is None:
+        return False
+    return (recorded.get("node_id"), recorded.get("rank")) == (root.node_id, root.rank)
 
 
 class RendezvousAnswer:
@@ -51,6 +69,14 @@ class Job(ProbeCore):
         if req.job_id != self.job_id:
             raise RequestError(f"the node belongs to job {req.job_id!r}; this master serves {self.job_id!r}")
         node = self.nodes.get(req.node_id)
+        if node is None:
+            for gone in lost_records_to_drop(self.nodes.values(), members=self.members):
+                del self.nodes[gone]
+            refusal = registration_refusal(
+                self.nodes.values(), node_id=req.node_id, max_nodes=self.settings.rendezvous.max_nodes
+            )
+            if refusal:
+                raise RequestError(refusal, code="failed_precondition")
         if node is not None and node.incarnation == req.incarnation:
             node.last_seen = now  # the same agent again, e.g. reconnecting after a master restart
             node.agent_version = req.agent_version
@@ -124,6 +150,10 @@ class Job(ProbeCore):
                     self.max_step = top
                     self._changed()
                 self.observe_steps(req.node_id, req.ranks, round=req.round)
+                self.timeline.observe(req.node_id, req.ranks, now=now)
+                for r in req.ranks:
+                    if r.HasField("activity"):
+                        self.activities[r.rank] = (req.node_id, req.round, r.activity)
                 self._maybe_succeed(now=now)
         return self.heartbeat_answer(req, now=now)
 
@@ -239,6 +269,7 @@ class Job(ProbeCore):
         node = self._node(req.node_id, req.incarnation)
         leave = self._exitaction(node, req.incarnation)
         if leave is not None:
+            self._revise_failed_job(req, now=now)
             return leave
         node.last_seen = now
         records = records_from_request(req, now=now)
@@ -266,10 +297,38 @@ class Job(ProbeCore):
             self._event("failure", now=now, node=req.node_id, message=f"while suspended: {summary}")
             self._open_round(f"failure while suspended: {summary}", now=now)
             return action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason="the job is suspended")
-        return self._handle_failure(node, records, now=now)
+        if req.kind == pb.FAILURE_KIND_HANG:
+            for f in req.failures:
+                side = f.hang.side if f.HasField("hang") and f.hang.side in hang.SIDES else "beacon"
+                self.stats.hang_verdicts[side] = self.stats.hang_verdicts.get(side, 0) + 1
+        return self._handle_failure(node, records, now=now, suspects=self._hang_suspects(req))
 
-    def _handle_failure(self, node: Node, records: list[FailureRecord], *, now: float) -> pb.Action:
+    def _hang_suspects(self, req: pb.ReportFailureRequest) -> tuple[hang.Suspects, list[str]] | None:
+        """For a hang report: the ranks that never entered the collective the others wait in, and their nodes,
+        from the ranks' last activities of this round (the report's own evidence is the freshest)."""
+        if req.kind != pb.FAILURE_KIND_HANG:
+            return None
+        known = {r: (n, a) for r, (n, rnd, a) in self.activities.items() if rnd == self.round_number}
+        for f in req.failures:
+            if f.HasField("hang") and f.hang.HasField("activity"):
+                known[f.rank] = (req.node_id, f.hang.activity)
+        found = hang.find_suspects({r: a for r, (_, a) in known.items()})
+        if found is None:
+            return None
+        return found, sorted({known[r][0] for r in found.ranks})
+
+    def _handle_failure(
+        self,
+        node: Node,
+        records: list[FailureRecord],
+        *,
+        now: float,
+        suspects: tuple[hang.Suspects, list[str]] | None = None,
+    ) -> pb.Action:
         self.round_failures.extend(records)
+        # A hang is blamed on the node whose rank never entered the collective the others wait in (one
+        # suspect node), not on the node that noticed it.
+        suspect = suspects[1][0] if suspects is not None and len(suspects[1]) == 1 else ""
         decision = decide_failure(
             PolicyInput(
                 node_id=node.node_id,
@@ -282,15 +341,32 @@ class Job(ProbeCore):
                 eviction_count=len(self.evictions),
                 max_evictions=self.settings.restart.max_evictions,
                 hang_count=self.hang_counts.get(node.node_id, 0),
+                hang_suspect=suspect,
+                suspect_hang_count=self.hang_counts.get(suspect, 0),
                 already_restarting=self.round_open,
                 user_error_window_s=self.settings.user_error_window_s,
             ),
             now=now,
         )
+        previous = self.root_cause
         if decision.root is not None:
             self.root_cause = decision.root.to_json()
-        first = records[0]
-        self._event("failure", now=now, node=node.node_id, rank=first.rank, message=first.summary())
+            self.root_cause["explanation"] = explain_cause(self.round_failures)
+            self._revise_cause(previous, decision.root, now=now)
+        first = root_cause(records) or records[0]  # the report's own cause, not the echo it also carries
+        summary = first.summary()
+        if suspects is not None:
+            found, nodes = suspects
+            summary += f"; suspects: {found.describe()}, on {', '.join(nodes)}"
+            if decision.root is not None and self.root_cause is not None:
+                self.root_cause["suspects"] = {
+                    "ranks": found.ranks,
+                    "nodes": nodes,
+                    "collective": found.op,
+                    "group": found.group,
+                    "seq": found.seq,
+                }
+        self._event("failure", now=now, node=node.node_id, rank=first.rank, message=summary)
         failure_log.error(
             "failure of %s; root cause of round %d: %s; decision: %s (%s)",
             first.summary(),
@@ -306,6 +382,14 @@ class Job(ProbeCore):
             return action(
                 pb.ACTION_KIND_EXIT, round=self.round_number, exit_code=1, reason=self._end_reason()
             )
+        if decision.verdict is Verdict.EVICT and decision.blamed and decision.blamed != node.node_id:
+            blamed = self.nodes.get(decision.blamed)
+            if blamed is not None and blamed.status == ALIVE:
+                was_member = blamed.node_id in self.members
+                if self._request_eviction(blamed, kind=decision.evict_kind, reason=decision.reason, now=now):
+                    if was_member:
+                        self._open_round(f"evicted {blamed.node_id}: {decision.reason}", now=now)
+                    return action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason=decision.reason)
         if decision.verdict is Verdict.EVICT:
             was_member = node.node_id in self.members
             if (
@@ -318,9 +402,43 @@ class Job(ProbeCore):
             self.restart_count += 1
             self._event("restart", now=now, node=node.node_id, message=decision.reason)
             if decision.dump_stacks:
-                self._start_hang_analysis(node.node_id, now=now)
+                self._start_hang_analysis(decision.blamed or node.node_id, now=now)
             self._open_round(decision.reason, now=now)
         return action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason=decision.reason)
+
+    def _revise_cause(self, previous: dict[str, Any] | None, root: FailureRecord, *, now: float) -> None:
+        """Says so when a later report of the round names a better root cause than the one the restart (or
+        an earlier report) went by: e.g. the node whose rank was SIGKILLed reports after a node whose ranks
+        lost their peer. The round restarts once; only the recorded cause and this event change."""
+        if previous is None or previous.get("round") != root.round or _same_failure(previous, root):
+            return
+        self._event(
+            "root_cause",
+            now=now,
+            node=root.node_id,
+            rank=root.rank,
+            round=root.round,
+            message=f"revised: {self.root_cause['explanation'] if self.root_cause else root.summary()}",
+        )
+
+    def _revise_failed_job(self, req: pb.ReportFailureRequest, *, now: float) -> None:
+        """A report of the round that failed the job, arriving after it (its restart budget was spent on
+        a peer's echo, reported first): the recorded cause and the job's reason, which the ElasticJob's
+        status shows, name the better root cause it brings."""
+        if self.phase != "Failed" or req.round != self.round_number or req.node_id not in self.members:
+            return
+        previous = self.root_cause
+        before = str(previous.get("explanation", "")) if previous else ""
+        self.round_failures.extend(records_from_request(req, now=now))
+        root = root_cause(self.round_failures)
+        if root is None or _same_failure(previous, root):
+            return
+        explanation = explain_cause(self.round_failures)
+        self.root_cause = {**root.to_json(), "explanation": explanation}
+        if before and before in self.reason:
+            self.reason = self.reason.replace(before, explanation)
+        self._revise_cause(previous, root, now=now)
+        self._changed(durable=True)
 
     def _start_hang_analysis(self, node_id: str, *, now: float) -> None:
         self.hang_counts[node_id] = self.hang_counts.get(node_id, 0) + 1

@@ -9,20 +9,32 @@
 * :func:`status_sink` -- maps the master's ``/v1/job`` JSON onto the ElasticJob's status subresource
   (round, worldSize, step, lastCommittedCheckpointStep, restartCount, evictions and ``status.master``).
   The operator reads ``status.evictions`` and carries them out, and ends the job on
-  ``status.master.phase``. It also reads back ``spec.suspend`` and the job's generation (from each
-  PATCH's answer, else by a GET every :data:`SPEC_POLL_S`): a suspended master publishes phase
-  ``Suspended`` and the generation it follows (``status.master.observedGeneration``), which together tell
-  the operator it may delete the worker Pods.
+  ``status.master.phase``. A change of anything but the step is patched at once; the step alone at most
+  every ``status_progress_interval_s`` (10 s; :func:`publish_decision`), so a training job costs a few
+  PATCHes a minute instead of one per heartbeat.
+* the sink follows ``spec.suspend``, the job's generation and the operator's scheduled-workers annotation
+  through a watch of the one ElasticJob (:class:`JobWatch`: a LIST and a WATCH with the field selector
+  ``metadata.name=<job>``, resumed from the last resourceVersion, listed again on ``410 Gone``), so a
+  spec change reaches the master within a second and an idle job costs no reads. A suspended master
+  publishes phase ``Suspended`` and the generation it follows (``status.master.observedGeneration``), which
+  together tell the operator it may delete the worker Pods. While the watch is down, or refused (a Role
+  made by an older operator), the spec is read by a GET every :data:`SPEC_POLL_S` instead.
 
-The master's RBAC (built by the operator) allows exactly this: get/patch of its own ElasticJob status and
-its own ConfigMap (by resourceName), and Events. Credentials come from the Pod's service account
-(in-cluster config); outside a Pod, from ``$KUBECONFIG``.
+The master's RBAC (built by the operator) allows exactly this: get/list/watch of its own ElasticJob (list
+and watch only with the field selector on its name), get/patch of its status and of its own ConfigMap (by
+resourceName), and Events. Credentials come from the Pod's service account (in-cluster config); outside a
+Pod, from ``$KUBECONFIG``.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import logging
 import os
+import random
+import threading
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -31,6 +43,8 @@ from typing import Any
 from phalanx.api.errors import KubernetesError, StateStoreError
 from phalanx.master.state import SpecView
 
+log = logging.getLogger("phalanx.master")
+
 GROUP = "phalanx.dev"
 VERSION = "v1alpha1"
 PLURAL = "elasticjobs"
@@ -38,7 +52,15 @@ STATE_KEY = "state.json"
 _MAX_TEXT = 32000  # CRD maxLength of status.master.reason is 32768
 SPEC_POLL_S = 2.0  # how stale the spec's suspend may be when no status was published meanwhile
 
-__all__ = ["ConfigMapStateStore", "ElasticJobStatusSink", "parse_state_url", "state_store", "status_sink"]
+__all__ = [
+    "ConfigMapStateStore",
+    "ElasticJobStatusSink",
+    "JobWatch",
+    "parse_state_url",
+    "publish_decision",
+    "state_store",
+    "status_sink",
+]
 
 
 def parse_state_url(url: str) -> tuple[str, str]:
@@ -160,53 +182,322 @@ def job_status_patch(status: Mapping[str, Any]) -> dict[str, Any]:
     return patch
 
 
-class ElasticJobStatusSink:
-    """Publishes the master's view into the ElasticJob's status subresource (a merge patch)."""
+PROGRESS_FIELDS = frozenset({"step"})
+"""Status fields that only tell how far training got: coalesced to one PATCH per progress interval."""
 
-    def __init__(self, *, namespace: str, name: str, api: Any | None = None) -> None:
+
+def _urgent_part(patch: Mapping[str, Any]) -> dict[str, Any]:
+    """The patch without progress and without ``master.updatedAt`` (which changes on every patch)."""
+    out = {k: v for k, v in patch.items() if k not in PROGRESS_FIELDS}
+    if isinstance(out.get("master"), Mapping):
+        out["master"] = {k: v for k, v in out["master"].items() if k != "updatedAt"}
+    return out
+
+
+def publish_decision(
+    published: Mapping[str, Any] | None,
+    patch: Mapping[str, Any],
+    *,
+    elapsed_s: float,
+    progress_interval_s: float,
+) -> str:
+    """Whether ``patch`` goes out ``"now"``, ``"later"`` (progress only, within the interval) or is
+    ``"unchanged"`` against the last patch the API server accepted, ``elapsed_s`` ago (pure).
+
+    Everything but progress publishes at once: the operator acts on ``status.evictions`` (it deletes the
+    Pod), on ``master.phase`` (it ends the job) and on ``master.observedGeneration`` with phase Suspended
+    (the suspend handshake: only then does it delete the worker Pods), and a new round or a committed
+    checkpoint is what a user watching the job waits for. Holding any of them back would slow a recovery
+    or a suspension by up to the interval; the step alone can wait."""
+    if published is None or _urgent_part(published) != _urgent_part(patch):
+        return "now"
+    if all(published.get(k) == patch.get(k) for k in PROGRESS_FIELDS):
+        return "unchanged"
+    return "now" if elapsed_s >= progress_interval_s else "later"
+
+
+def newer(version: str, than: str) -> bool:
+    """True when resourceVersion ``version`` is newer than ``than``. Versions are opaque to clients, but
+    the API server (etcd's revision) issues increasing integers; anything else counts as newer."""
+    try:
+        return int(version) > int(than)
+    except ValueError:
+        return True
+
+
+WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; it is resumed from the last version
+WATCH_BACKOFF_S = (0.5, 30.0)  # first and longest wait before reconnecting a failed watch
+RETRY_PUBLISH_S = 1.0  # a failed PATCH is retried this long after (on the publisher's next spec() call)
+
+
+class JobWatch:
+    """Follows one ElasticJob: a LIST, then a WATCH from its resourceVersion, both with the field selector
+    ``metadata.name=<job>`` (the only list/watch the master's RBAC allows). A watch the API server ends
+    (its timeout) is resumed at once from the last version seen (events and bookmarks); one that fails
+    (connection lost, API server restarted) is resumed after a backoff doubling from 0.5 s to 30 s;
+    ``410 Gone`` (the version is older than the server keeps) lists again. ``403`` (a Role made by an
+    operator older than this master, without list/watch) stops the watch for good: the sink then reads
+    the job by GET as before. Runs in a daemon thread; ``on_object`` gets every version of the job."""
+
+    def __init__(
+        self, custom: Any, *, namespace: str, name: str, on_object: Any, resource_version: str = ""
+    ) -> None:
+        self._custom = custom
+        self.namespace = namespace
+        self.name = name
+        self._on_object = on_object
+        self.resource_version = resource_version  # "" lists first; a given one resumes from it
+        self.connected = False
+        self.forbidden = False
+        self.lists = 0
+        self.watches = 0
+        self.gone = 0  # 410 answers: versions the API server no longer had
+        self.failures = 0
+        self._listed_at = float("-inf")
+        self._stop = threading.Event()
+        self._watch: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"watch-elasticjob-{name}", daemon=True)
+
+    def start(self) -> JobWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        w = self._watch
+        if w is not None:
+            w.stop()
+            with contextlib.suppress(Exception):  # unblocks the read of the open watch
+                w._resp.close()
+
+    def _selector(self) -> str:
+        return f"metadata.name={self.name}"
+
+    def _run(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        backoff = WATCH_BACKOFF_S[0]
+        while not self._stop.is_set():
+            try:
+                if not self.resource_version:
+                    self._list()
+                self._follow()
+                backoff = WATCH_BACKOFF_S[0]
+                continue
+            except ApiException as exc:
+                if exc.status == 410:
+                    self.gone += 1
+                    self.resource_version = ""  # list again
+                    if time.monotonic() - self._listed_at > 1.0:
+                        continue  # at once: the server is fine, the version was just old
+                reason = f"{exc.status} {exc.reason}"
+                if exc.status == 403:
+                    self.forbidden = True
+                    log.warning(
+                        "no list/watch on ElasticJob %s/%s (%s): reading it every %.0fs instead",
+                        self.namespace, self.name, exc.reason, SPEC_POLL_S,
+                    )  # fmt: skip
+                    return
+            except Exception as exc:  # connection refused or reset, a timeout, a broken stream
+                reason = f"{type(exc).__name__}: {exc}"
+            finally:
+                self.connected = False
+            if self._stop.is_set():
+                return
+            self.failures += 1
+            wait = backoff * random.uniform(0.8, 1.2)  # jitter: a thousand masters do not reconnect at once
+            log.warning("watch of ElasticJob %s/%s failed (%s); again in %.1fs", self.namespace, self.name,
+                        reason, wait)  # fmt: skip
+            self._stop.wait(wait)
+            backoff = min(backoff * 2, WATCH_BACKOFF_S[1])
+
+    def _list(self) -> None:
+        listed = self._custom.list_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, field_selector=self._selector(),
+            _request_timeout=30,
+        )  # fmt: skip
+        self.lists += 1
+        self._listed_at = time.monotonic()
+        for item in listed.get("items") or []:
+            self._on_object(item)
+        self.resource_version = str(listed["metadata"]["resourceVersion"])
+
+    def _follow(self) -> None:
+        from kubernetes import watch
+
+        self._watch = w = watch.Watch()  # type: ignore[no-untyped-call]
+        self.watches += 1
+        self.connected = True
+        started = time.monotonic()
+        for event in w.stream(  # type: ignore[no-untyped-call]
+            self._custom.list_namespaced_custom_object,
+            GROUP, VERSION, self.namespace, PLURAL,
+            field_selector=self._selector(),
+            resource_version=self.resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=WATCH_TIMEOUT_S,
+            _request_timeout=(10, WATCH_TIMEOUT_S + 30),  # a silent dead connection ends too
+        ):  # fmt: skip
+            obj = event.get("raw_object") or {}
+            version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+            if version:
+                self.resource_version = version
+            if event.get("type") in ("ADDED", "MODIFIED"):
+                self._on_object(obj)
+        if self._stop.is_set():
+            return
+        if time.monotonic() - started < 1.0:  # ended at once: not the server's timeout; do not spin
+            raise ConnectionError("the watch ended as soon as it started")
+
+
+class ElasticJobStatusSink:
+    """Publishes the master's view into the ElasticJob's status subresource (a merge patch), coalescing
+    progress (see :func:`publish_decision`), and follows the job's spec through a :class:`JobWatch`."""
+
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        name: str,
+        api: Any | None = None,
+        progress_interval_s: float = 10.0,
+        watch: bool = True,
+        resume_from: str = "",
+    ) -> None:
         from kubernetes import client
 
         self.namespace = namespace
         self.name = name
+        self.progress_interval_s = progress_interval_s
         self._custom = client.CustomObjectsApi(api or _api_client())
+        self._lock = threading.Lock()
         self._view: SpecView | None = None
+        self._view_version = ""
         self._read_at = float("-inf")
+        self._published: dict[str, Any] | None = None
+        self._published_at = float("-inf")
+        self._pending: dict[str, Any] | None = None
+        self._retry_at = float("-inf")
+        self.patches = 0
+        self.gets = 0
+        self.watch: JobWatch | None = None
+        if watch:
+            self.watch = JobWatch(
+                self._custom,
+                namespace=namespace,
+                name=name,
+                on_object=self._saw,
+                resource_version=resume_from,
+            ).start()
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
 
     def _saw(self, job: Any) -> None:
+        """Takes the spec from a version of the job (a watch event, a PATCH's answer, a GET), unless an
+        newer version was seen already (a PATCH's answer can arrive after a later watch event)."""
         spec = job.get("spec") if isinstance(job, Mapping) else None
         meta = job.get("metadata") if isinstance(job, Mapping) else None
-        if isinstance(spec, Mapping) and isinstance(meta, Mapping):
+        if not (isinstance(spec, Mapping) and isinstance(meta, Mapping)):
+            return
+        version = str(meta.get("resourceVersion") or "")
+        with self._lock:
+            if version and self._view_version and not newer(version, self._view_version):
+                return
             self._view = SpecView(
                 suspend=bool(spec.get("suspend", False)),
                 generation=int(meta["generation"]),
                 scheduled_workers=scheduled_workers(meta),
             )
+            self._view_version = version
             self._read_at = time.monotonic()
 
     def publish(self, status: Mapping[str, Any]) -> None:
+        patch = job_status_patch(status)
+        with self._lock:
+            decision = publish_decision(
+                self._published,
+                patch,
+                elapsed_s=time.monotonic() - self._published_at,
+                progress_interval_s=self.progress_interval_s,
+            )
+            if decision == "later":
+                self._pending = patch  # sent by spec() once the interval is over
+                return
+            self._pending = None  # superseded: this patch holds everything a held-back one had
+            if decision == "unchanged":
+                return
+        self._send(patch)
+
+    def _send(self, patch: dict[str, Any]) -> None:
         from kubernetes.client.exceptions import ApiException
 
-        body = {"status": job_status_patch(status)}
         try:
             job = self._custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, self.namespace, PLURAL, self.name, body
+                GROUP, VERSION, self.namespace, PLURAL, self.name, {"status": patch}, _request_timeout=30
             )
         except ApiException as exc:
+            with self._lock:  # kept: retried after RETRY_PUBLISH_S, also when nothing changes meanwhile
+                self._pending, self._retry_at = patch, time.monotonic() + RETRY_PUBLISH_S
             raise KubernetesError(
                 f"cannot publish the status of ElasticJob {self.namespace}/{self.name}: {exc.reason}"
             ) from exc
+        with self._lock:
+            self.patches += 1
+            self._published, self._published_at = patch, time.monotonic()
+            if self._pending is patch:
+                self._pending = None
         self._saw(job)
 
+    def flush_due(self) -> None:
+        """Sends the held-back progress once the interval is over (and a failed PATCH once its retry is
+        due). The master's publisher calls :meth:`spec` every half second, which calls this, so the last
+        step of a stretch without other changes is never held back longer than the interval."""
+        now = time.monotonic()
+        with self._lock:
+            pending = self._pending
+            due = (
+                pending is not None
+                and now >= self._retry_at
+                and (
+                    now - self._published_at >= self.progress_interval_s
+                    or self._published is None
+                    or _urgent_part(self._published) != _urgent_part(pending)
+                )
+            )
+        if due and pending is not None:
+            try:
+                self._send(pending)
+            except KubernetesError as exc:
+                log.warning("%s; retrying in %.0fs", exc, RETRY_PUBLISH_S)
+
+    def flush_pending(self) -> None:
+        """Sends held-back progress now, whatever the interval: at the master's exit, so a stopped master
+        leaves its last step in the status."""
+        with self._lock:
+            pending = self._pending
+        if pending is not None:
+            try:
+                self._send(pending)
+            except KubernetesError as exc:
+                log.warning("%s (at exit)", exc)
+
     def spec(self) -> SpecView | None:
-        """The spec as of at most :data:`SPEC_POLL_S` ago (a GET when no publish read it since)."""
+        """The spec as the watch last saw it (spec changes arrive within a second). While the watch is
+        down, or not allowed, a GET every :data:`SPEC_POLL_S` keeps it at most that stale."""
         from kubernetes.client.exceptions import ApiException
 
-        if time.monotonic() - self._read_at >= SPEC_POLL_S:
+        self.flush_due()
+        watching = self.watch is not None and self.watch.connected and self._view is not None
+        if not watching and time.monotonic() - self._read_at >= SPEC_POLL_S:
             self._read_at = time.monotonic()  # a failing GET is retried at the same pace, not on every call
             try:
-                self._saw(self._custom.get_namespaced_custom_object(
+                job = self._custom.get_namespaced_custom_object(
                     GROUP, VERSION, self.namespace, PLURAL, self.name
-                ))  # fmt: skip
+                )
+                self.gets += 1
+                self._saw(job)
             except ApiException as exc:
                 raise KubernetesError(
                     f"cannot read the spec of ElasticJob {self.namespace}/{self.name}: {exc.reason}"
@@ -219,9 +510,12 @@ def state_store(*, namespace: str, name: str) -> ConfigMapStateStore:
     return ConfigMapStateStore(namespace=namespace, name=name)
 
 
-def status_sink(*, namespace: str, name: str) -> ElasticJobStatusSink:
-    """The StatusSink of job ``namespace/name`` (see phalanx.master.state.StatusSink)."""
-    return ElasticJobStatusSink(namespace=namespace, name=name)
+def status_sink(*, namespace: str, name: str, progress_interval_s: float = 10.0) -> ElasticJobStatusSink:
+    """The StatusSink of job ``namespace/name`` (see phalanx.master.state.StatusSink), for this process:
+    progress it still holds back is sent when the process exits."""
+    sink = ElasticJobStatusSink(namespace=namespace, name=name, progress_interval_s=progress_interval_s)
+    atexit.register(sink.flush_pending)
+    return sink
 
 
 def in_cluster() -> bool:

@@ -19,7 +19,16 @@ from typing import Any
 
 from phalanx.api.v1 import master_pb2 as pb
 
-__all__ = ["ALIVE", "EVICTED", "LOST", "Node", "absent", "expired"]
+__all__ = [
+    "ALIVE",
+    "EVICTED",
+    "LOST",
+    "Node",
+    "absent",
+    "expired",
+    "lost_records_to_drop",
+    "registration_refusal",
+]
 
 ALIVE = "alive"
 LOST = "lost"
@@ -160,3 +169,40 @@ def unheard_since_restore(nodes: Iterable[Node], *, now: float, grace_s: float) 
 def expired(nodes: Iterable[Node], *, now: float, timeout_s: float) -> list[str]:
     """Ids of live nodes silent for longer than the heartbeat timeout."""
     return [n.node_id for n in nodes if n.status == ALIVE and now - n.last_seen > timeout_s]
+
+
+KEPT_LOST_RECORDS = 64
+"""Lost nodes' records a master keeps for its views; older ones that are no round member are dropped."""
+
+
+def registration_cap(max_nodes: int) -> int:
+    """How many live node records a job accepts: its members, as many spares again, and a few agents
+    reconnecting under new ids. Anyone holding the job token can call RegisterNode, so without a cap a script
+    could grow the master without bound; a real job never comes near it."""
+    return 2 * max_nodes + 8
+
+
+def registration_refusal(nodes: Iterable[Node], *, node_id: str, max_nodes: int) -> str:
+    """Why a registration under a node id the master does not know is refused; empty when it is accepted."""
+    live = sum(1 for n in nodes if n.status != LOST and n.node_id != node_id)
+    cap = registration_cap(max_nodes)
+    if live < cap:
+        return ""
+    return (
+        f"the job has {live} registered nodes, the most it accepts ({cap}: twice rendezvous.maxNodes "
+        f"{max_nodes}, plus 8); node {node_id!r} is refused"
+    )
+
+
+def lost_records_to_drop(
+    nodes: Iterable[Node], *, members: Iterable[str], keep: int = KEPT_LOST_RECORDS
+) -> list[str]:
+    """Ids of lost nodes beyond the ``keep`` most recently seen, members of no round: nodes that registered
+    and went silent must not accumulate either."""
+    member_ids = set(members)
+    lost = sorted(
+        (n for n in nodes if n.status == LOST and n.node_id not in member_ids),
+        key=lambda n: n.last_seen,
+        reverse=True,
+    )
+    return [n.node_id for n in lost[keep:]]

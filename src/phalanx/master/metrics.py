@@ -1,8 +1,9 @@
 """Prometheus metrics of the master (``/metrics``).
 
 Gauges and counters are read from the job's state at scrape time (a custom collector), so a heartbeat
-costs no metric update; only the RPC latency histogram is observed per call. Labels are bounded: no node,
-pod, rank or step labels.
+costs no metric update; only the RPC latency histogram is observed per call. Labels are bounded: no pod,
+rank or step labels, and a node label only on the per-node step-time series, for the members of the running
+round the latest step-time check scored (as many series as the job has nodes; a node that leaves drops out).
 
 ============================================  =========  =====================================
 metric                                        type       labels
@@ -19,6 +20,9 @@ phalanx_probe_rounds_total                    counter    result (ok, suspects, e
                                                          aborted)
 phalanx_probe_reports_stale_total             counter
 phalanx_slow_step_verdicts_total              counter    (ranks the step-time check found lagging)
+phalanx_hang_verdicts_total                   counter    side (device, host, beacon)
+phalanx_node_step_time_seconds                gauge      node (median step interval of its slowest rank)
+phalanx_node_straggler_score                  gauge      node, kind (relative, individual)
 phalanx_heartbeats_total                      counter
 phalanx_actions_repeated_total                counter    (one-shot actions sent again: answers lost)
 phalanx_training_step                         gauge      (highest step any rank reported)
@@ -90,6 +94,12 @@ class _JobCollector:
         for kind, count in sorted(job.stats.evictions.items()):
             evictions.add_metric([kind], count)
         yield evictions
+        verdicts = CounterMetricFamily(
+            "phalanx_hang_verdicts", "Hangs reported, by where the rank was stuck.", labels=["side"]
+        )
+        for side, count in sorted(job.stats.hang_verdicts.items()):
+            verdicts.add_metric([side], count)
+        yield verdicts
         rounds = CounterMetricFamily(
             "phalanx_probe_rounds", "Finished probe rounds, by result.", labels=["result"]
         )
@@ -106,6 +116,23 @@ class _JobCollector:
             "Ranks whose step intervals lagged the other ranks' (once per rank and rendezvous round).",
             value=job.stats.slow_step_verdicts,
         )
+        step_time = GaugeMetricFamily(
+            "phalanx_node_step_time_seconds",
+            "Median recent step interval of each member node's slowest rank (latest step-time check).",
+            labels=["node"],
+        )
+        score = GaugeMetricFamily(
+            "phalanx_node_straggler_score",
+            "Each member node's straggler scores: relative (its compute or step time over the other nodes' "
+            "median) and individual (over its own baseline in the round); 1 is normal, 0 not yet scored.",
+            labels=["node", "kind"],
+        )
+        for node_id, s in sorted(job.node_scores.items()):
+            step_time.add_metric([node_id], s.step_time_s)
+            score.add_metric([node_id, "relative"], s.relative)
+            score.add_metric([node_id, "individual"], s.individual)
+        yield step_time
+        yield score
         yield CounterMetricFamily("phalanx_heartbeats", "Heartbeats received.", value=job.stats.heartbeats)
         yield CounterMetricFamily(
             "phalanx_actions_repeated",

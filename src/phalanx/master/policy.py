@@ -16,9 +16,12 @@
 A report for a round that is already restarting only adds evidence: it can still turn the restart into
 a fail-fast user error or evict a node with broken hardware, but it never spends a second restart.
 
-The *root cause* of a round is its first failure by timestamp: the worker's own error time when its
-error file had one, else when the agent observed the exit. A failure's message is the error file's,
-else the last ``SomeError: ...`` line of the worker's log tail (plain scripts write no error file).
+The *root cause* of a round is its first real failure (:mod:`phalanx.diagnostics.rootcause`): a signal
+death, an OOM kill, a hardware error, a hang or a user exception outranks a peer's communication error (its
+echo), and among equals the earliest wins, by the worker's own error time when its error file had one,
+else when the agent observed the exit. Reasons name it in one sentence (``rootcause.explain``). A
+failure's message is the error file's, else the last ``SomeError: ...`` line of the worker's log tail
+(plain scripts write no error file).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 from phalanx.api import limits
 from phalanx.api.v1 import master_pb2 as pb
+from phalanx.diagnostics import rootcause
 
 __all__ = [
     "Decision",
@@ -37,6 +41,7 @@ __all__ = [
     "PolicyInput",
     "Verdict",
     "decide_failure",
+    "explain_cause",
     "records_from_request",
     "root_cause",
     "user_error",
@@ -152,8 +157,14 @@ def records_from_request(request: pb.ReportFailureRequest, *, now: float) -> lis
 
 
 def root_cause(records: Sequence[FailureRecord]) -> FailureRecord | None:
-    """The first failure by timestamp (ties: lowest rank)."""
-    return min(records, key=lambda r: (r.unix, r.rank), default=None)
+    """The first real failure, echoes last (see :mod:`phalanx.diagnostics.rootcause`)."""
+    return rootcause.pick(records)
+
+
+def explain_cause(records: Sequence[FailureRecord]) -> str:
+    """The root cause of ``records`` and what the others were to it, in one sentence ("" for none)."""
+    root = root_cause(records)
+    return rootcause.explain(root, records) if root else ""
 
 
 def user_error(
@@ -213,6 +224,11 @@ class PolicyInput:
     max_evictions: int
     hang_count: int = 0
     """Hangs blamed on the node before this report."""
+    hang_suspect: str = ""
+    """For a hang: the node whose rank never entered the collective the others wait in ("": none found, the
+    reporting node is blamed)."""
+    suspect_hang_count: int = 0
+    """Hangs blamed on ``hang_suspect`` before this report."""
     already_restarting: bool = False
     user_error_window_s: float = 10.0
 
@@ -225,12 +241,15 @@ class Decision:
     evict_kind: str = ""
     """Bounded label of the eviction reason: hardware or hang."""
     dump_stacks: bool = False
+    blamed: str = ""
+    """For a hang: the node it is blamed on (counted, and evicted on its second hang); "": the reporter."""
 
 
 def decide_failure(inp: PolicyInput, *, now: float) -> Decision:
     """Decides what to do about a failure report (see the module docstring)."""
     root = root_cause(inp.round_records) or root_cause(inp.report)
-    cause = root.summary() if root else f"failure on {inp.node_id}"
+    known = inp.round_records if root_cause(inp.round_records) else inp.report
+    cause = rootcause.explain(root, known) if root else f"failure on {inp.node_id}"
     message = user_error(
         inp.round_records, members=inp.members, world_size=inp.world_size, window_s=inp.user_error_window_s
     )
@@ -253,16 +272,27 @@ def decide_failure(inp: PolicyInput, *, now: float) -> Decision:
             verdict=Verdict.NONE, root=root, reason=f"round already restarting; root cause: {cause}"
         )
     hang = any(r.kind == "hang" or r.failure_class == "hang" for r in inp.report)
-    if hang and inp.hang_count + 1 >= 2:
-        return evict("hang", f"{inp.node_id} hung {inp.hang_count + 1} times")
+    blamed = (inp.hang_suspect or inp.node_id) if hang else ""
+    hangs = inp.suspect_hang_count if inp.hang_suspect else inp.hang_count
+    if hang and hangs + 1 >= 2:
+        decision = evict("hang", f"{blamed} hung {hangs + 1} times")
+        return Decision(
+            verdict=decision.verdict,
+            root=root,
+            reason=decision.reason,
+            evict_kind=decision.evict_kind,
+            blamed=blamed,
+        )
     if inp.restart_count >= inp.max_restarts:
         return Decision(
             verdict=Verdict.FAIL,
             root=root,
             reason=f"restart budget ({inp.max_restarts}) spent; root cause: {cause}",
         )
-    why = f"hang on {inp.node_id}" if hang else f"worker failure: {cause}"
-    return Decision(verdict=Verdict.RESTART, root=root, reason=why, dump_stacks=hang)
+    why = f"worker failure: {cause}"
+    if hang:
+        why = f"hang on {inp.node_id}" + (f", blamed on {blamed}" if blamed != inp.node_id else "")
+    return Decision(verdict=Verdict.RESTART, root=root, reason=why, dump_stacks=hang, blamed=blamed)
 
 
 def _first_message(records: Sequence[FailureRecord]) -> str:

@@ -4,7 +4,10 @@ evicted and replaced).
 A probe round is started on demand (``POST /v1/probe``), right after a rendezvous round completes
 (``probes.on_round_complete``), every ``probes.interval_s``, or when the step-time check finds ranks whose
 step intervals lag the others' (:meth:`ProbeCore._check_step_times`, event ``slow_steps``, ``slow_ranks`` of
-/v1/job); nothing starts unless ``probes.enabled``.
+/v1/job); nothing starts unless ``probes.enabled``. The same check scores every member node
+(:meth:`ProbeCore._score_nodes`): a node confirmed slow over ``step_confirm_checks`` checks is reported (event
+``straggler``, ``straggler`` of /v1/nodes, ``phalanx_node_straggler_score``) and, with
+``probes.stragglers.evict_slow_nodes``, evicted at once without a probe round.
 It needs a completed rendezvous round that is not reopening. Every member then gets one ``RUN_PROBE``
 action per kind in ``probes.kinds`` in its next heartbeat response, each tagged with the probe round's id
 (``Action.probe_round``):
@@ -47,7 +50,21 @@ from typing import Any
 
 from phalanx.api.settings import MasterSettings
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.diagnostics.stragglers import NodeVerdict, compute_verdicts, link_verdicts, step_verdicts
+from phalanx.diagnostics.stragglers import (
+    NodeScore,
+    NodeVerdict,
+    ScoreBasis,
+    compute_verdicts,
+    confirm_slow,
+    link_verdicts,
+    new_baselines,
+    node_scores,
+    node_timings,
+    rank_timings,
+    step_verdicts,
+    straggler_reason,
+    straggler_state,
+)
 from phalanx.master import rendezvous as rdzv
 from phalanx.master.core import JobCore, action, failure_log, log
 from phalanx.master.errors import RequestError
@@ -186,6 +203,13 @@ class ProbeCore(JobCore):
         """Ranks of the running round whose step intervals lag the others' (``slow_ranks`` of /v1/job)."""
         self._step_checked_at = now
         self.slow_streaks = {}
+        self.node_scores: dict[str, NodeScore] = {}
+        """Each member's scores from the latest step-time check of the running round."""
+        self.straggler_streaks: dict[str, int] = {}
+        """node -> step-time checks in a row that found it slow (confirmed at ``step_confirm_checks``)."""
+        self.step_baselines: dict[str, float] = {}
+        """node -> its value when first scored healthy in the running round (the individual score's base)."""
+        self.step_basis: ScoreBasis = "step"
         if saved is not None:
             # Probe ids stay unique across master restarts, so a report to the old master stays stale.
             self.next_probe = int(saved.get("next_probe", 1))
@@ -268,20 +292,103 @@ class ProbeCore(JobCore):
             return
         for r in ranks:
             self.step_times.observe(
-                round=round, node_id=node_id, rank=r.rank, step=r.step, step_unix=r.step_unix_ns / 1e9
+                round=round,
+                node_id=node_id,
+                rank=r.rank,
+                step=r.step,
+                step_unix=r.step_unix_ns / 1e9,
+                step_time_s=r.activity.step_time_s,
+                collective_time_s=r.activity.collective_time_s,
             )
 
+    def straggler_view(self, node_id: str) -> dict[str, Any] | None:
+        """The ``straggler`` field of a node in ``/v1/nodes``: its latest scores and verdict (``ok``,
+        ``suspect`` while being confirmed, ``slow`` once confirmed); null when the latest check did not score
+        it (not a member, too few steps, a single node)."""
+        score = self.node_scores.get(node_id)
+        if score is None:
+            return None
+        stragglers = self.settings.probes.stragglers
+        streak = self.straggler_streaks.get(node_id, 0)
+        return {
+            "verdict": straggler_state(streak, need=stragglers.step_confirm_checks),
+            "basis": score.basis,
+            "step_time_s": score.step_time_s,
+            "value_s": score.value_s,
+            "relative": score.relative,
+            "reference_s": score.reference_s,
+            "individual": score.individual,
+            "baseline_s": score.baseline_s,
+            "slow_checks": streak,
+            "reason": straggler_reason(score, checks=streak, factor=stragglers.step_factor) if streak else "",
+        }
+
+    def _score_nodes(self, *, now: float) -> None:
+        """Scores every member from its step times (relative to the other members, individual against its
+        own baseline), confirms the slow ones over ``step_confirm_checks`` checks (event ``straggler``) and,
+        with ``evict_slow_nodes``, evicts them without waiting for a probe round."""
+        cfg = self.settings.probes.stragglers
+        times = self.step_times
+        ranks = rank_timings(times.intervals, times.activity, settings=cfg)
+        timings = node_timings(ranks, times.node_of)
+        timings = {n: t for n, t in timings.items() if n in self.members}
+        scores = node_scores(timings, self.step_baselines, settings=cfg) if len(timings) >= 2 else {}
+        self.step_baselines = new_baselines(scores, self.step_baselines, previous=self.step_basis)
+        self.step_basis = next(iter(scores.values())).basis if scores else self.step_basis
+        self.straggler_streaks, confirmed = confirm_slow(
+            self.straggler_streaks, scores, need=cfg.step_confirm_checks
+        )
+        self.node_scores = scores  # read by /v1/nodes and /metrics when asked; not part of the job status
+        if 2 * sum(1 for s in scores.values() if s.slow) > len(scores):
+            # Half the job slower than the other half: no median to trust (a broken measurement, or a mixed
+            # cluster). Nobody is blamed; the streaks start over.
+            self.straggler_streaks = {}
+            return
+        for node_id in confirmed:
+            reason = straggler_reason(scores[node_id], checks=cfg.step_confirm_checks, factor=cfg.step_factor)
+            self._event("straggler", now=now, node=node_id, message=f"step times: {reason}")
+            failure_log.warning("straggler: %s", reason, extra={"node": node_id, "round": self.round_number})
+            if cfg.evict_slow_nodes:
+                self._evict_slow_node(node_id, reason=reason, now=now)
+
+    def _evict_slow_node(self, node_id: str, *, reason: str, now: float) -> None:
+        """Evicts a node the step-time checks confirmed slow, as a probe round's straggler is evicted."""
+        node = self.nodes.get(node_id)
+        if node is None or node.status != ALIVE or self.finished:
+            return
+        if len(self.evictions) >= self.settings.restart.max_evictions:
+            failure_log.warning(
+                "not evicting %s, the eviction budget (%d) is spent: %s",
+                node_id,
+                self.settings.restart.max_evictions,
+                reason,
+                extra={"node": node_id, "round": self.round_number},
+            )
+            return
+        was_member = node_id in self.members
+        if self._request_eviction(node, kind="straggler", reason=f"step times: {reason}", now=now):
+            self.straggler_streaks.pop(node_id, None)
+            self.node_scores.pop(node_id, None)  # gone from the job: no scores of it until it is back
+            if was_member:
+                self._open_round(f"evicted {node_id}: {reason}", now=now)
+
     def _check_step_times(self, *, now: float) -> None:
-        """Flags the ranks whose step intervals lag the others' (event ``slow_steps``). A step-time lag alone
+        """Flags the ranks whose step intervals lag the others' (event ``slow_steps``). A rank's lag alone
         evicts nobody (a slow data loader, a pipeline stage, a late report look the same): it starts a probe
-        round when probes are enabled, and the probes judge the node (MegaScale's order)."""
+        round when probes are enabled, and the probes judge the node (MegaScale's order). Then scores the
+        nodes (:meth:`_score_nodes`), whose confirmed stragglers the job's policy may evict
+        (``evict_slow_nodes``)."""
         every = self.settings.probes.stragglers.step_check_interval_s
         if every <= 0 or now - self._step_checked_at < every:
             return
         self._step_checked_at = now
         if self.step_times.round != self.round_number or self.round_open:
-            if self.slow_ranks:  # another round: its ranks are judged afresh
+            if self.slow_ranks or self.node_scores or self.straggler_streaks:
+                # Another round: its ranks and nodes are judged afresh.
                 self.slow_ranks = {}
+                self.node_scores = {}
+                self.straggler_streaks = {}
+                self.step_baselines = {}
                 self._changed()
             return
         verdicts = step_verdicts(self.step_times.intervals, settings=self.settings.probes.stragglers)
@@ -303,6 +410,7 @@ class ProbeCore(JobCore):
             failure_log.warning("slow steps: %s", v.reason, extra={"node": node, "round": self.round_number})
         if verdicts or new:
             self._changed()
+        self._score_nodes(now=now)
         if new and not self._cannot_probe():
             nodes = sorted({self.slow_ranks[v.rank]["node"] for v in new})
             self.start_probe(now=now, trigger=f"slow steps on {', '.join(nodes)}")

@@ -22,3 +22,5 @@ class JobStats:
     slow_step_verdicts: int = 0
     """Ranks found lagging by the step-time check (each at most once per rendezvous round)."""
     checkpoint_failures: int = 0
+    hang_verdicts: dict[str, int] = field(default_factory=dict)
+    """Hangs the agents reported, by the side of their verdict (device, host, beacon)."""

@@ -6,6 +6,10 @@ Every heartbeat carries each local rank's newest step and when that step ended. 
 seconds a step: one sample per heartbeat, the mean of the steps in between. Samples belong to one
 rendezvous round: ranks change meaning across rounds, and the first steps after a restart are slow for
 everyone. Pure bookkeeping, no clock of its own.
+
+A rank with an interval recorder also reports the median of its recent step times and of the time inside
+collectives (``RankProgress.activity``); the newest pair is kept per rank, for the per-node scores
+(:func:`phalanx.diagnostics.stragglers.node_scores`).
 """
 
 from __future__ import annotations
@@ -24,18 +28,35 @@ class StepTimes:
         self.intervals: dict[int, deque[float]] = {}
         """Rank -> its most recent step intervals (seconds), oldest first."""
         self.node_of: dict[int, str] = {}
+        self.activity: dict[int, tuple[float, float]] = {}
+        """Rank -> (step time, collective time) medians from its recorder's newest report; absent without."""
         self._last: dict[int, tuple[int, float]] = {}
 
-    def observe(self, *, round: int, node_id: str, rank: int, step: int, step_unix: float) -> None:
+    def observe(
+        self,
+        *,
+        round: int,
+        node_id: str,
+        rank: int,
+        step: int,
+        step_unix: float,
+        step_time_s: float = 0.0,
+        collective_time_s: float = 0.0,
+    ) -> None:
         """Records a heartbeat's view of one rank; a new round starts the record afresh."""
         if round != self.round:
             self.round = round
             self.intervals.clear()
             self.node_of.clear()
+            self.activity.clear()
             self._last.clear()
         if step < 0 or step_unix <= 0:
             return  # not stepped yet in this round
         self.node_of[rank] = node_id
+        if step_time_s > 0 and 0 <= collective_time_s <= step_time_s:
+            self.activity[rank] = (step_time_s, collective_time_s)
+        else:
+            self.activity.pop(rank, None)  # no recorder (any more), or figures that do not add up
         last = self._last.get(rank)
         if last is not None and step > last[0] and step_unix > last[1]:
             samples = self.intervals.setdefault(rank, deque(maxlen=self.window))

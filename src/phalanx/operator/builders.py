@@ -18,9 +18,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
+from phalanx.api.auth import TLS_CA_ENV
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings, ProbeSettings
-from phalanx.operator import names, resources, security
+from phalanx.operator import names, resources, security, tls
 from phalanx.operator.crd import API_VERSION, GROUP, KIND, PLURAL
 from phalanx.operator.crd import format_duration as _dur
 from phalanx.operator.spec import JobSpec
@@ -28,6 +29,7 @@ from phalanx.operator.spec import JobSpec
 TOKEN_DIR = "/var/run/phalanx/token"  # noqa: S105 -- a mount path, not a secret
 TOKEN_FILE = f"{TOKEN_DIR}/token"
 METRICS_DIR = "/var/run/phalanx/metrics"
+TLS_DIR = "/var/run/phalanx/tls"
 METRICS_TOKEN_KEY = "token"  # noqa: S105 -- a key name, not a secret
 METRICS_TOKEN_FILE = f"{METRICS_DIR}/{METRICS_TOKEN_KEY}"
 STATE_KEY = "state.json"
@@ -62,31 +64,50 @@ def _meta(
     }
 
 
-def token_secret(job: Mapping[str, Any], *, token: str) -> Obj:
-    """The job's bearer token, mounted into the master and every worker. Nothing else goes in it: a training
-    script can read whatever its Pod mounts."""
-    job_name = job["metadata"]["name"]
+def _secret(
+    job: Mapping[str, Any], name: str, *, component: str, data: Mapping[str, str], kind: str = "Opaque"
+) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(job, names.secret(job_name), component="token"),
-        "type": "Opaque",
-        "stringData": {"token": token},
+        "metadata": _meta(job, name, component=component),
+        "type": kind,
+        "stringData": dict(data),
     }
+
+
+def token_secret(job: Mapping[str, Any], *, token: str) -> Obj:
+    """The job's bearer token, mounted into the master and every worker. Nothing else goes in it: a training
+    script can read whatever its Pod mounts."""
+    return _secret(job, names.secret(job["metadata"]["name"]), component="token", data={"token": token})
 
 
 def metrics_secret(job: Mapping[str, Any], *, metrics_token: str) -> Obj:
     """The operator's metrics token (good for GET /metrics only, the same for every job's master, so one
     Prometheus credential scrapes them all), in a Secret of its own that only the master Pod mounts: a
     worker, which runs the job author's code, never holds a credential that opens other jobs' masters."""
-    job_name = job["metadata"]["name"]
+    name = names.metrics_secret(job["metadata"]["name"])
+    return _secret(job, name, component="master", data={METRICS_TOKEN_KEY: metrics_token})
+
+
+def tls_secret(job: Mapping[str, Any], *, pems: Mapping[str, str]) -> Obj:
+    """The master's certificate and key and the CA's certificate (:func:`tls.master_certificate`): the
+    master Pod mounts all three, a worker Pod the CA certificate only."""
+    name = names.tls_secret(job["metadata"]["name"])
+    return _secret(job, name, component="master", data=pems, kind="kubernetes.io/tls")
+
+
+def _tls_volume(job_name: str, *, keys: Sequence[str]) -> Obj:
+    # World-readable for the same reason as the token's (no fsGroup of ours); the key file only in the
+    # master's Pod, whose only process is the master.
+    items = [{"key": key, "path": key} for key in keys]
     return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": _meta(job, names.metrics_secret(job_name), component="master"),
-        "type": "Opaque",
-        "stringData": {METRICS_TOKEN_KEY: metrics_token},
+        "name": "phalanx-tls",
+        "secret": {"secretName": names.tls_secret(job_name), "items": items, "defaultMode": 0o444},
     }
+
+
+_TLS_MOUNT = {"name": "phalanx-tls", "mountPath": TLS_DIR, "readOnly": True}
 
 
 def master_network_policy(job: Mapping[str, Any], *, settings: OperatorSettings) -> Obj:
@@ -145,8 +166,15 @@ def master_role(job: Mapping[str, Any]) -> Obj:
         "kind": "Role",
         "metadata": _meta(job, names.master(job_name), component="master"),
         "rules": [
-            # Read its own job (spec changes such as min/max nodes).
-            {"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": [job_name], "verbs": ["get"]},
+            # Read and watch its own job (spec.suspend, the generation). The API server authorizes a list
+            # or watch under resourceNames only when it names that one object (fieldSelector
+            # metadata.name=<job>), so this opens no other job of the namespace.
+            {
+                "apiGroups": [GROUP],
+                "resources": [PLURAL],
+                "resourceNames": [job_name],
+                "verbs": ["get", "list", "watch"],
+            },
             # Publish observations and eviction requests into the status.
             {
                 "apiGroups": [GROUP],
@@ -250,6 +278,13 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
     ]  # fmt: skip
     if settings.metrics_token_file:
         command += ["--metrics-token-file", METRICS_TOKEN_FILE]
+    if settings.tls_ca_secret:
+        command += [
+            "--tls-cert-file",
+            f"{TLS_DIR}/{tls.CERT_KEY}",
+            "--tls-key-file",
+            f"{TLS_DIR}/{tls.KEY_KEY}",
+        ]
     template = spec.master_template
     template_spec: Mapping[str, Any] = template.get("spec") or {}
     given: Mapping[str, Any] = next(iter(template_spec.get("containers") or []), {})
@@ -275,6 +310,9 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
                 "secret": {"secretName": names.metrics_secret(job_name), "defaultMode": 0o444},
             }
         )
+    if settings.tls_ca_secret:
+        container["volumeMounts"].append(dict(_TLS_MOUNT))
+        volumes.append(_tls_volume(job_name, keys=(tls.CERT_KEY, tls.KEY_KEY)))
     if resources_ := (given.get("resources") or spec.master_resources):
         container["resources"] = copy.deepcopy(dict(resources_))
     if given.get("securityContext"):
@@ -320,6 +358,7 @@ def _settings_env(spec: JobSpec, *, master: bool) -> list[Obj]:
             "PHALANX_HEARTBEAT_TIMEOUT_S": str(spec.heartbeat.timeout_s),
             "PHALANX_RESTART_MAX_RESTARTS": str(spec.restart.max_restarts),
             "PHALANX_RESTART_MAX_EVICTIONS": str(spec.restart.max_evictions),
+            "PHALANX_STATUS_PROGRESS_INTERVAL_S": str(spec.status_progress_interval_s),
             **_probe_env(spec.probes),
         }
     return [{"name": k, "value": v} for k, v in env.items()]
@@ -327,7 +366,8 @@ def _settings_env(spec: JobSpec, *, master: bool) -> list[Obj]:
 
 def _probe_env(probes: ProbeSettings) -> dict[str, str]:
     """``spec.healthChecks`` for the master (``MasterSettings.probes``); the straggler thresholds keep
-    their defaults (they are relative to the job's own median), the CRD exposes only ``confirmRounds``."""
+    their defaults (they are relative to the job's own median), the CRD exposes only ``confirmRounds`` and
+    the policy ``evictSlowNodes``."""
     return {
         "PHALANX_PROBES_ENABLED": str(probes.enabled).lower(),
         "PHALANX_PROBES_ON_ROUND_COMPLETE": str(probes.on_round_complete).lower(),
@@ -335,6 +375,7 @@ def _probe_env(probes: ProbeSettings) -> dict[str, str]:
         "PHALANX_PROBES_TIMEOUT_S": str(probes.timeout_s),
         "PHALANX_PROBES_KINDS": ",".join(probes.kind_names),
         "PHALANX_PROBES_STRAGGLERS_CONFIRM_ROUNDS": str(probes.stragglers.confirm_rounds),
+        "PHALANX_PROBES_STRAGGLERS_EVICT_SLOW_NODES": str(probes.stragglers.evict_slow_nodes).lower(),
     }
 
 
@@ -399,6 +440,7 @@ def worker_pod(
         "--max-restarts", str(r.max_restarts),
         "--grace-period", _dur(r.grace_period_s),
         "--hang-floor", _dur(spec.hang.floor_s),
+        "--hang-idle-floor", _dur(spec.hang.idle_floor_s),
         "--hang-factor", f"{spec.hang.factor:g}",
         "--hang-startup", _dur(spec.hang.startup_s),
         *(["--no-hang-detection"] if not spec.hang.enabled else []),
@@ -424,6 +466,10 @@ def worker_pod(
     container["volumeMounts"] = [*(container.get("volumeMounts") or []), dict(_TOKEN_MOUNT)]
     # Readable whatever user the training image runs as: an fsGroup of ours would re-own the user's volumes.
     pod_spec["volumes"] = [*(pod_spec.get("volumes") or []), _token_volume(job_name)]
+    if settings.tls_ca_secret:  # the CA certificate only: a worker runs the job author's code
+        container["env"].append({"name": TLS_CA_ENV, "value": f"{TLS_DIR}/{tls.CA_CERT_KEY}"})
+        container["volumeMounts"].append(dict(_TLS_MOUNT))
+        pod_spec["volumes"].append(_tls_volume(job_name, keys=(tls.CA_CERT_KEY,)))
     if spec.shared_memory is not None:
         _shared_memory(pod_spec, spec.shared_memory)
     pod_spec["restartPolicy"] = "Never"  # a failed node is replaced by a new Pod, never restarted in place

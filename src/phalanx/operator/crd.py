@@ -59,12 +59,14 @@ MAX_DURATIONS: dict[tuple[str, ...], str] = {
     ("heartbeat", "interval"): "1m",
     ("heartbeat", "timeout"): "1h",
     ("hang", "floor"): "24h",
+    ("hang", "idleFloor"): "24h",
     ("hang", "startup"): "24h",
     ("restart", "gracePeriod"): "1h",
     ("healthChecks", "interval"): "24h",
     ("healthChecks", "timeout"): "1h",
     ("terminationGracePeriod",): "2h",
     ("createRefusedTimeout",): "24h",
+    ("master", "statusProgressInterval"): "1h",
     ("activeDeadline",): "8760h",
     ("ttlAfterFinished",): "8760h",
 }
@@ -76,6 +78,8 @@ CONDITION_TYPES = (
 )  # fmt: skip
 PHASES = ("Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 CLEAN_POD_POLICIES = ("None", "Running", "All")
+MANAGED_BY = "phalanx.dev/operator"
+"""``spec.managedBy`` of the jobs this operator reconciles (or none)."""
 
 # Go-style durations: the form CEL's duration() parses and people write in YAML.
 DURATION_RE = r"^([0-9]+([.][0-9]+)?(ms|s|m|h))+$"  # no backslashes: CEL string literals
@@ -94,6 +98,7 @@ SETTINGS_FIELDS: dict[tuple[str, ...], tuple[type, str]] = {
     ("heartbeat", "timeout"): (s.HeartbeatSettings, "timeout_s"),
     ("hang", "enabled"): (s.HangSettings, "enabled"),
     ("hang", "floor"): (s.HangSettings, "floor_s"),
+    ("hang", "idleFloor"): (s.HangSettings, "idle_floor_s"),
     ("hang", "factor"): (s.HangSettings, "factor"),
     ("hang", "startup"): (s.HangSettings, "startup_s"),
     ("checkpoint", "memoryIntervalSteps"): (s.CheckpointSettings, "memory_interval_steps"),
@@ -103,8 +108,10 @@ SETTINGS_FIELDS: dict[tuple[str, ...], tuple[type, str]] = {
     ("healthChecks", "interval"): (s.ProbeSettings, "interval_s"),
     ("healthChecks", "timeout"): (s.ProbeSettings, "timeout_s"),
     ("healthChecks", "confirmRounds"): (s.StragglerSettings, "confirm_rounds"),
+    ("healthChecks", "evictSlowNodes"): (s.StragglerSettings, "evict_slow_nodes"),
     ("sharedMemory", "enabled"): (s.JobPodSettings, "shared_memory"),
     ("createRefusedTimeout",): (s.JobPodSettings, "create_refused_timeout_s"),
+    ("master", "statusProgressInterval"): (s.MasterSettings, "status_progress_interval_s"),
 }
 """CRD spec path -> (settings class, field). The single mapping between the spec and the settings."""
 
@@ -377,6 +384,7 @@ def _spec_schema() -> dict[str, Any]:
         {
             "enabled": _setting_prop(("hang", "enabled")),
             "floor": _setting_prop(("hang", "floor")),
+            "idleFloor": _setting_prop(("hang", "idleFloor")),
             "factor": _setting_prop(("hang", "factor"), minimum=1, maximum=MAX_HANG_FACTOR),
             "startup": _setting_prop(("hang", "startup")),
         },
@@ -405,6 +413,7 @@ def _spec_schema() -> dict[str, Any]:
             "interval": _setting_prop(("healthChecks", "interval")),
             "timeout": _setting_prop(("healthChecks", "timeout")),
             "confirmRounds": _setting_prop(("healthChecks", "confirmRounds"), minimum=1, maximum=10),
+            "evictSlowNodes": _setting_prop(("healthChecks", "evictSlowNodes")),
         },
         default={},
         **{
@@ -497,6 +506,7 @@ def _spec_schema() -> dict[str, Any]:
                 },
             ),
             "template": _master_template(),
+            "statusProgressInterval": _setting_prop(("master", "statusProgressInterval")),
         },
         default={},
         **{
@@ -620,6 +630,14 @@ def _spec_schema() -> dict[str, Any]:
                 "enum": list(CLEAN_POD_POLICIES),
                 "default": "Running",
             },
+            "managedBy": {
+                "type": "string",
+                "description": "The controller that reconciles this job, like a batch/v1 Job's or a JobSet's "
+                f"spec.managedBy. Absent or {MANAGED_BY!r}: the phalanx operator; anything else: the "
+                "phalanx operator leaves the job alone (e.g. MultiKueue dispatching it to a worker cluster, "
+                "whose operator runs it). Set at creation; cannot be changed.",
+                "maxLength": 63,
+            },
             "suspend": {
                 "type": "boolean",
                 "description": "Pause the job and free its worker nodes. Once the master acknowledged (it "
@@ -684,6 +702,12 @@ def _spec_schema() -> dict[str, Any]:
                     "message": "terminationGracePeriod must be longer than restart.gracePeriod: an agent "
                     "first stops its workers (up to gracePeriod), then persists the newest in-memory "
                     "snapshot in the time left",
+                },
+                {
+                    "rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
+                    "(!has(self.managedBy) || self.managedBy == oldSelf.managedBy)",
+                    "message": "managedBy cannot be changed: it names the controller that owns the job "
+                    "from its creation",
                 },
                 {
                     "rule": "self.nprocPerNode == oldSelf.nprocPerNode",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import logging
@@ -10,12 +11,13 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from phalanx.api.errors import ConfigError, KubernetesError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import names, refusals
+from phalanx.operator import names, refusals, tls
 from phalanx.operator.builders import POD_GROUP_GROUP, POD_GROUP_PLURAL, POD_GROUP_VERSION
 from phalanx.operator.conditions import rfc3339, set_condition
 from phalanx.operator.crd import GROUP, KIND, PLURAL, VERSION
@@ -31,6 +33,7 @@ from phalanx.operator.reconcile import (
     PatchPodGroup,
     PatchStatus,
     PodView,
+    managed_here,
     reconcile,
     supporting_names,
     supporting_objects,
@@ -96,10 +99,14 @@ class Executor:
         api: Any,
         settings: OperatorSettings,
         metrics: OperatorMetrics | None = None,
+        own_namespace: str = "phalanx-system",
     ) -> None:
         from kubernetes import client
 
         self.settings = settings
+        self.own_namespace = own_namespace
+        """The operator's namespace: where its CA Secret lives (settings.tls_ca_secret)."""
+        self._authority: tls.Authority | None = None
         self.metrics = metrics or OperatorMetrics()
         self._metrics_token = read_metrics_token(settings.metrics_token_file)
         # Typed as Any: the operator passes plain dicts (the builders' output), which the client accepts.
@@ -187,6 +194,7 @@ class Executor:
                 settings=self.settings,
                 new_token=secrets.token_urlsafe(32),
                 metrics_token=self._metrics_token,
+                issue_tls=lambda: self._issue_tls(observed.job),
             )
             self.apply(observed.job, actions)
             if not any(isinstance(a, DeleteJob) for a in actions):
@@ -239,8 +247,8 @@ class Executor:
                 if exc.status == 404:
                     return None
                 raise KubernetesError(f"cannot read ElasticJob {namespace}/{name}: {exc.reason}") from exc
-        if job["metadata"].get("deletionTimestamp"):
-            return None
+        if job["metadata"].get("deletionTimestamp") or not managed_here(job):
+            return None  # being deleted, or another controller's (spec.managedBy): nothing to do here
         if self.pods is not None:
             pods = self.pods.by_index((namespace, name))
         else:
@@ -335,6 +343,53 @@ class Executor:
         else:
             self._supporting_seen.pop(uid, None)
         return frozenset(found), frozenset(foreign)
+
+    def _issue_tls(self, job: Mapping[str, Any]) -> Mapping[str, str]:
+        """The job's master certificate, signed by the operator's CA."""
+        meta = job["metadata"]
+        now = datetime.now(UTC)
+        return tls.master_certificate(meta["name"], meta["namespace"], authority=self.authority(), now=now)
+
+    def authority(self) -> tls.Authority:
+        """The CA in the Secret ``settings.tls_ca_secret`` of the operator's namespace, made (by the leader,
+        once) when there is none. Two replicas racing to make it: the second's create conflicts and it
+        reads the first's."""
+        from kubernetes.client.exceptions import ApiException
+
+        if self._authority is not None:
+            return self._authority
+        name, ns = self.settings.tls_ca_secret, self.own_namespace
+        try:
+            found = self.core.read_namespaced_secret(name, ns)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            if not self.may_act():
+                raise KubernetesError(f"the CA Secret {ns}/{name} does not exist yet") from exc
+            made = tls.new_authority(common_name=f"phalanx masters ({ns}/{name})", now=datetime.now(UTC))
+            body = {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": name, "namespace": ns, "labels": {"app.kubernetes.io/name": "phalanx"}},
+                "type": "kubernetes.io/tls",
+                "stringData": {tls.CERT_KEY: made.cert_pem, tls.KEY_KEY: made.key_pem},
+            }
+            try:
+                self.core.create_namespaced_secret(ns, body)
+                log.info("made the CA Secret %s/%s that signs the masters' certificates", ns, name)
+                self._authority = made
+                return made
+            except ApiException as again:
+                if again.status != 409:
+                    raise
+                found = self.core.read_namespaced_secret(name, ns)
+        data = {k: base64.b64decode(v).decode() for k, v in (found.data or {}).items()}
+        if tls.CERT_KEY not in data or tls.KEY_KEY not in data:
+            raise KubernetesError(
+                f"the CA Secret {ns}/{name} needs the keys {tls.CERT_KEY} and {tls.KEY_KEY}"
+            )
+        self._authority = tls.Authority(data[tls.CERT_KEY], data[tls.KEY_KEY])
+        return self._authority
 
     def _supporting_names(self, name: str) -> list[tuple[str, str]]:
         """(kind, name) of the job's supporting objects under this operator's settings (no job needed: the

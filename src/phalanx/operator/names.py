@@ -30,6 +30,11 @@ def secret(job: str) -> str:
     return f"{job}-token"
 
 
+def tls_secret(job: str) -> str:
+    """The master's certificate, its key and the CA certificate (operator setting tls_ca_secret)."""
+    return f"{job}-tls"
+
+
 def metrics_secret(job: str) -> str:
     """The master's metrics credential, mounted into the master Pod only (never into a worker)."""
     return f"{job}-metrics"

@@ -61,7 +61,7 @@ from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import builders, names, refusals, resources
 from phalanx.operator.conditions import get_condition, is_true, parse_rfc3339, rfc3339, set_condition
-from phalanx.operator.crd import format_duration
+from phalanx.operator.crd import MANAGED_BY, format_duration
 from phalanx.operator.spec import JobSpec, parse_spec, ttl_after_finished
 
 LIVE_PHASES = ("Pending", "Running", "Unknown")
@@ -196,11 +196,16 @@ def supporting_objects(
     settings: OperatorSettings,
     token: str,
     metrics_token: str = "",
+    tls_pems: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """The objects the job needs besides its Pods, in creation order (the Role before its binding)."""
+    """The objects the job needs besides its Pods, in creation order (the Role before its binding).
+    ``tls_pems``: the job's certificate (:mod:`phalanx.operator.tls`), needed only when its Secret is to be
+    made."""
     objects = [builders.token_secret(job, token=token)]
     if metrics_token:
         objects.append(builders.metrics_secret(job, metrics_token=metrics_token))
+    if settings.tls_ca_secret:
+        objects.append(builders.tls_secret(job, pems=tls_pems or {}))
     objects += [
         builders.state_config_map(job),
         builders.master_service_account(job),
@@ -211,6 +216,13 @@ def supporting_objects(
     if settings.network_policy:
         objects.append(builders.master_network_policy(job, settings=settings))
     return objects
+
+
+def managed_here(job: Mapping[str, Any]) -> bool:
+    """Whether this operator reconciles the job: ``spec.managedBy`` absent or naming it. A job another
+    controller manages gets no write of any kind from this one, not even a condition."""
+    managed_by = (job.get("spec") or {}).get("managedBy")
+    return managed_by in (None, "", MANAGED_BY)
 
 
 def supporting_names(objects: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
@@ -225,10 +237,12 @@ def reconcile(
     settings: OperatorSettings,
     new_token: str,
     metrics_token: str = "",
+    issue_tls: Callable[[], Mapping[str, str]] | None = None,
 ) -> list[Action]:
     """The actions that bring the cluster closer to the job's spec. ``new_token`` and ``metrics_token`` are
-    used only if the token Secret does not exist yet. ``settings`` carries the administrator's trust
-    switches too (cordoning, NetworkPolicies)."""
+    used only if the token Secret does not exist yet, ``issue_tls`` (the job's master certificate) only if
+    its TLS Secret does not. ``settings`` carries the administrator's trust switches too (cordoning,
+    NetworkPolicies, TLS)."""
     job = observed.job
     status: Mapping[str, Any] = job.get("status") or {}
     generation = int(job["metadata"].get("generation", 1))
@@ -271,6 +285,10 @@ def reconcile(
         return _blocked_by_foreign(p, status, condition, foreign, job=job)
     for obj in wanted:
         if (obj["kind"], obj["metadata"]["name"]) not in observed.existing:
+            if obj["metadata"]["name"] == names.tls_secret(job["metadata"]["name"]):
+                if issue_tls is None:
+                    raise ValueError("the job's TLS Secret is missing and no certificate can be issued")
+                obj["stringData"] = dict(issue_tls())  # issued only when the Secret is to be made
             p.actions.append(Create(obj))
     created = get_condition(p.status["conditions"], "Created")
     if not created or created.get("status") != "True":

@@ -14,6 +14,7 @@ from typing import Any
 
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import (
+    DEFAULT_STATUS_PROGRESS_INTERVAL_S,
     PROBE_KINDS,
     CheckpointSettings,
     HangSettings,
@@ -63,6 +64,9 @@ class JobSpec:
     master_resources: Mapping[str, Any] = field(default_factory=dict)
     master_template: Mapping[str, Any] = field(default_factory=dict)
     """``spec.master.template``: scheduling, pull secrets, security and resources of the master Pod."""
+    status_progress_interval_s: float = DEFAULT_STATUS_PROGRESS_INTERVAL_S
+    """``spec.master.statusProgressInterval``: how often at most the master writes the step alone into the
+    job's status (other changes go at once)."""
     shared_memory: int | None = None
     """``spec.sharedMemory``: bytes of the memory-backed /dev/shm of the worker Pods; None: not mounted."""
     termination_grace_s: float = RestartSettings().grace_period_s + JobPodSettings().persist_on_exit_s
@@ -204,6 +208,11 @@ def _probes(health: Mapping[str, Any]) -> ProbeSettings:
         raise ConfigError(
             f"expected a whole number, got {confirm!r}", field="spec.healthChecks.confirmRounds"
         )
+    evict_slow = health.get("evictSlowNodes", default.stragglers.evict_slow_nodes)
+    if not isinstance(evict_slow, bool):
+        raise ConfigError(
+            f"expected true or false, got {evict_slow!r}", field="spec.healthChecks.evictSlowNodes"
+        )
     try:
         return ProbeSettings(
             enabled=enabled,
@@ -211,7 +220,7 @@ def _probes(health: Mapping[str, Any]) -> ProbeSettings:
             interval_s=_dur(health, "interval", default.interval_s, "healthChecks"),
             timeout_s=_dur(health, "timeout", default.timeout_s, "healthChecks"),
             kinds=",".join(str(kind) for kind in kinds),
-            stragglers=StragglerSettings(confirm_rounds=confirm),
+            stragglers=StragglerSettings(confirm_rounds=confirm, evict_slow_nodes=evict_slow),
         )
     except ConfigError as exc:
         # The settings name their own field (kinds, timeout_s); the user wrote the spec's.
@@ -316,6 +325,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         hang = HangSettings(
             enabled=bool(hg.get("enabled", hg_default.enabled)),
             floor_s=_dur(hg, "floor", hg_default.floor_s, "hang"),
+            idle_floor_s=_dur(hg, "idleFloor", hg_default.idle_floor_s, "hang"),
             factor=_factor(hg.get("factor", hg_default.factor)),
             startup_s=_dur(hg, "startup", hg_default.startup_s, "hang"),
         )
@@ -399,6 +409,9 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         template=template,
         master_resources=(master.get("resources") or {}),
         master_template=(master.get("template") or {}),
+        status_progress_interval_s=_dur(
+            master, "statusProgressInterval", DEFAULT_STATUS_PROGRESS_INTERVAL_S, "master"
+        ),
         shared_memory=_shared_memory(spec, nproc, containers[0]),
         termination_grace_s=_termination_grace(spec, restart),
         create_refused_timeout_s=_create_refused_timeout(spec),

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx import intervals
+
 Group = dist.ProcessGroup | None
 
 
@@ -27,7 +29,8 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     if _size(group) == 1:
         return x
     x = x.contiguous().clone()  # never reduce in place into a tensor autograd saved
-    dist.all_reduce(x, group=group)
+    with intervals.collective("all_reduce", group=group, label="tp"):
+        dist.all_reduce(x, group=group)
     return x
 
 
@@ -44,7 +47,8 @@ def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     if size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    with intervals.collective("all_gather", group=group, label="tp"):
+        dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
 
@@ -61,7 +65,8 @@ def _gather_first(x: torch.Tensor, group: Group) -> torch.Tensor:
     if size == 1:
         return x
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    with intervals.collective("all_gather", group=group, label="tp"):
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
     return out
 
 
@@ -72,7 +77,8 @@ def _reduce_scatter_first(x: torch.Tensor, group: Group) -> torch.Tensor:
     if x.shape[0] % size:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor degree {size}")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    with intervals.collective("reduce_scatter", group=group, label="tp"):
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
 
 

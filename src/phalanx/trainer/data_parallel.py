@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from phalanx import intervals
 from phalanx.trainer.comm import Group
 from phalanx.trainer.layers import is_sequence_parallel
 
@@ -31,6 +32,8 @@ class _Bucket:
     flat: torch.Tensor | None = None
     work: dist.Work | None = None
     members: set[int] = field(default_factory=set)
+    token: intervals.Token | None = None
+    """The interval recorder's record of the all-reduce in flight (None when the recorder is off)."""
 
 
 class GradientSync:
@@ -87,6 +90,7 @@ class GradientSync:
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        bucket.token = intervals.begin("all_reduce", group=self.group, label="dp")
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def finish(self) -> None:
@@ -101,6 +105,7 @@ class GradientSync:
             assert bucket.work is not None
             assert bucket.flat is not None
             bucket.work.wait()
+            intervals.end(bucket.token)  # on a GPU: once the device passes the all-reduce
             offset = 0
             for p in bucket.params:
                 n = p.numel()
@@ -119,6 +124,7 @@ class GradientSync:
             bucket.ready = 0
             bucket.flat = None
             bucket.work = None
+            bucket.token = None
             bucket.members.clear()
 
     def close(self) -> None:
@@ -137,7 +143,8 @@ def sync_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], *, group:
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
+    with intervals.collective("all_reduce", group=group, label="tp"):
+        dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
 
 import phalanx
+from phalanx import intervals
 from phalanx.api import round as round_file
 from phalanx.api.errors import CheckpointError, PhalanxError, RendezvousTimeoutError
 from phalanx.trainer.checkpointing import CheckpointSeam, shard_key
@@ -349,7 +350,8 @@ class ElasticTrainer:
         if mesh.world_size == 1:
             return plan_recovery([row], config=self.config.parallel)
         table = torch.empty(mesh.world_size * mine.numel(), dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(table, mine)
+        with intervals.collective("all_gather", label="world"):
+            dist.all_gather_into_tensor(table, mine)
         rows = [decode(r.tolist()) for r in table.view(mesh.world_size, -1).cpu()]
         return plan_recovery(rows, config=self.config.parallel)
 
@@ -377,7 +379,8 @@ class ElasticTrainer:
         assert self.engine is not None
         tensors = [t for _, t in self.engine.state_tensors()]
         flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float32) for t in tensors])
-        dist.broadcast(flat, src=source, group=mesh.data_group)
+        with intervals.collective("broadcast", group=mesh.data_group, label="dp"):
+            dist.broadcast(flat, src=source, group=mesh.data_group)
         if mesh.rank == source:
             return
         offset = 0

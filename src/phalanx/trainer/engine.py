@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from phalanx import intervals
 from phalanx.trainer.data_parallel import GradientSync, sync_sequence_parallel_grads
 from phalanx.trainer.mesh import Mesh
 from phalanx.trainer.model import GPTConfig, GPTStage, initialize
@@ -123,7 +124,8 @@ class Engine:
         if not (self.mesh.is_last_stage and self.mesh.coord.tensor == 0):
             value.zero_()  # count each data replica's loss once
         if self.mesh.world_size > 1:
-            dist.all_reduce(value)
+            with intervals.collective("all_reduce", label="world"):
+                dist.all_reduce(value)
         return float(value.item())
 
     def train_step(self, tokens: torch.Tensor, *, before_update: Callable[[], None] | None = None) -> float:

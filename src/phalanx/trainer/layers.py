@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from phalanx import intervals
 from phalanx.trainer import comm
 from phalanx.trainer.comm import Group
 
@@ -142,7 +143,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         local_max = logits.max(dim=-1).values
         if _group_size(group) > 1:
-            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+            with intervals.collective("all_reduce", group=group, label="tp"):
+                dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - local_max.unsqueeze(-1)
         vocab_local = logits.shape[-1]
         start = _group_rank(group) * vocab_local
@@ -153,7 +155,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         if _group_size(group) > 1:
             both = torch.stack([picked, sum_exp])
-            dist.all_reduce(both, group=group)
+            with intervals.collective("all_reduce", group=group, label="tp"):
+                dist.all_reduce(both, group=group)
             picked, sum_exp = both[0], both[1]
         loss = sum_exp.log() - picked
         softmax = exp.div_(sum_exp.unsqueeze(-1))

@@ -1,0 +1,292 @@
+"""The interval recorder: tells the node agent where this training process is (which step, which collective)
+so that a hang is caught in seconds and blamed on the rank that caused it.
+
+Turn it on with one call, then train as before::
+
+    import phalanx.intervals
+    phalanx.intervals.enable()                    # a plain script: steps, and collectives you wrap
+    ddp = DistributedDataParallel(model)
+    phalanx.intervals.register_ddp(ddp)           # DDP: every bucket all-reduce, through a comm hook
+    ...
+    phalanx.report_step(step)                     # records the step boundary too
+
+    with phalanx.intervals.collective("all_reduce", group=pg):   # any other collective
+        dist.all_reduce(t, group=pg)
+
+Outside ``phalanx-run`` (no ring in the environment) :func:`enable` returns ``None`` and everything is a
+no-op. Records go to a bounded ring in shared memory (:mod:`phalanx.api.intervals`), a few microseconds each
+and no system call. On a GPU a collective's end and each step boundary are CUDA events recorded on the
+current stream (the start is the host's time: when the work was queued): the training thread never
+synchronises; a watcher thread polls ``event.query()`` and writes the completion time, so work that was
+queued on the device and never completed (a kernel or a collective that is stuck) is told apart from a host
+that stopped recording anything.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import phalanx
+from phalanx.api import intervals as ring
+
+__all__ = ["Recorder", "begin", "collective", "enable", "end", "recorder", "register_ddp"]
+
+_WATCH_POLL_S = 0.002  # how often the watcher asks pending CUDA events whether they completed
+DEVICE_MARK = "device_step"
+"""The name of the device marker recorded at each step boundary on a GPU (an interval without group)."""
+
+
+@dataclass(slots=True)
+class Token:
+    """An interval begun and not yet ended."""
+
+    name: str
+    group: str
+    number: int
+    device: bool = False
+    """Timed on the GPU: its end is a CUDA event the watcher polls."""
+
+
+class Recorder:
+    """Writes one process's intervals into its ring. Use :func:`enable`, not this class, in a script."""
+
+    def __init__(self, path: Path, *, cuda: bool = False) -> None:
+        self._ring = ring.RingWriter(path)
+        self._seq: dict[str, int] = {}
+        self._seq_lock = threading.Lock()
+        self.cuda = cuda
+        self._pending: list[tuple[Token, Any]] = []
+        self._cond = threading.Condition()
+        self._watcher: threading.Thread | None = None
+        self._closed = False
+        self._free_events: list[Any] = []
+        """Completed CUDA events, reused: creating one per record would cost a driver call each time."""
+
+    def _record_event(self) -> Any:
+        import torch
+
+        try:
+            event = self._free_events.pop()
+        except IndexError:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()  # on the current stream; no synchronisation
+        return event
+
+    # ---- steps ----------------------------------------------------------------------------------------
+
+    def step(self, step: int) -> None:
+        """A step boundary: ``step`` just completed (host time). On a GPU a device marker too."""
+        self._ring.append(ring.MARK, number=step)
+        if self.cuda:
+            token = Token(DEVICE_MARK, "", step)
+            self._ring.append(ring.BEGIN, name=DEVICE_MARK, number=step, device=True)
+            self._watch(token, self._record_event())
+
+    # ---- collectives ----------------------------------------------------------------------------------
+
+    def begin(self, op: str, group: str) -> Token:
+        """A collective ``op`` in ``group`` starts now (its sequence number in the group is the next)."""
+        with self._seq_lock:
+            seq = self._seq.get(group, 0) + 1
+            self._seq[group] = seq
+        token = Token(op, group, seq, device=self.cuda)
+        self._ring.append(ring.BEGIN, name=op, group=group, number=seq, device=self.cuda)
+        return token
+
+    def end(self, token: Token) -> None:
+        """The collective ends: now on the host; on a GPU, once the device passes an event recorded now on the
+        current stream (the watcher writes the end then)."""
+        if not token.device:
+            self._ring.append(ring.END, name=token.name, group=token.group, number=token.number)
+        else:
+            self._watch(token, self._record_event())
+
+    def collective(self, op: str, group: str) -> _Span:
+        """``with recorder.collective("all_reduce", "dp:0,1"): ...`` records the block as one collective."""
+        return _Span(self, op, group)
+
+    # ---- the CUDA-event watcher -----------------------------------------------------------------------
+
+    def _watch(self, token: Token, done: Any) -> None:
+        with self._cond:
+            self._pending.append((token, done))
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._poll, name="phalanx-intervals", daemon=True)
+                self._watcher.start()
+            self._cond.notify()
+
+    def _poll(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                pending = list(self._pending)
+            finished = [(t, e) for t, e in pending if e.query()]
+            now = time.time_ns()
+            for token, _ in finished:
+                self._ring.append(
+                    ring.END,
+                    name=token.name,
+                    group=token.group,
+                    number=token.number,
+                    device=True,
+                    unix_ns=now,
+                )
+            if finished:
+                with self._cond:
+                    done = {id(t) for t, _ in finished}
+                    self._pending = [(t, e) for t, e in self._pending if id(t) not in done]
+                self._free_events.extend(e for _, e in finished)
+            time.sleep(_WATCH_POLL_S)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._watcher is not None:
+            self._watcher.join(1.0)
+        self._ring.close()
+
+
+_recorder: Recorder | None = None
+_lock = threading.Lock()
+
+
+def enable(path: str | os.PathLike[str] | None = None, *, cuda: bool | None = None) -> Recorder | None:
+    """Turns the recorder on for this process and returns it; ``None`` without a ring (not under
+    ``phalanx-run``). ``cuda`` (default: when torch is imported and a GPU is available) times intervals
+    with CUDA events. Calling it again returns the same recorder."""
+    global _recorder
+    with _lock:
+        if _recorder is not None:
+            return _recorder
+        where = path if path is not None else os.environ.get(ring.ENV_VAR)
+        if not where:
+            return None
+        if cuda is None:
+            cuda = _cuda_available()
+        try:
+            _recorder = Recorder(Path(where), cuda=cuda)
+        except (OSError, ValueError):
+            return None  # the agent went away; training must not fail because of the recorder
+        phalanx._step_recorder = _recorder
+        return _recorder
+
+
+def recorder() -> Recorder | None:
+    """The recorder :func:`enable` turned on, or ``None``."""
+    return _recorder
+
+
+def disable() -> None:
+    """Turns the recorder off (tests; a process that forks)."""
+    global _recorder
+    with _lock:
+        if _recorder is not None:
+            _recorder.close()
+        _recorder = None
+        phalanx._step_recorder = None
+
+
+def _cuda_available() -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
+
+
+_group_names: dict[tuple[Any, str], str] = {}
+
+
+def group_of(process_group: Any = None, label: str = "pg") -> str:
+    """The group string of a torch process group (``None``: the default group), the same on every member:
+    ``label:ranks``, e.g. ``dp:0,2``."""
+    import torch.distributed as dist
+
+    pg = process_group or dist.group.WORLD
+    key = (pg, label)
+    name = _group_names.get(key)
+    if name is None:
+        if len(_group_names) > 256:  # groups re-formed by elastic rounds: forget the old ones
+            _group_names.clear()
+        name = _group_names[key] = ring.group_name(label, list(dist.get_process_group_ranks(pg)))
+    return name
+
+
+def begin(op: str, *, group: Any = None, label: str = "pg") -> Token | None:
+    """Records the start of a collective that completes later (an async op): pass the token to :func:`end`
+    once it is waited for. None (and a no-op) when the recorder is off."""
+    rec = _recorder
+    if rec is None:
+        return None
+    return rec.begin(op, group if isinstance(group, str) else group_of(group, label))
+
+
+def end(token: Token | None) -> None:
+    """Records the end of a collective :func:`begin` started."""
+    rec = _recorder
+    if token is not None and rec is not None:
+        rec.end(token)
+
+
+def collective(op: str, *, group: Any = None, label: str = "pg") -> _Span:
+    """``with collective("all_reduce", group=pg): ...`` records one blocking collective (``group`` a torch
+    process group or a group string). A no-op when the recorder is off."""
+    return _Span(_recorder, op, group, label)
+
+
+class _Span:
+    """The context manager of one collective: a plain class, not ``contextlib.contextmanager``, whose
+    generator would cost several microseconds a collective."""
+
+    __slots__ = ("_group", "_label", "_op", "_rec", "_token")
+
+    def __init__(self, rec: Recorder | None, op: str, group: Any, label: str = "pg") -> None:
+        self._rec, self._op, self._group, self._label = rec, op, group, label
+        self._token: Token | None = None
+
+    def __enter__(self) -> Token | None:
+        rec = self._rec
+        if rec is not None:
+            group = self._group
+            name = group if isinstance(group, str) else group_of(group, self._label)
+            self._token = rec.begin(self._op, name)
+        return self._token
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None and self._rec is not None:
+            self._rec.end(self._token)
+
+
+def register_ddp(ddp_model: Any, *, process_group: Any = None, label: str = "dp") -> bool:
+    """Registers a DDP comm hook that all-reduces each gradient bucket as DDP does by default and records
+    the all-reduce's start and its future's completion. Returns False (and registers nothing) when the
+    recorder is off. Call it once, before the first backward pass (DDP allows one comm hook)."""
+    rec = enable()
+    if rec is None:
+        return False
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    group = group_of(process_group, label)
+
+    # No annotations: DDP refuses a hook whose ``bucket`` or return annotation is not exactly
+    # dist.GradBucket / Future[Tensor], and this module's annotations are strings.
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        token = rec.begin("all_reduce", group)
+        fut = default_hooks.allreduce_hook(state, bucket)
+
+        def done(f: Any) -> Any:
+            rec.end(token)
+            return f.value()
+
+        return fut.then(done)
+
+    ddp_model.register_comm_hook(process_group, hook)
+    return True
