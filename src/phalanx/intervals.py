@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,7 +203,9 @@ def _cuda_available() -> bool:
     return bool(torch is not None and torch.cuda.is_available())
 
 
-_group_names: dict[tuple[Any, str], str] = {}
+_group_names: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+"""Process group -> label -> group string. Weak: a strong reference would keep a destroyed group alive until
+the interpreter's teardown, whose late destruction of gloo's threads aborts the process."""
 
 
 def group_of(process_group: Any = None, label: str = "pg") -> str:
@@ -211,12 +214,10 @@ def group_of(process_group: Any = None, label: str = "pg") -> str:
     import torch.distributed as dist
 
     pg = process_group or dist.group.WORLD
-    key = (pg, label)
-    name = _group_names.get(key)
+    names = _group_names.setdefault(pg, {})
+    name = names.get(label)
     if name is None:
-        if len(_group_names) > 256:  # groups re-formed by elastic rounds: forget the old ones
-            _group_names.clear()
-        name = _group_names[key] = ring.group_name(label, list(dist.get_process_group_ranks(pg)))
+        name = names[label] = ring.group_name(label, list(dist.get_process_group_ranks(pg)))
     return name
 
 

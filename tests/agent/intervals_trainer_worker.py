@@ -25,6 +25,7 @@ def main() -> None:
         sync.finish()
         comm.reduce_from_tensor_region(torch.ones(2), dist.group.WORLD)
         phalanx.report_step(step)
+    sync.close()  # its autograd hooks hold the group: gone before the group is destroyed
     dist.destroy_process_group()
     print(json.dumps({"rank": dist.get_rank() if dist.is_initialized() else -1}))
 

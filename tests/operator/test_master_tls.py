@@ -44,6 +44,11 @@ def test_a_job_certificate_names_its_own_master_only() -> None:
         with pytest.raises(VerificationError):
             _verify(pems, name)
     assert authority.key_pem not in pems.values(), "the CA's key must never reach a job"
+    # Names past a common name's 64 characters: a 40-character job in a 63-character namespace.
+    job, namespace = "j" * 40, "n" * 63
+    _verify(
+        tls.master_certificate(job, namespace, authority=authority, now=NOW), f"{job}-master.{namespace}.svc"
+    )
     other = tls.new_authority(common_name="another CA", now=NOW)
     forged = tls.master_certificate("tiny", "team-a", authority=other, now=NOW)
     with pytest.raises(VerificationError):

@@ -59,5 +59,5 @@ def run_world(script: Path, *, world: int, args: list[str], timeout_s: float) ->
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+            proc.communicate()  # reaps it and closes its pipes: a failed rank leaves no open file behind
     return results

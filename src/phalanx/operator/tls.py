@@ -110,7 +110,8 @@ def master_certificate(job: str, namespace: str, *, authority: Authority, now: d
     names = master_dns_names(job, namespace)
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[2])]))
+        # The names are in the SAN; a common name may hold 64 characters, <job>-master.<ns>.svc often more.
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
