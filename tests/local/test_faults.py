@@ -104,6 +104,8 @@ def test_node_sigkill_survivors_shrink_then_replacement_joins(tmp_path: Path) ->
     assert min(grown) > min(small)
     assert {e["world"] for e in lines if e["round"] == min(small)} == {4}
     assert max(e["step"] for e in lines) == 109
+    # The killed agent could not remove its workers' beacons and interval rings; the run did.
+    assert not list(Path("/dev/shm").glob(f"phalanx-{s['job_id']}-*")), "shared-memory files left behind"
 
 
 def test_hung_worker_is_detected_and_recovered(tmp_path: Path) -> None:

@@ -516,9 +516,10 @@ class LocalCluster:
             if self.sockets is not None:
                 shutil.rmtree(self.sockets, ignore_errors=True)
             self.http.close()
-            # Killed agents could not remove their beacons.
-            for stale in SHM_DIR.glob(f"phalanx-{self.job_id}-*.beacon"):
-                stale.unlink(missing_ok=True)
+            # Killed agents could not remove their beacons and interval rings.
+            for pattern in ("beacon", "intervals"):
+                for stale in SHM_DIR.glob(f"phalanx-{self.job_id}-*.{pattern}"):
+                    stale.unlink(missing_ok=True)
             self._finish()
 
     def _loop(self) -> int:
