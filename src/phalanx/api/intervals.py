@@ -275,16 +275,7 @@ class Tracker:
                 began = self.open.pop((r.name, r.group, r.number), None)
                 if began is not None and r.group:
                     self._in_collectives_ns += max(0, r.unix_ns - began.unix_ns)
-                    self.pending.append(
-                        pb.Interval(
-                            name=r.name,
-                            group=r.group,
-                            seq=r.number,
-                            start_unix_ns=began.unix_ns,
-                            end_unix_ns=r.unix_ns,
-                            device=r.device,
-                        )
-                    )
+                    self.pending.append(_interval(began, end_ns=r.unix_ns, device=r.device))
 
     def _mark(self, r: Record) -> None:
         prev = self.last_mark
@@ -317,15 +308,7 @@ class Tracker:
         )
         cur = self.current()
         if cur is not None:
-            act.current.CopyFrom(
-                pb.Interval(
-                    name=cur.name,
-                    group=cur.group,
-                    seq=cur.number,
-                    start_unix_ns=cur.unix_ns,
-                    device=cur.device,
-                )
-            )
+            act.current.CopyFrom(_interval(cur, end_ns=0, device=cur.device))
         for group, seq in self.entered.items():
             act.entered[group] = seq
         return act
@@ -376,3 +359,15 @@ def group_name(label: str, ranks: list[int]) -> str:
             parts.append(str(ordered[i]))
             i += 1
     return f"{label}:{','.join(parts)}"
+
+
+def _interval(began: Record, *, end_ns: int, device: bool) -> pb.Interval:
+    """The collective ``began`` opened, ending at ``end_ns`` (0: still open)."""
+    return pb.Interval(
+        name=began.name,
+        group=began.group,
+        seq=began.number,
+        start_unix_ns=began.unix_ns,
+        end_unix_ns=end_ns,
+        device=device,
+    )
