@@ -54,6 +54,7 @@ test: setup lint
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all
+	$(BIN)/python -m benchmarks.report  # docs/benchmarks.md and its plots
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -4,20 +4,37 @@ Starts the real ``phalanx master`` pinned to CPU 0 and drives it over real gRPC 
 pinned to the other CPUs. The nodes form one rendezvous round, and every heartbeat carries the progress of
 8 ranks that step every 100 ms, as a node with 8 GPUs sends in training: the master's step-time bookkeeping
 (per-rank intervals, the periodic straggler check) is part of the cost.
-Two phases:
+Phases, the first three with one unary ``Heartbeat`` call per beat, the last two on ``HeartbeatStream``
+(one long-lived stream per node, one message each way per beat, the token checked once per stream):
 
 * ``paced``: ``--nodes`` nodes heartbeating at 1 Hz, answered at once (agents before held heartbeats);
 * ``held``: ``--nodes`` nodes each keeping one heartbeat held by the master (``wait_s`` = the 1 s interval),
-  the agent's pattern now: the master answers each after the interval, so about ``--nodes`` per second;
-* ``saturated``: closed loop, ``--concurrency`` calls in flight, as fast as the master answers.
+  the pattern of agents against a master without the stream: about ``--nodes`` answers per second;
+* ``saturated``: closed loop, ``--concurrency`` calls in flight, as fast as the master answers;
+* ``stream_held``: ``held`` on streams, the agent's pattern now;
+* ``stream_saturated``: closed loop on ``--concurrency`` streams, a beat answered at once (``wait_s`` 0)
+  followed by the next, as fast as the master answers.
 
 For each: heartbeats answered per second, p50/p99/max latency, and the master's CPU use from
-``/proc/<pid>/stat`` (1.0 = one core). When the master is below ~90% of its core in the saturated phase
-the clients were the bottleneck (this is a Python client against a Python server); then
-``capacity_per_core`` is extrapolated as answered/s divided by the master's CPU fraction, and the JSON
-says so. Prints one JSON object on the last line.
+``/proc/<pid>/stat`` (1.0 = one core). When the master is below ~90% of its core in a saturated phase
+the clients were the bottleneck (this is a Python client against a Python server); then that phase's
+capacity per core is extrapolated as answered/s divided by the master's CPU fraction, and the JSON
+says so (``capacity_per_core`` for calls, ``stream_capacity_per_core`` for streams). ``--clients``
+spreads the load over more client processes (the client CPUs are shared among them). ``--baseline-src``
+runs the saturated unary phase once more against another source tree's master (the code before a change)
+in the same run, for a fair before/after; ``--repeat N`` alternates the saturated phases N times and
+reports the median run of each (with every run's rate beside it); ``--grpc-floor`` drives both saturated
+loads against a no-op server too (answers at once, no token check, no job): gRPC's own cost, the floor.
+``heartbeats_per_master_cpu_s`` is each phase's rate per second of the master's CPU: its cost per beat,
+whatever share of its core a shared machine gave it. Prints one JSON object on the last line.
 
     .venv/bin/python -m benchmarks.master_capacity --nodes 1000 --seconds 10
+
+The committed result, with the master before a change beside it (its sources unpacked from git):
+
+    mkdir -p /tmp/before && git archive HEAD src | tar -x -C /tmp/before
+    .venv/bin/python -m benchmarks.master_capacity --nodes 1000 --seconds 8 --repeat 3 --pin-clients \
+        --grpc-floor --baseline-src /tmp/before/src --baseline-label "..." --note "what else ran"
 """
 
 from __future__ import annotations
@@ -45,7 +62,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_master(tmp: Path, nodes: int, cpu: int) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_master(
+    tmp: Path, nodes: int, cpu: int, *, source: str = "", noop: bool = False
+) -> tuple[subprocess.Popen[bytes], str, str]:
+    """The master, from ``source`` (a source tree's ``src``) instead of this checkout when given, or with
+    ``noop`` the no-op server of :func:`noop_server_main`."""
     (tmp / "token").write_text(TOKEN)
     cmd = [
         sys.executable,
@@ -67,13 +88,18 @@ def start_master(tmp: Path, nodes: int, cpu: int) -> tuple[subprocess.Popen[byte
         "--heartbeat-timeout",
         "30",
     ]
+    if noop:
+        cmd = [sys.executable, "-m", "benchmarks.master_capacity", "--noop-server"]
     env = {**os.environ, "PHALANX_LOG_LEVEL": "WARNING"}
+    if source:
+        env["PYTHONPATH"] = source
     # Pinned before exec, so every thread of the master (gRPC's included) inherits the single CPU.
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=env,
+        cwd=Path(__file__).resolve().parent.parent,
         preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),  # noqa: PLW1509 (no threads here yet)
     )
     assert proc.stdout is not None
@@ -88,14 +114,14 @@ def start_master(tmp: Path, nodes: int, cpu: int) -> tuple[subprocess.Popen[byte
     return proc, line.split("=", 1)[1], http.split("=", 1)[1]
 
 
-def server_side_quantiles(http: str) -> dict[str, Any]:
+def server_side_quantiles(http: str, method: str = "Heartbeat") -> dict[str, Any]:
     """The master's own Heartbeat latency histogram: service time, free of client scheduling delays."""
     import httpx
 
     text = httpx.get(f"http://{http}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).text
     buckets: list[tuple[float, float]] = []
     for line in text.splitlines():
-        if line.startswith("phalanx_rpc_duration_seconds_bucket{") and 'method="Heartbeat"' in line:
+        if line.startswith("phalanx_rpc_duration_seconds_bucket{") and f'method="{method}"' in line:
             le = line.split('le="', 1)[1].split('"', 1)[0]
             buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
     buckets.sort()
@@ -193,13 +219,80 @@ async def client(
                     errors += 1
                 i += concurrency
 
+        async def streamed(k: int, *, wait_s: float, nodes: list[int]) -> None:
+            """One stream per node of ``nodes``, used in turn (a stream answers its beats in order, so a
+            closed loop needs one stream per beat in flight)."""
+            nonlocal errors
+            req = pb.HeartbeatRequest()
+            streams = [stub.HeartbeatStream(metadata=AUTH) for _ in nodes]
+            await asyncio.sleep(max(0.0, start + (k / count if wait_s else 0.0) - loop.time()))
+            i = 0
+            while loop.time() < end:
+                req.CopyFrom(reqs[nodes[i % len(nodes)]])
+                req.wait_s = wait_s
+                call = streams[i % len(nodes)]
+                t0 = time.perf_counter()
+                try:
+                    await call.write(stamp(req))
+                    answer = await call.read()
+                    if answer is grpc.aio.EOF:
+                        raise RuntimeError("the master ended a heartbeat stream")
+                    latencies.append(time.perf_counter() - t0)
+                except grpc.RpcError:
+                    errors += 1
+                    streams[i % len(nodes)] = stub.HeartbeatStream(metadata=AUTH)
+                i += 1
+            for call in streams:
+                call.cancel()
+
         if mode == "paced":
             await asyncio.gather(*(paced(k) for k in range(count)))
         elif mode == "held":
             await asyncio.gather(*(held(k) for k in range(count)))
+        elif mode == "stream_held":
+            await asyncio.gather(*(streamed(k, wait_s=1.0, nodes=[k]) for k in range(count)))
+        elif mode == "stream_closed":
+            # ``concurrency`` streams in flight; the nodes spread over them (each beat its node's own).
+            await asyncio.gather(
+                *(
+                    streamed(k, wait_s=0.0, nodes=list(range(k, count, concurrency)) or [k % count])
+                    for k in range(concurrency)
+                )
+            )
         else:
             await asyncio.gather(*(closed(k) for k in range(concurrency)))
     return {"latencies": latencies, "errors": errors}
+
+
+def noop_server_main() -> int:
+    """A phalanx.v1.Master whose Heartbeat and HeartbeatStream answer at once with a constant and do
+    nothing else: gRPC's own cost per call and per stream message, the floor under the master's."""
+    from grpc import aio
+
+    from phalanx.api.v1 import master_pb2 as pb
+    from phalanx.api.v1 import master_pb2_grpc as pb_grpc
+
+    answer = pb.HeartbeatResponse(round=1, committed_checkpoint_step=-1)
+
+    class Noop(pb_grpc.MasterServicer):  # type: ignore[misc]
+        async def Heartbeat(self, request: Any, context: Any) -> Any:
+            return answer
+
+        async def HeartbeatStream(self, requests: Any, context: Any) -> Any:
+            async for _ in requests:
+                yield answer
+
+    async def serve() -> None:
+        server = aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_MasterServicer_to_server(Noop(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(f"PHALANX_MASTER_GRPC=127.0.0.1:{port}", flush=True)
+        print("PHALANX_MASTER_HTTP=-", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+    return 0
 
 
 def client_main(args: argparse.Namespace) -> int:
@@ -260,9 +353,17 @@ def enroll_all(addr: str, http: str, nodes: int) -> None:
 
 
 def phase(
-    *, addr: str, pid: int, mode: str, nodes: int, seconds: float, concurrency: int, cpus: list[int]
+    *,
+    addr: str,
+    pid: int,
+    mode: str,
+    nodes: int,
+    seconds: float,
+    concurrency: int,
+    cpus: list[int],
+    clients: int = 0,
 ) -> dict[str, Any]:
-    clients = max(1, len(cpus)) if cpus else 1
+    clients = clients or (max(1, len(cpus)) if cpus else 1)
     per = nodes // clients
     procs = []
     for c in range(clients):
@@ -305,7 +406,8 @@ def phase(
     return {
         "mode": mode,
         "nodes": nodes,
-        "concurrency": concurrency if mode == "closed" else None,
+        "concurrency": concurrency if mode.endswith("closed") else None,
+        "client_processes": clients,
         "seconds": seconds,
         "answered": n,
         "errors": errors,
@@ -314,6 +416,8 @@ def phase(
         "p99_ms": round(latencies[int(n * 0.99)] * 1000, 2) if n else None,
         "max_ms": round(latencies[-1] * 1000, 2) if n else None,
         "master_cpu_cores": round(cpu * wall / seconds, 3),
+        # The master's cost per beat, free of how much of its core it got on a shared machine.
+        "heartbeats_per_master_cpu_s": round(n / (cpu * wall), 0) if cpu > 0 else None,
     }
 
 
@@ -327,57 +431,163 @@ def main() -> int:
     parser.add_argument(
         "--pin-clients", action="store_true", help="pin the clients to the other CPUs (a quiet machine only)"
     )
-    parser.add_argument("--client", choices=["paced", "held", "closed"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=0,
+        help="client processes for the saturated phases (default: one per CPU)",
+    )
+    parser.add_argument("--note", default="", help="what else ran on the machine, recorded in the JSON")
+    parser.add_argument(
+        "--baseline-src",
+        default="",
+        help="also run the saturated unary phase against the master of this source tree's src/ (e.g. "
+        "`git archive HEAD` unpacked), after the others, for a before/after in one run",
+    )
+    parser.add_argument("--baseline-label", default="", help="what the baseline is, for the JSON")
+    parser.add_argument(
+        "--grpc-floor",
+        action="store_true",
+        help="also drive a no-op server (gRPC's own cost: no token check, no job) with both saturated loads",
+    )
+    parser.add_argument("--noop-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run the saturated phases this many times (medians reported)"
+    )
+    parser.add_argument(
+        "--streams-only", action="store_true", help="only the two stream phases (a quick check while tuning)"
+    )
+    parser.add_argument(
+        "--client",
+        choices=["paced", "held", "closed", "stream_held", "stream_closed"],
+        help=argparse.SUPPRESS,
+    )
     parser.add_argument("--addr", help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.noop_server:
+        return noop_server_main()
     if args.client:
         return client_main(args)
 
     available = sorted(os.sched_getaffinity(0))
     master_cpu, client_cpus = available[0], available[1:] or available
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, addr, http = start_master(Path(tmp), args.nodes, master_cpu)
-        try:
-            enroll_all(addr, http, args.nodes)
-            common = {"addr": addr, "pid": proc.pid, "nodes": args.nodes, "seconds": args.seconds}
-            paced = phase(
-                mode="paced", concurrency=0, cpus=client_cpus[:2] if args.pin_clients else [], **common
-            )  # type: ignore[arg-type]
-            paced["server_side"] = server_side_quantiles(http)
-            held = phase(
-                mode="held", concurrency=0, cpus=client_cpus[:2] if args.pin_clients else [], **common
-            )  # type: ignore[arg-type]
-            closed = phase(
-                mode="closed",
-                concurrency=args.concurrency,
-                cpus=client_cpus if args.pin_clients else [],
-                **common,
-            )  # type: ignore[arg-type]
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
-    cpu = closed["master_cpu_cores"]
-    client_bound = cpu < 0.9
-    result = {
+    pair = client_cpus[:2] if args.pin_clients else []
+    every = client_cpus if args.pin_clients else []
+    runs: dict[str, list[dict[str, Any]]] = {}
+
+    def measure(source: str, first: bool) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            proc, addr, http = start_master(Path(tmp), args.nodes, master_cpu, source=source)
+            try:
+                enroll_all(addr, http, args.nodes)
+                common: dict[str, Any] = {
+                    "addr": addr,
+                    "pid": proc.pid,
+                    "nodes": args.nodes,
+                    "seconds": args.seconds,
+                }
+                saturated = {"concurrency": args.concurrency, "cpus": every, "clients": args.clients}
+                if source:  # the baseline: the same saturated unary phase against the older master
+                    runs.setdefault("baseline_saturated", []).append(
+                        phase(mode="closed", **saturated, **common)
+                    )
+                    runs["baseline_saturated"][-1]["source"] = args.baseline_label or source
+                    return
+                if first and not args.streams_only:
+                    runs["paced_1hz"] = [phase(mode="paced", concurrency=0, cpus=pair, **common)]
+                    runs["paced_1hz"][0]["server_side"] = server_side_quantiles(http)
+                    runs["held_1s"] = [phase(mode="held", concurrency=0, cpus=pair, **common)]
+                if not args.streams_only:
+                    runs.setdefault("saturated", []).append(phase(mode="closed", **saturated, **common))
+                if first:
+                    runs["stream_held_1s"] = [phase(mode="stream_held", concurrency=0, cpus=pair, **common)]
+                stream = phase(mode="stream_closed", **saturated, **common)
+                stream["server_side"] = server_side_quantiles(http, method="HeartbeatStream")
+                runs.setdefault("stream_saturated", []).append(stream)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
+
+    # The saturated phases alternate, new master then baseline, ``--repeat`` times: on a shared machine
+    # the load drifts, and alternating gives both the same drift.
+    for i in range(args.repeat):
+        measure("", first=i == 0)
+        if args.baseline_src:
+            measure(args.baseline_src, first=i == 0)
+
+    def median_run(name: str) -> dict[str, Any]:
+        """The run with the median rate, and every run's rate and CPU beside it."""
+        ordered = sorted(runs[name], key=lambda r: r["heartbeats_per_s"])
+        chosen = dict(ordered[(len(ordered) - 1) // 2])
+        if len(ordered) > 1:
+            chosen["repeats"] = [
+                {"heartbeats_per_s": r["heartbeats_per_s"], "master_cpu_cores": r["master_cpu_cores"]}
+                for r in runs[name]
+            ]
+        return chosen
+
+    phases = {name: median_run(name) for name in runs}
+    if args.grpc_floor:
+        with tempfile.TemporaryDirectory() as tmp:
+            proc, addr, _ = start_master(Path(tmp), args.nodes, master_cpu, noop=True)
+            try:
+                common = {"addr": addr, "pid": proc.pid, "nodes": args.nodes, "seconds": args.seconds}
+                saturated = {"concurrency": args.concurrency, "cpus": every, "clients": args.clients}
+                phases["grpc_floor_unary"] = phase(mode="closed", **saturated, **common)
+                phases["grpc_floor_stream"] = phase(mode="stream_closed", **saturated, **common)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
+
+    def capacity(saturated: dict[str, Any]) -> dict[str, Any]:
+        cpu = saturated["master_cpu_cores"]
+        if cpu < 0.9 and cpu > 0:
+            note = (
+                "extrapolated: answered/s divided by the master's CPU fraction (the clients saturated first)"
+            )
+            return {
+                "client_bound": True,
+                "per_core": round(saturated["heartbeats_per_s"] / cpu, 0),
+                "note": note,
+            }
+        note = "measured: the master's core was saturated"
+        return {"client_bound": False, "per_core": saturated["heartbeats_per_s"], "note": note}
+
+    result: dict[str, Any] = {
         "name": "master_capacity",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": f"{len(available)} cores ({os.uname().nodename})",
+        "note": args.note,
         "cpus": len(available),
         "master_pinned_to_cpu": master_cpu,
         "client_cpus": client_cpus,
-        "paced_1hz": paced,
-        "held_1s": held,
-        "saturated": closed,
-        "client_bound": client_bound,
-        "capacity_per_core": round(closed["heartbeats_per_s"] / cpu, 0)
-        if client_bound and cpu > 0
-        else closed["heartbeats_per_s"],
-        "capacity_note": (
-            "extrapolated: answered/s divided by the master's CPU fraction (the clients saturated first)"
-            if client_bound
-            else "measured: the master's core was saturated"
-        ),
+        "clients_pinned": args.pin_clients,
+        "repeat": args.repeat,
+        **phases,
     }
+    stream = capacity(phases["stream_saturated"])
+    if "saturated" in phases:
+        unary = capacity(phases["saturated"])
+        result.update(
+            client_bound=unary["client_bound"],
+            capacity_per_core=unary["per_core"],
+            capacity_note=unary["note"],
+        )
+    result.update(
+        stream_client_bound=stream["client_bound"],
+        stream_capacity_per_core=stream["per_core"],
+        stream_capacity_note=stream["note"],
+    )
+    if result.get("capacity_per_core"):
+        result["stream_vs_unary"] = round(stream["per_core"] / result["capacity_per_core"], 2)
+    if "baseline_saturated" in phases:
+        before = capacity(phases["baseline_saturated"])
+        result["baseline_capacity_per_core"] = before["per_core"]
+        result["stream_vs_baseline"] = (
+            round(stream["per_core"] / before["per_core"], 2) if before["per_core"] else None
+        )
     print(json.dumps(result))
     return 0
 

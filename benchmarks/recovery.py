@@ -4,7 +4,8 @@ Both launchers run ``examples/ddp_mlp.py`` (1 node x 2 processes, gloo, a small 
 checkpoint every step) with ``--max-restarts 3 --standalone``. When rank 0 has logged step ``--kill-step``,
 rank 1 is killed with SIGKILL. Recovery time is from the kill to the first step completed afterwards
 (the script appends one JSON line per completed step with ``time.time()``); steps lost are the completed
-steps that had to be redone. Medians over ``--runs`` runs each, printed as JSON.
+steps that had to be redone; the script also logs when each incarnation began, so the kill -> script start
+part of the restart path is reported on its own. Medians over ``--runs`` runs each, printed as JSON.
 
 With ``--state-mb N`` every rank carries N MiB more state: torchrun's script torch.saves it every step
 (rank 0), and phalanx flash-checkpoints it every step and persists it every ``--persist-every`` steps, so
@@ -12,6 +13,8 @@ its restart also saves the last in-memory step at the breakpoint. A kill right a
 lands in the save that follows it; ``--kill-delay`` moves it past the save, into the next step.
 
     .venv/bin/python benchmarks/recovery.py --runs 5
+    .venv/bin/python benchmarks/recovery.py --runs 5 --optimizer adam \
+        --out benchmarks/results/recovery-adam.json
     .venv/bin/python benchmarks/recovery.py --state-mb 512 --steps 40 --kill-step 20 --step-time 0.6 \
         --kill-delay 0.45 --out benchmarks/results/recovery-512mb.json
 """
@@ -61,6 +64,7 @@ def one_run(
     timeout: float,
     state_mb: int,
     persist_every: int,
+    optimizer: str,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         d = Path(tmp)
@@ -68,6 +72,7 @@ def one_run(
         pids.mkdir()
         args = ["--steps", str(steps), "--ckpt", str(d / "ckpt.pt"), "--step-log", str(log)]
         args += ["--step-time", str(step_time), "--pid-dir", str(pids), "--state-mb", str(state_mb)]
+        args += ["--optimizer", optimizer, "--start-log", str(d / "starts.jsonl")]
         # With a big state phalanx saves it the way it is meant to: flash checkpoint, persisted now and then.
         flash = name == "phalanx" and state_mb > 0
         if flash:
@@ -108,11 +113,22 @@ def one_run(
             result["recovery_s"] = first["time"] - t_kill
             result["resumed_at_step"] = first["step"]
             result["steps_lost"] = max(0, result["killed_after_step"] - first["step"] + 1)
+            # The path of the restart: kill -> the new script begins -> it is ready to train (its process
+            # group formed, its checkpoint loaded) -> its first step.
+            starts = [s for s in read_steps(d / "starts.jsonl") if s["started"] > t_kill]
+            if starts:
+                result["kill_to_script_start_s"] = starts[0]["started"] - t_kill
+                result["kill_to_ready_s"] = starts[0]["ready"] - t_kill
         result["final_step"] = lines[-1]["step"] if lines else -1
         result["ok"] = code == 0 and "recovery_s" in result and result["final_step"] == steps - 1
         if not result["ok"]:
             result["log_tail"] = (d / "launcher.log").read_text()[-2000:]
         return result
+
+
+def _median(values: Any) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -124,6 +140,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "median_steps_lost": statistics.median(r["steps_lost"] for r in ok) if ok else None,
         "recovery_s": [round(r["recovery_s"], 3) for r in ok],
         "steps_lost": [r["steps_lost"] for r in ok],
+        "median_kill_to_script_start_s": _median(r.get("kill_to_script_start_s") for r in ok),
+        "median_kill_to_ready_s": _median(r.get("kill_to_ready_s") for r in ok),
         "failed_runs": [r for r in runs if not r["ok"]],
     }
 
@@ -150,6 +168,7 @@ def main() -> None:
         "phalanx's flash-checkpoints it every step and persists it every --persist-every steps",
     )
     p.add_argument("--persist-every", type=int, default=10)
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="the script's optimizer")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     report: dict[str, Any] = {
@@ -164,7 +183,9 @@ def main() -> None:
             "runs": args.runs,
             "state_mb": args.state_mb,
             "persist_every": args.persist_every if args.state_mb else None,
+            "optimizer": args.optimizer,
             "cpus": os.cpu_count(),
+            "load_average_before": round(os.getloadavg()[0], 2),
         }
     }
     names = args.launchers.split(",")
@@ -180,11 +201,14 @@ def main() -> None:
                 timeout=args.timeout,
                 state_mb=args.state_mb,
                 persist_every=args.persist_every,
+                optimizer=args.optimizer,
             )
             runs[name].append(r)
             print(
                 f"run {i} {name}: recovery {r.get('recovery_s', float('nan')):.3f}s "
-                f"lost {r.get('steps_lost')} ok {r['ok']}",
+                f"lost {r.get('steps_lost')} "
+                f"script start {r.get('kill_to_script_start_s', float('nan')):.3f}s "
+                f"ok {r['ok']}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -25,6 +25,8 @@ BENCHMARKS = {
     "shard_loss": ["--runs", "3"],
     "host_failover": ["--runs", "5"],
     "stragglers": ["--runs", "3"],
+    "fleet_sim": ["--days", "7"],
+    "goodput": [],  # 10 minutes per launcher, a fault every 60 s: about 35 minutes
 }
 
 

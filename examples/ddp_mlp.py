@@ -18,17 +18,20 @@ it loaded from: ``flash: loaded step S from memory (storage reads 0)``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import time
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel
+STARTED = time.time()  # before the imports: when the script itself began, for benchmarks/recovery.py
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 try:
     from phalanx import report_step
@@ -52,6 +55,8 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--persist-every", type=int, default=10, help="with --flash: persist every N steps")
     p.add_argument("--state-mb", type=int, default=0, help="checkpoint this many MiB more (a big state)")
+    p.add_argument("--start-log", default="", help="append a JSON line per start of the script (rank 0)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="adam imports torch._dynamo")
     return p.parse_args()
 
 
@@ -70,7 +75,7 @@ def main() -> None:
         Path(args.pid_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = (torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD)(model.parameters(), lr=0.01)
     extra = torch.zeros(args.state_mb * 2**18)  # float32: stands in for a big model's optimizer state
     start = 0
     flash = None
@@ -102,6 +107,9 @@ def main() -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank == 0:
         print(f"world size {world}, starting at step {start} (restart {restart})", flush=True)
+        if args.start_log:  # when this incarnation's script began and when it was ready to train
+            with open(args.start_log, "a") as f:
+                f.write(json.dumps({"started": STARTED, "ready": time.time(), "restart": restart}) + "\n")
     for step in range(start, args.steps):
         if step == args.fail_at:
             raise ValueError(f"bad batch at step {step}: loss is NaN")

@@ -24,6 +24,9 @@ that stopped recording anything.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import json
 import os
 import threading
 import time
@@ -38,6 +41,8 @@ from phalanx.api import intervals as ring
 __all__ = ["Recorder", "begin", "collective", "enable", "end", "recorder", "register_ddp"]
 
 _WATCH_POLL_S = 0.002  # how often the watcher asks pending CUDA events whether they completed
+_IDLE_POLL_S = 0.05  # how often an idle watcher looks for the agent's request of an NCCL flight-recorder dump
+NCCL_TRACE_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 DEVICE_MARK = "device_step"
 """The name of the device marker recorded at each step boundary on a GPU (an interval without group)."""
 
@@ -51,6 +56,12 @@ class Token:
     number: int
     device: bool = False
     """Timed on the GPU: its end is a CUDA event the watcher polls."""
+    end_meta: int = 0
+    """Its END record's meta word and texts, encoded once per (op, group) (0: encode when ending)."""
+    texts: bytes = b""
+
+
+_MARK_META = ring.encoded(ring.MARK, False, "", "")[0]
 
 
 class Recorder:
@@ -58,8 +69,13 @@ class Recorder:
 
     def __init__(self, path: Path, *, cuda: bool = False) -> None:
         self._ring = ring.RingWriter(path)
-        self._seq: dict[str, int] = {}
-        self._seq_lock = threading.Lock()
+        self._write = self._ring.write
+        self._seq: dict[str, Any] = {}
+        """Group -> its sequence numbers (an ``itertools.count``: ``next`` is atomic, no lock needed)."""
+        self._seq_lock = threading.Lock()  # only to encode an (op, group) once
+        self._encoded: dict[tuple[str, str], tuple[int, int, bytes, Any]] = {}
+        """(op, group) -> BEGIN meta, END meta, texts, the group's counter: built on first use, then one
+        dict lookup a collective."""
         self.cuda = cuda
         self._pending: list[tuple[Token, Any]] = []
         self._cond = threading.Condition()
@@ -82,7 +98,7 @@ class Recorder:
 
     def step(self, step: int) -> None:
         """A step boundary: ``step`` just completed (host time). On a GPU a device marker too."""
-        self._ring.append(ring.MARK, number=step)
+        self._write(_MARK_META, b"", step, time.time_ns())
         if self.cuda:
             token = Token(DEVICE_MARK, "", step)
             self._ring.append(ring.BEGIN, name=DEVICE_MARK, number=step, device=True)
@@ -92,18 +108,32 @@ class Recorder:
 
     def begin(self, op: str, group: str) -> Token:
         """A collective ``op`` in ``group`` starts now (its sequence number in the group is the next)."""
+        enc = self._encoded.get((op, group))
+        if enc is None:
+            enc = self._encode(op, group)
+        begin_meta, end_meta, texts, counter = enc
+        seq = next(counter)
+        self._write(begin_meta, texts, seq, time.time_ns())
+        return Token(op, group, seq, self.cuda, end_meta, texts)
+
+    def _encode(self, op: str, group: str) -> tuple[int, int, bytes, Any]:
+        """Encodes ``op`` in ``group`` once: its records' meta words and texts, and the group's counter."""
         with self._seq_lock:
-            seq = self._seq.get(group, 0) + 1
-            self._seq[group] = seq
-        token = Token(op, group, seq, device=self.cuda)
-        self._ring.append(ring.BEGIN, name=op, group=group, number=seq, device=self.cuda)
-        return token
+            counter = self._seq.setdefault(group, itertools.count(1))
+            begin_meta, texts = ring.encoded(ring.BEGIN, self.cuda, op, group)
+            # A GPU collective's END is written by the watcher, with the device flag, like its BEGIN.
+            end_meta = ring.encoded(ring.END, self.cuda, op, group)[0]
+            enc = self._encoded[(op, group)] = (begin_meta, end_meta, texts, counter)
+        return enc
 
     def end(self, token: Token) -> None:
         """The collective ends: now on the host; on a GPU, once the device passes an event recorded now on the
         current stream (the watcher writes the end then)."""
         if not token.device:
-            self._ring.append(ring.END, name=token.name, group=token.group, number=token.number)
+            if token.end_meta:
+                self._write(token.end_meta, token.texts, token.number, time.time_ns())
+            else:
+                self._ring.append(ring.END, name=token.name, group=token.group, number=token.number)
         else:
             self._watch(token, self._record_event())
 
@@ -119,16 +149,21 @@ class Recorder:
             if self._watcher is None:
                 self._watcher = threading.Thread(target=self._poll, name="phalanx-intervals", daemon=True)
                 self._watcher.start()
+                if _int_env(NCCL_TRACE_ENV) > 0:
+                    self._ring.offer_dumps()  # the watcher answers the agent's dump requests
             self._cond.notify()
 
     def _poll(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
+                while not self._pending and not self._closed and not self._ring.dump_asked():
+                    self._cond.wait(_IDLE_POLL_S)
                 if self._closed:
                     return
                 pending = list(self._pending)
+            asked = self._ring.dump_asked()
+            if asked:
+                self._answer_dump(asked)
             finished = [(t, e) for t, e in pending if e.query()]
             now = time.time_ns()
             for token, _ in finished:
@@ -146,6 +181,19 @@ class Recorder:
                     self._pending = [(t, e) for t, e in self._pending if id(t) not in done]
                 self._free_events.extend(e for _, e in finished)
             time.sleep(_WATCH_POLL_S)
+
+    def _answer_dump(self, asked: int) -> None:
+        """Writes NCCL's flight recorder (torch's own JSON dump; never pickle) for the agent. From this
+        thread: the training thread may be blocked in the very collective that hangs."""
+        try:
+            import torch
+
+            dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace_json")  # noqa: B009 -- private API
+            text = dump(True, False)  # with the collectives, all entries (not only the active ones)
+        except Exception as exc:  # no NCCL process group yet, a torch without the recorder
+            text = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+        with contextlib.suppress(OSError):
+            self._ring.dump_done(asked, text.encode() if isinstance(text, str) else bytes(text))
 
     def close(self) -> None:
         with self._cond:
@@ -194,6 +242,13 @@ def disable() -> None:
             _recorder.close()
         _recorder = None
         phalanx._step_recorder = None
+
+
+def _int_env(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "0"))
+    except ValueError:
+        return 0
 
 
 def _cuda_available() -> bool:

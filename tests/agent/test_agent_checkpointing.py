@@ -20,6 +20,7 @@ import torch
 
 from phalanx.agent import checkpointing, probes
 from phalanx.agent import config as agent_config
+from phalanx.agent.breakpoints import Breakpoints
 from phalanx.agent.client import MasterClient, RetiredError
 from phalanx.api.errors import ConfigError
 from phalanx.api.v1 import master_pb2 as pb
@@ -205,9 +206,7 @@ def test_host_lifecycle_persists_agreed_step_and_unlinks(tmp_path: Path) -> None
         def retired(req: pb.ReportCheckpointRequest) -> pb.ReportCheckpointResponse:
             raise RetiredError("node/0 is evicted: it leaves the job's state to the survivors")
 
-        breakpoints = checkpointing.Breakpoints(
-            host, report=retired, node_id="node/0", incarnation="i", say=said.append
-        )
+        breakpoints = Breakpoints(host, report=retired, node_id="node/0", incarnation="i", say=said.append)
         breakpoints.save("terminated", round_no=3, ranks=[4, 5])
         assert not storage.exists() or not list(storage.rglob("*.safetensors")), sorted(storage.rglob("*"))
         assert any("save at breakpoint (terminated) skipped" in line for line in said), said

@@ -324,6 +324,7 @@ def test_a_leaving_link_says_so_and_does_not_register_again() -> None:
         shipper=LogShipper(LogSettings()),
         reregister=lambda: registered.append("again"),
     )
+    link.streaming = False  # the fake serves Heartbeat calls only, as a master without HeartbeatStream
     thread = threading.Thread(target=link.run, daemon=True)
     thread.start()
     assert held.wait(5)

@@ -16,6 +16,7 @@ import pytest
 from phalanx.agent import failures, workers
 from phalanx.agent.env import WorkerPaths
 from phalanx.diagnostics.classify import FailureClass
+from tests.eventually import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -106,18 +107,21 @@ def test_stack_dump_and_stop_kills_the_group(tmp_path: Path) -> None:
         deep_in_training()
         """,
     )
-    deadline = time.monotonic() + 20
-    while not any(t.startswith("child") for t in w.tail) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    child = int(next(t for t in w.tail if t.startswith("child")).split()[1])
+    line = eventually(lambda: next((t for t in w.tail if t.startswith("child")), None), timeout=20)
+    child = int(line.split()[1])
     stacks = workers.dump_stacks([w], wait_s=3.0)
     assert "deep_in_training" in stacks[0]
     start = time.monotonic()
     codes = workers.stop([w], grace_period_s=0.5)
     assert codes == {0: -signal.SIGKILL}
     assert time.monotonic() - start < 5
-    time.sleep(0.2)
-    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    eventually(
+        lambda: (
+            not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+        ),
+        timeout=5,
+        what="the worker's child gone with it",
+    )
 
 
 def test_stopped_worker_is_killed_without_grace(tmp_path: Path) -> None:
@@ -163,13 +167,12 @@ def test_a_rank_that_raised_before_the_stop_reports_its_error_not_the_stop(tmp_p
     stopped, _ = _start(
         tmp_path / "stopped",
         record + "signal.signal(signal.SIGTERM, lambda *a: (record('SignalException'), sys.exit(1)))\n"
+        "print('handler installed', flush=True)\n"
         "time.sleep(60)\n",
         str(tmp_path / "stopped" / "w0" / "error.json"),
     )
-    deadline = time.monotonic() + 20
-    while not (raised.paths and raised.paths.error_file.exists()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)  # the second has installed its handler
+    eventually(lambda: raised.paths and raised.paths.error_file.exists(), timeout=20)
+    eventually(lambda: any("handler installed" in t for t in stopped.tail), timeout=20)
     marks = failures.mark_stop({0: raised, 1: stopped})
     workers.stop([raised, stopped], grace_period_s=5)
     assert stopped.proc.returncode == 1

@@ -84,12 +84,18 @@ def test_one_request_response_pair_per_rpc() -> None:
     service = FILE.services_by_name["Master"]
     seen_inputs: set[str] = set()
     for method in service.methods:
+        if method.client_streaming:  # a stream carries the messages of the call it streams
+            assert method.server_streaming
+            assert method.name.endswith("Stream")
+            assert method.input_type.name == f"{method.name.removesuffix('Stream')}Request"
+            assert method.output_type.name == f"{method.name.removesuffix('Stream')}Response"
+            continue
         assert method.input_type.name == f"{method.name}Request"
         assert method.output_type.name == f"{method.name}Response"
         assert method.input_type.name not in seen_inputs
         seen_inputs.add(method.input_type.name)
     expected = {
-        "RegisterNode", "Heartbeat", "JoinRendezvous", "GetRendezvous", "ReportFailure",
+        "RegisterNode", "Heartbeat", "HeartbeatStream", "JoinRendezvous", "GetRendezvous", "ReportFailure",
         "ReportCompletion", "ReportLogs", "ReportProbe", "ReportCheckpoint", "ReportStacks",
     }  # fmt: skip
     assert {m.name for m in service.methods} == expected

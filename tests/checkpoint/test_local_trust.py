@@ -401,7 +401,7 @@ def test_claim_decision() -> None:
 
 
 def test_manifest_problem_finds_every_structural_fault() -> None:
-    from phalanx.checkpoint.restore import manifest_problem
+    from phalanx.checkpoint.structure import manifest_problem
 
     good = {
         "size": 10,

@@ -349,8 +349,8 @@ def test_prepared_device_slots_are_pinned_before_the_first_save(host: host_mod.H
     ckpt = Checkpointer()
     ckpt.prepare(state)
     ckpt.wait_prepared()
-    assert ckpt._slots is not None
-    assert ckpt._slots._registered == {0, 1}
+    assert ckpt.memory.mapped is not None
+    assert ckpt.memory.mapped._registered == {0, 1}
     ckpt.save(1, state)
     step, got = ckpt.load()  # type: ignore[misc]
     assert step == 1

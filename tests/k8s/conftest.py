@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from k8s_harness.cluster import METRICS_TOKEN, Cluster
 from k8s_harness.controlplane import ControlPlane, find_binaries
+from tests.eventually import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "elasticjobs.phalanx.dev.yaml"
@@ -36,11 +36,12 @@ def _wait_established(cp: ControlPlane, crd: str, *, timeout_s: float = 90.0) ->
     """Polls the CRD's Established condition. ``kubectl wait`` gives up at once on a CRD whose status has no
     conditions yet, which a loaded API server takes a moment to write."""
     query = '{.status.conditions[?(@.type=="Established")].status}'
-    deadline = time.monotonic() + timeout_s
-    while cp.kubectl("get", f"crd/{crd}", "-o", f"jsonpath={query}", check=False).strip() != "True":
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the CRD {crd} was not Established within {timeout_s:g}s")
-        time.sleep(0.2)
+    eventually(
+        lambda: cp.kubectl("get", f"crd/{crd}", "-o", f"jsonpath={query}", check=False).strip() == "True",
+        timeout=timeout_s,
+        interval=0.2,
+        what=f"the CRD {crd} Established",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -28,9 +28,11 @@ from k8s_harness.controlplane import ControlPlane, write_kubeconfig
 from kubernetes import client, watch
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
+from tests.eventually import eventually
 
-from phalanx.master.kube import GROUP, PLURAL, VERSION, ElasticJobStatusSink
-from phalanx.operator import builders
+from phalanx.api.elasticjob import GROUP, PLURAL, VERSION
+from phalanx.master.kube import ElasticJobStatusSink
+from phalanx.operator import supporting
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 
@@ -77,9 +79,9 @@ def master_api(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFac
         cp.kubectl("create", "-f", "-", input_text=json.dumps(_job(name)))
     job = json.loads(cp.kubectl("get", "elasticjob", JOB, "-n", NS, "-o", "json"))
     for obj in (
-        builders.master_service_account(job),
-        builders.master_role(job),
-        builders.master_role_binding(job),
+        supporting.master_service_account(job),
+        supporting.master_role(job),
+        supporting.master_role_binding(job),
     ):
         cp.kubectl(
             "create",
@@ -94,15 +96,6 @@ def master_api(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFac
 
 def _patch_spec(cp: ControlPlane, name: str, spec: dict[str, Any]) -> None:
     cp.kubectl("patch", "elasticjob", name, "-n", NS, "--type=merge", "-p", json.dumps({"spec": spec}))
-
-
-def _until(check: Callable[[], Any], limit_s: float, step_s: float = 0.02) -> float:
-    """Seconds until ``check()`` held; fails after ``limit_s``."""
-    start = time.monotonic()
-    while not check():
-        assert time.monotonic() - start < limit_s, f"not within {limit_s}s"
-        time.sleep(step_s)
-    return time.monotonic() - start
 
 
 def _watching(sink: ElasticJobStatusSink) -> bool:
@@ -166,11 +159,11 @@ def test_a_suspend_reaches_the_master_within_a_second_without_a_read(
 ) -> None:
     sink = ElasticJobStatusSink(namespace=NS, name=JOB, api=_client(master_api))
     try:
-        _until(lambda: _watching(sink), 10)
+        eventually(lambda: _watching(sink), timeout=10)
         gets, generation = sink.gets, sink.spec().generation  # type: ignore[union-attr]
         started = time.monotonic()
         _patch_spec(control_plane, JOB, {"suspend": True})
-        _until(lambda: sink.spec().suspend, 2.0)  # type: ignore[union-attr]
+        eventually(lambda: sink.spec().suspend, timeout=2.0)  # type: ignore[union-attr]
         elapsed = time.monotonic() - started
         view = sink.spec()
         assert view is not None
@@ -214,7 +207,7 @@ def test_a_running_master_acknowledges_a_suspend_within_a_second(
         generation = int(
             control_plane.kubectl("get", "ej", JOB, "-n", NS, "-o", "jsonpath={.metadata.generation}")
         )
-        _until(lambda: seen(0, master_says("Pending", generation)), 30, 0.1)
+        eventually(lambda: seen(0, master_says("Pending", generation)), timeout=30, interval=0.1)
         time.sleep(1.0)  # past the master's first GET (made before its watch had listed)
         # Three changes, each acknowledged within a second: a GET every 2 s would make all three about one
         # time in eight.
@@ -222,7 +215,9 @@ def test_a_running_master_acknowledges_a_suspend_within_a_second(
             since = len(versions.objects)
             _patch_spec(control_plane, JOB, {"suspend": suspend})
             generation += 1
-            _until(lambda p=phase, g=generation, n=since: seen(n, master_says(p, g)), 5, 0.05)
+            eventually(
+                lambda p=phase, g=generation, n=since: seen(n, master_says(p, g)), timeout=5, interval=0.05
+            )
             changed = seen(since, lambda o, g=generation: o["metadata"]["generation"] == g)
             acknowledged = seen(since, master_says(phase, generation))
             assert changed is not None
@@ -245,10 +240,10 @@ def test_a_watch_the_api_server_no_longer_serves_is_listed_again(
     try:
         w = sink.watch
         assert w is not None
-        _until(lambda: w.lists >= 1 and _watching(sink), 10)
+        eventually(lambda: w.lists >= 1 and _watching(sink), timeout=10)
         assert w.gone >= 1
         _patch_spec(control_plane, JOB, {"suspend": True})
-        _until(lambda: sink.spec().suspend, 2.0)  # type: ignore[union-attr]
+        eventually(lambda: sink.spec().suspend, timeout=2.0)  # type: ignore[union-attr]
     finally:
         sink.close()
         _patch_spec(control_plane, JOB, {"suspend": False})
@@ -312,16 +307,16 @@ def test_a_cut_watch_is_resumed_from_its_last_version(
     )
     sink = ElasticJobStatusSink(namespace=NS, name=JOB, api=_client(kubeconfig))
     try:
-        _until(lambda: _watching(sink), 10)
+        eventually(lambda: _watching(sink), timeout=10)
         w = sink.watch
         assert w is not None
         assert (w.lists, w.watches) == (1, 1)
         proxy.cut()
-        _until(lambda: w.failures >= 1, 5)
-        _until(lambda: w.watches >= 2 and w.connected, 5)  # after a backoff of about 0.5 s
+        eventually(lambda: w.failures >= 1, timeout=5)
+        eventually(lambda: w.watches >= 2 and w.connected, timeout=5)  # after a backoff of about 0.5 s
         assert w.lists == 1, "resumed from its resourceVersion, not listed again"
         _patch_spec(control_plane, JOB, {"suspend": True})
-        _until(lambda: sink.spec().suspend, 2.0)  # type: ignore[union-attr]
+        eventually(lambda: sink.spec().suspend, timeout=2.0)  # type: ignore[union-attr]
     finally:
         sink.close()
         proxy.close()
@@ -372,7 +367,7 @@ def test_progress_is_coalesced_and_an_eviction_goes_out_at_once(
     sink = ElasticJobStatusSink(namespace=NS, name=JOB, api=_client(master_api), progress_interval_s=interval)
     versions = VersionCounter(_admin(control_plane), JOB)
     try:
-        _until(lambda: _watching(sink), 10)
+        eventually(lambda: _watching(sink), timeout=10)
         time.sleep(0.3)  # the counter's watch is open
         window = 4.5
         start, step = time.monotonic(), 0
@@ -386,7 +381,7 @@ def test_progress_is_coalesced_and_an_eviction_goes_out_at_once(
             sink.spec()  # as the master's publisher does every half second: sends held-back progress when due
             return bool(versions.objects) and versions.objects[-1][1]["status"].get("step") == step
 
-        _until(last_step_published, interval + 1, 0.5)
+        eventually(last_step_published, timeout=interval + 1, interval=0.5)
         patches = len(versions.objects)
         # One at once (the first status), then one per interval: 4 or 5 for ~45 steps, never one per step.
         assert 2 <= patches <= window / interval + 2, [o["status"].get("step") for _, o in versions.objects]
@@ -395,7 +390,7 @@ def test_progress_is_coalesced_and_an_eviction_goes_out_at_once(
         evicted = {"node_id": "b", "machine": "m", "reason": "no heartbeat", "requested_at": time.time()}
         sent = time.monotonic()
         sink.publish(_status(step + 1, evictions=[evicted]))  # within the interval of the last patch
-        _until(lambda: versions.objects[-1][1]["status"].get("evictions"), 1.0, 0.01)
+        eventually(lambda: versions.objects[-1][1]["status"].get("evictions"), timeout=1.0, interval=0.01)
         assert versions.objects[-1][0] - sent < 0.5
         assert versions.objects[-1][1]["status"]["step"] == step + 1  # progress rides along
     finally:

@@ -18,10 +18,12 @@ import yaml
 from k8s_harness.cluster import Cluster
 from k8s_harness.controlplane import ControlPlane
 from kubernetes import config as k8s_config
+from tests.eventually import eventually
 
+from phalanx.api import elasticjob
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import names
-from phalanx.operator.crd import MAX_NODES, build_crd
+from phalanx.operator.admission import MAX_NODES
+from phalanx.operator.crd import build_crd
 from phalanx.operator.executor import Executor
 from phalanx.operator.reconcile import reconcile
 
@@ -105,11 +107,14 @@ subjects:
     cp.kubectl("apply", "-f", "-", input_text=rbac)
     # The policy's binding takes a moment to reach the API server's admission plugin.
     probe = _job("probe", ns, hostPID=True)
-    deadline = time.monotonic() + 30
-    while "hostPID" not in _create(cp, probe, user=AUTHOR):
+
+    def refused() -> bool:
+        if "hostPID" in _create(cp, probe, user=AUTHOR):
+            return True
         cp.kubectl("delete", "ej", "probe", "-n", ns, "--ignore-not-found", "--wait=false")
-        assert time.monotonic() < deadline, "the ValidatingAdmissionPolicy never took effect"
-        time.sleep(0.5)
+        return False
+
+    eventually(refused, timeout=30, interval=0.5, what="the ValidatingAdmissionPolicy taking effect")
     yield ns
     cp.kubectl("delete", "namespace", ns, "--wait=false")
 
@@ -386,10 +391,8 @@ def test_a_job_past_the_bounds_or_breaking_a_pass_fails_alone(cluster: Cluster, 
     try:
         huge = _sim_job("huge", ns)
         huge["spec"]["nodes"] = {"min": 1, "max": MAX_NODES + 1000}
-        deadline = time.monotonic() + 30
-        while "created" not in (out := _create(cp, huge)):  # the API server takes the old schema in a moment
-            assert time.monotonic() < deadline, out
-            time.sleep(0.5)
+        # the API server takes the old schema in a moment
+        eventually(lambda: "created" in _create(cp, huge), timeout=30, interval=0.5, what="the old schema")
     finally:
         cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(current))
     broken = _sim_job("broken", ns)
@@ -441,11 +444,14 @@ def test_workers_never_hold_the_metrics_token(cluster: Cluster, trust_ns: str) -
             found |= {e["secretRef"]["name"] for e in c.get("envFrom") or [] if "secretRef" in e}
         return found
 
-    assert secrets(pods["worker"]) == {names.secret("scraped")}
-    assert secrets(pods["master"]) == {names.secret("scraped"), names.metrics_secret("scraped")}
-    token = cluster.get_json("secret", names.secret("scraped"), "-n", ns)
+    assert secrets(pods["worker"]) == {elasticjob.token_secret("scraped")}
+    assert secrets(pods["master"]) == {
+        elasticjob.token_secret("scraped"),
+        elasticjob.metrics_secret("scraped"),
+    }
+    token = cluster.get_json("secret", elasticjob.token_secret("scraped"), "-n", ns)
     assert set(token["data"]) == {"token"}, "the Secret every worker mounts holds the job token only"
-    metrics = cluster.get_json("secret", names.metrics_secret("scraped"), "-n", ns)
+    metrics = cluster.get_json("secret", elasticjob.metrics_secret("scraped"), "-n", ns)
     assert set(metrics["data"]) == {"token"}
     assert metrics["metadata"]["ownerReferences"][0]["kind"] == "ElasticJob"
 
@@ -460,12 +466,12 @@ def test_a_foreign_secret_named_like_the_jobs_token_is_left_untouched(
         "create",
         "secret",
         "generic",
-        names.secret("squat"),
+        elasticjob.token_secret("squat"),
         "-n",
         ns,
         "--from-literal=token=chosen-by-someone-else",
     )
-    before = cluster.get_json("secret", names.secret("squat"), "-n", ns)
+    before = cluster.get_json("secret", elasticjob.token_secret("squat"), "-n", ns)
     cp.kubectl("create", "-f", "-", input_text=json.dumps(_sim_job("squat", ns)))
     created = cluster.wait_for(
         "the job's ForeignObject condition",
@@ -476,7 +482,7 @@ def test_a_foreign_secret_named_like_the_jobs_token_is_left_untouched(
     assert f"Secret {ns}/squat-token already exists and is not this job's" in created["message"]
     assert "Delete or rename it" in created["message"]
     time.sleep(2)  # a few more passes of the operator
-    after = cluster.get_json("secret", names.secret("squat"), "-n", ns)
+    after = cluster.get_json("secret", elasticjob.token_secret("squat"), "-n", ns)
     assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], "overwritten"
     assert after["data"] == before["data"]
     assert "ownerReferences" not in after["metadata"], "adopted"

@@ -60,6 +60,7 @@ def test_worker_sigkill_restarts_in_place(tmp_path: Path) -> None:
     assert f["detected_at"] is not None
     assert f["recovered_at"] is not None
     assert f["steps_lost"] == 0
+    assert f["action"].startswith("workers restarted (round "), f["action"]
     assert s["evictions"] == []
     assert s["rounds"] >= 2
     lines = steps(tmp_path / "d")
@@ -189,6 +190,9 @@ def test_regroup_capable_workers_survive_membership_changes(tmp_path: Path) -> N
     )
     assert code == 0, out
     assert s["evictions"][0]["replacement"] == "node-3"
+    # The summary says what the workers' beacons showed: the survivors re-formed in their own processes.
+    (f,) = s["failures"]
+    assert f["action"].startswith("re-formed in process at world 4 (round 2); evicted node-2"), f["action"]
     lines = steps(tmp_path / "d")
     survivors = [e for e in lines if e["node"] in ("node-0", "node-1")]
     # The survivors' processes were never restarted: the agents rewrote the round file instead.

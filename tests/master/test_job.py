@@ -247,8 +247,8 @@ def test_hang_asks_for_stacks_and_evicts_the_odd_node_on_second_hang() -> None:
     sim.join("b")
     evict = sim.fail("b", kind=pb.FAILURE_KIND_HANG, cls=pb.FAILURE_CLASS_HANG)
     assert (kinds([evict]), evict.round) == (["EXIT"], 0)
-    assert sim.job.evictions[-1]["node_id"] == "b"
-    assert sim.job.evictions[-1]["kind"] == "hang"
+    assert sim.job.evictions[-1].node_id == "b"
+    assert sim.job.evictions[-1].kind == "hang"
 
 
 def test_stacks_sent_before_the_hang_report_count_in_the_analysis() -> None:

@@ -139,8 +139,8 @@ def test_failed_matmul_evicts_the_node_and_reopens_the_round() -> None:
     assert probe.result == "evicted"
     assert probe.evicted == ["c"]
     ev = sim.job.evictions[0]
-    assert (ev["node_id"], ev["kind"]) == ("c", "probe_failed")
-    assert "wrong result" in ev["reason"]
+    assert (ev.node_id, ev.kind) == ("c", "probe_failed")
+    assert "wrong result" in ev.reason
     assert sim.job.stats.evictions == {"probe_failed": 1}
     assert sim.job.events.of_kind("probe_failed")[0].node == "c"
     assert sim.job.phase == "Restarting"
@@ -168,7 +168,7 @@ def test_slow_matmul_is_a_straggler_once_a_second_round_confirms_it() -> None:
     assert second.trigger == "confirming b (slow in 1 of 2 rounds)"
     good_round(sim, second.id, slow_matmul="b")
     assert second.evicted == ["b"]
-    assert sim.job.evictions[0]["kind"] == "straggler"
+    assert sim.job.evictions[0].kind == "straggler"
     assert sim.job.stats.evictions == {"straggler": 1}
     events = sim.job.events.of_kind("straggler")
     assert [e.node for e in events] == ["b", "b"]
@@ -218,7 +218,7 @@ def test_slow_link_node_is_isolated_by_its_two_bad_pairs() -> None:
             matmul(sim, node, 10.0, probe_round=probe.id)
             allgather(sim, node, rates[node], probe_round=probe.id)
     assert probe.evicted == ["d"]
-    assert sim.job.evictions[0]["kind"] == "straggler"
+    assert sim.job.evictions[0].kind == "straggler"
 
 
 def test_timeout_fails_the_silent_node() -> None:
@@ -233,7 +233,7 @@ def test_timeout_fails_the_silent_node() -> None:
     sim.at(t0 + 10.0)
     assert probe.result == "evicted"
     assert probe.evicted == ["b"]
-    assert "no matmul probe report within 10s" in sim.job.evictions[0]["reason"]
+    assert "no matmul probe report within 10s" in sim.job.evictions[0].reason
 
 
 def test_nobody_reporting_is_inconclusive_and_evicts_nobody() -> None:

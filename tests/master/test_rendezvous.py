@@ -36,6 +36,29 @@ def test_completes_at_once_at_max() -> None:
     assert check(js, 0.3)
 
 
+def test_a_spare_waiting_beside_the_job_does_not_take_a_rejoining_survivors_place() -> None:
+    """Round 1 was a, b, c (max 3); spare d waited beside it. A restart in place: d, a and b have joined,
+    which is max_nodes, but c, alive, is still rejoining. The round waits for c and keeps d spare."""
+    s = RendezvousSettings(min_nodes=2, max_nodes=3, unit=1, last_call_s=1.0)
+    previous, expected = ["a", "b", "c"], ["a", "b", "c", "d"]
+    js = joiners(("d", 0.0), ("a", 0.1), ("b", 0.2))
+
+    def complete(now: float) -> bool:
+        return should_complete(
+            joiners=js, expected=expected, opened_at=0.0, now=now, settings=s, straggler_wait_s=10.0,
+            previous=previous,
+        )  # fmt: skip
+
+    assert not complete(0.2)
+    assert not complete(5.0)  # the last call passed, but c is expected
+    js["c"] = joiner("c", 5.1)
+    assert complete(5.1)
+    formed = form_round(number=2, joiners=js, previous=previous, settings=s, now=5.1)
+    assert formed.node_ids == ["a", "b", "c"]
+    del js["c"]
+    assert complete(10.0), "a survivor that does not rejoin within the straggler wait is left out"
+
+
 def test_below_min_never_completes() -> None:
     assert not check(joiners(("a", 0.0)), 1000.0)
 

@@ -21,7 +21,8 @@ from phalanx.api.settings import OperatorSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.v1 import master_pb2_grpc as pb_grpc
 from phalanx.operator import builders, tls
-from phalanx.operator.reconcile import Create, Observed, reconcile
+from phalanx.operator.actions import Create, Observed
+from phalanx.operator.reconcile import reconcile
 from phalanx.operator.spec import parse_spec
 
 NOW = dt.datetime.now(dt.UTC)

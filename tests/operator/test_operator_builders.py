@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 
+from phalanx.api import elasticjob
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import MasterSettings, OperatorSettings, ProbeSettings, StragglerSettings, from_env
 from phalanx.cli.main import build_parser
 from phalanx.cli.master import build_settings
-from phalanx.operator import builders, names
-from phalanx.operator.executor import read_metrics_token
+from phalanx.operator import builders, names, supporting
 from phalanx.operator.spec import parse_spec
+from phalanx.operator.supporting import read_metrics_token
 
 SETTINGS = OperatorSettings(command_prefix="/opt/bin/")
 
@@ -45,12 +46,12 @@ def test_every_object_is_owned_by_the_job() -> None:
     j = job()
     spec = parse_spec(j["spec"])
     objs = [
-        builders.token_secret(j, token="t"),
-        builders.state_config_map(j),
-        builders.master_service_account(j),
-        builders.master_role(j),
-        builders.master_role_binding(j),
-        builders.master_service(j, settings=SETTINGS),
+        supporting.token_secret(j, token="t"),
+        supporting.state_config_map(j),
+        supporting.master_service_account(j),
+        supporting.master_role(j),
+        supporting.master_role_binding(j),
+        supporting.master_service(j, settings=SETTINGS),
         builders.master_pod(j, spec, settings=SETTINGS),
         builders.worker_pod(j, spec, slot=0, incarnation=0, settings=SETTINGS),
     ]
@@ -65,7 +66,7 @@ def test_every_object_is_owned_by_the_job() -> None:
 
 
 def test_master_role_is_limited_to_its_own_objects() -> None:
-    rules = builders.master_role(job())["rules"]
+    rules = supporting.master_role(job())["rules"]
     scoped = [r for r in rules if r["resources"] != ["events"]]
     assert all(r["resourceNames"] in (["j"], ["j-master-state"]) for r in scoped)
     assert not any("create" in r["verbs"] or "delete" in r["verbs"] for r in scoped)
@@ -110,7 +111,7 @@ def test_the_metrics_token_is_in_a_secret_only_the_master_mounts() -> None:
     plain = builders.master_pod(j, parse_spec(j["spec"]), settings=SETTINGS)
     assert "--metrics-token-file" not in plain["spec"]["containers"][0]["command"]
     assert [v["name"] for v in plain["spec"]["volumes"]] == ["phalanx-token"]
-    assert builders.token_secret(j, token="t")["stringData"] == {"token": "t"}
+    assert supporting.token_secret(j, token="t")["stringData"] == {"token": "t"}
     with_metrics = OperatorSettings(command_prefix="/opt/bin/", metrics_token_file="/var/run/m/token")
     master = builders.master_pod(j, parse_spec(j["spec"]), settings=with_metrics)
     command = master["spec"]["containers"][0]["command"]
@@ -118,7 +119,7 @@ def test_the_metrics_token_is_in_a_secret_only_the_master_mounts() -> None:
     assert {"name": "phalanx-metrics", "secret": {"secretName": "j-metrics", "defaultMode": 0o444}} in master[
         "spec"
     ]["volumes"]
-    secret = builders.metrics_secret(j, metrics_token="m" * 20)
+    secret = supporting.metrics_secret(j, metrics_token="m" * 20)
     assert (secret["metadata"]["name"], secret["stringData"]) == ("j-metrics", {"token": "m" * 20})
     worker = builders.worker_pod(j, parse_spec(j["spec"]), slot=0, incarnation=0, settings=with_metrics)
     secrets = [v["secret"]["secretName"] for v in worker["spec"]["volumes"] if "secret" in v]
@@ -254,8 +255,8 @@ def test_training_entry_needs_a_command() -> None:
 
 
 def test_worker_names_round_trip() -> None:
-    assert names.parse_worker(names.worker("my-job", slot=12, incarnation=3)) == (12, 3)
-    assert names.parse_worker("my-job-master") is None
+    assert elasticjob.parse_worker(elasticjob.worker("my-job", slot=12, incarnation=3)) == (12, 3)
+    assert elasticjob.parse_worker("my-job-master") is None
 
 
 def test_gang_scheduling_puts_every_worker_pod_in_one_pod_group() -> None:
@@ -265,7 +266,7 @@ def test_gang_scheduling_puts_every_worker_pod_in_one_pod_group() -> None:
     group = builders.pod_group(j, spec)
     assert group["apiVersion"] == "scheduling.k8s.io/v1beta1"
     assert group["kind"] == "PodGroup"
-    assert group["metadata"]["name"] == names.pod_group("j") == "j-workers"
+    assert group["metadata"]["name"] == elasticjob.pod_group("j") == "j-workers"
     assert group["metadata"]["ownerReferences"][0]["uid"] == "u-1", "garbage-collected with the job"
     assert group["spec"]["schedulingPolicy"] == {"gang": {"minCount": 2}}, "nodes.min by default"
     assert group["spec"]["priorityClassName"] == "training", "the group has its Pods' priority"
@@ -281,7 +282,7 @@ def test_gang_scheduling_puts_every_worker_pod_in_one_pod_group() -> None:
 def test_the_network_policy_admits_the_job_and_monitoring_only() -> None:
     """Tested as a built object: the test control plane has no network plugin that enforces policies."""
     j = job()
-    policy = builders.master_network_policy(
+    policy = supporting.master_network_policy(
         j, settings=dataclasses.replace(SETTINGS, monitoring_namespace="prom")
     )
     assert policy["metadata"]["name"] == "j-master"
@@ -300,7 +301,8 @@ def test_the_network_policy_admits_the_job_and_monitoring_only() -> None:
     ]
     worker = builders.worker_pod(j, parse_spec(j["spec"]), slot=0, incarnation=0, settings=SETTINGS)
     assert worker["metadata"]["labels"]["phalanx.dev/job"] == "j", "the job's own Pods match the policy"
-    bare = builders.master_network_policy(j, settings=dataclasses.replace(SETTINGS, monitoring_namespace=""))
+    no_monitoring = dataclasses.replace(SETTINGS, monitoring_namespace="")
+    bare = supporting.master_network_policy(j, settings=no_monitoring)
     assert bare["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {"phalanx.dev/job": "j"}}}]
 
 

@@ -12,7 +12,9 @@ from typing import Any
 import yaml
 
 from phalanx.api import settings as s
-from phalanx.operator.crd import DURATION_RE, SETTINGS_FIELDS, build_crd, format_duration, render_crd_yaml
+from phalanx.operator.admission import DURATION_RE
+from phalanx.operator.crd import build_crd, render_crd_yaml
+from phalanx.operator.schema import SETTINGS_FIELDS, format_duration
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from phalanx.api.settings import OperatorSettings
+from phalanx.operator.actions import DeleteJob
 from phalanx.operator.executor import Executor
-from phalanx.operator.reconcile import DeleteJob
 
 JOB = {"metadata": {"name": "j", "namespace": "ns", "uid": "u-1"}}
 

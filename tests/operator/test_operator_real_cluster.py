@@ -16,12 +16,13 @@ from kubernetes.client.exceptions import ApiException
 from phalanx.agent import checkpointing
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import JobPodSettings, OperatorSettings
-from phalanx.checkpoint import engine, shm
+from phalanx.checkpoint import shm, slots
 from phalanx.operator import builders, refusals, resources
+from phalanx.operator.actions import Create, DeletePod, Event, Observed, PatchStatus, PodView
 from phalanx.operator.conditions import rfc3339
 from phalanx.operator.events import Aggregator
 from phalanx.operator.executor import Executor
-from phalanx.operator.reconcile import Create, DeletePod, Event, Observed, PatchStatus, PodView, reconcile
+from phalanx.operator.reconcile import reconcile
 from phalanx.operator.spec import parse_spec
 
 SETTINGS = OperatorSettings()
@@ -64,7 +65,7 @@ def master(j: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_shared_memory_arithmetic_follows_the_flash_checkpoint() -> None:
     assert resources.SLOTS_PER_RANK == shm.SLOTS == 2
-    assert resources.SLOT_GROWTH == engine._GROWTH
+    assert resources.SLOT_GROWTH == slots.GROWTH
 
 
 def test_the_default_grace_covers_the_agents_persist_on_exit() -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator.reconcile import (
+from phalanx.operator.actions import (
     Action,
     CordonNode,
     Create,
@@ -20,9 +20,9 @@ from phalanx.operator.reconcile import (
     PatchPodGroup,
     PatchStatus,
     PodView,
-    reconcile,
-    supporting_objects,
 )
+from phalanx.operator.reconcile import reconcile
+from phalanx.operator.supporting import supporting_objects
 
 SETTINGS = OperatorSettings()
 

@@ -10,13 +10,8 @@ import pytest
 
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import ProbeSettings, parse_duration
-from phalanx.operator.crd import (
-    DURATION_RE,
-    MAX_DURATIONS,
-    MAX_NODES,
-    MAX_NPROC_PER_NODE,
-    build_crd,
-)
+from phalanx.operator.admission import DURATION_RE, MAX_DURATIONS, MAX_NODES, MAX_NPROC_PER_NODE
+from phalanx.operator.crd import build_crd
 from phalanx.operator.spec import parse_spec
 
 

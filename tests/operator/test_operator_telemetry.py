@@ -15,8 +15,8 @@ from kubernetes.client.exceptions import ApiException
 
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import executor as executor_module
+from phalanx.operator.actions import DeleteJob, Event, Observed, PatchStatus
 from phalanx.operator.executor import Executor
-from phalanx.operator.reconcile import DeleteJob, Event, Observed, PatchStatus
 from phalanx.operator.telemetry import OperatorMetrics, loop_answers, serve
 
 TOKEN = "operator-metrics-token-0123456789"

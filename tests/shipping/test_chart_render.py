@@ -19,8 +19,8 @@ import yaml
 
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import names, tls
-from phalanx.operator.builders import master_service
 from phalanx.operator.leader import ENVIRONMENT as LEADER_ELECTION_ENV
+from phalanx.operator.supporting import master_service
 from tests.gotools import go_built
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -36,6 +36,9 @@ REQUIRED = {
         "phalanx_node_step_time_seconds",
         "phalanx_node_straggler_score",
         "phalanx_hang_verdicts_total",
+        "phalanx_recovery_last_phase_seconds",
+        "phalanx_recovery_phase_seconds_sum",
+        "phalanx_recovery_phase_seconds_count",
     },
     "master-health.json": {
         "phalanx_rpc_duration_seconds_bucket",

@@ -9,8 +9,8 @@ workers fail, the newest complete snapshot of every local rank is persisted: it 
 reason. The host runs detached and holds on to its memory only while the agent (or a worker) is
 connected: an agent killed with SIGKILL leaves a host that releases everything :data:`IDLE_EXIT_S` later.
 
-:class:`Breakpoints` settles the step of a save at breakpoint with the master, so that nodes straddling a
-step all persist the one they share (see :mod:`phalanx.master.breakpoints`).
+:class:`phalanx.agent.breakpoints.Breakpoints` settles the step of a save at breakpoint with the master,
+so that nodes straddling a step all persist the one they share (see :mod:`phalanx.master.breakpoints`).
 
 A host that cannot start is not fatal: the agent logs one error and runs without it, and the workers'
 Checkpointer then falls back to starting its own host on local rank 0.
@@ -28,11 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phalanx.agent.client import RetiredError
-from phalanx.api.errors import CheckpointError, TransportError
+from phalanx.api.errors import CheckpointError
 from phalanx.api.settings import CheckpointSettings
-from phalanx.api.v1 import master_pb2 as pb
-from phalanx.checkpoint import protocol, shm
+from phalanx.checkpoint import messages, protocol, shm
 
 IDLE_EXIT_S = 10.0  # a host whose agent and workers are all gone (SIGKILL) releases the memory this late
 PERSIST_NOW_LIMIT_S = 120.0  # longest a failure waits for the breakpoint save before restarting
@@ -245,7 +243,7 @@ class NodeCheckpointHost:
         try:
             if self._keepalive is None:
                 raise CheckpointError("no connection")
-            self._keepalive.call({"op": "ping"}, timeout_s=PING_LIMIT_S)
+            self._keepalive.call(messages.Ping(), timeout_s=PING_LIMIT_S)
         except CheckpointError as exc:
             return f"(pid {self.handle.pid}) does not answer ({exc})"
         return ""
@@ -338,7 +336,7 @@ class NodeCheckpointHost:
             client = protocol.HostClient(str(self.handle.socket_path), timeout_s=5.0)
             try:
                 for rank in ranks:
-                    msg = {"op": "persist", "rank": rank, "step": chosen}
+                    msg = messages.Persist(rank=rank, step=chosen)
                     reply = client.call(msg, timeout_s=min(timeout_s, PING_LIMIT_S))  # queued at once
                     if not reply.get("ok"):
                         queued.errors.append(str(reply.get("error")))
@@ -358,7 +356,7 @@ class NodeCheckpointHost:
                 try:
                     for rank in queued.ranks:
                         left = max(0.1, queued.timeout_s - (time.monotonic() - queued.started))
-                        msg = {"op": "wait", "rank": rank, "step": queued.step, "timeout": left}
+                        msg = messages.Wait(rank=rank, step=queued.step, timeout=left)
                         reply = client.call(msg, timeout_s=left + 5.0)
                         if not reply.get("ok"):
                             errors.append(str(reply.get("error")))
@@ -404,119 +402,3 @@ class NodeCheckpointHost:
             self._keepalive.close()
             self._keepalive = None
         self.shm_dir = None
-
-
-class Breakpoints:
-    """Saves at breakpoint the step the master settles across nodes (:mod:`phalanx.master.breakpoints`).
-
-    :meth:`save` reports what this node's ranks hold, then persists the master's step, or this node's
-    newest while the master waits for other nodes. A node that goes on gets the master's later request
-    (PERSIST_CHECKPOINT, :meth:`persist_asked`); a node leaving a job that ended cannot, so it asks again
-    (:meth:`await_agreement`)."""
-
-    def __init__(
-        self,
-        host: NodeCheckpointHost,
-        *,
-        report: Callable[[pb.ReportCheckpointRequest], pb.ReportCheckpointResponse],
-        node_id: str,
-        incarnation: str,
-        say: Callable[[str], None],
-    ) -> None:
-        self._host = host
-        self._report = report
-        self._node_id = node_id
-        self._incarnation = incarnation
-        self._say = say
-        self.last: tuple[int, list[int]] | None = None
-        """The round and ranks of the last save at breakpoint, for the master's requests about it."""
-        self.unsettled: pb.ReportCheckpointRequest | None = None
-        """The last report the master could not answer yet (other nodes had not reported)."""
-        self._pending: threading.Thread | None = None
-
-    def save(self, reason: str, *, round_no: int, ranks: list[int], wait: bool = True) -> None:
-        """Persists the broken round's newest in-memory step (round 0: no round ran, nothing to settle).
-
-        With ``wait=False`` it returns once the host queued the step, which pins its snapshots, and the
-        write goes on behind: new workers may start and save meanwhile (:meth:`finish_pending`)."""
-        self.last = (round_no, ranks)
-        self.unsettled = None
-
-        def agree(slot_ranks: list[int], held: list[int], step: int) -> int | None:
-            req = pb.ReportCheckpointRequest(
-                node_id=self._node_id,
-                incarnation=self._incarnation,
-                step=step,
-                state=pb.CHECKPOINT_STATE_IN_MEMORY,
-                ranks=slot_ranks,
-                round=round_no,
-                held_steps=held,
-            )
-            try:
-                answer = self._report(req)
-            except RetiredError:
-                raise  # not a failure to reach the master: this node's snapshots must not be persisted
-            except TransportError as exc:
-                self._say(f"could not tell the master which steps this node holds ({exc}); persisting {step}")
-                return None
-            if answer.persist_step < 0:
-                self.unsettled = req  # the master may settle on another step once the others reported
-                return None
-            return answer.persist_step
-
-        self.finish_pending()  # one save at breakpoint at a time: its snapshots are pinned until it ends
-        try:
-            queued = self._host.queue_at_breakpoint(reason, ranks=ranks, agree=agree if round_no else None)
-        except RetiredError as exc:
-            self._say(f"save at breakpoint ({reason}) skipped: {exc}")
-            return
-        if queued is None:
-            return
-        if wait:
-            self._host.finish_breakpoint(queued)
-            return
-        self._pending = threading.Thread(
-            target=self._host.finish_breakpoint, args=(queued,), name="breakpoint", daemon=True
-        )
-        self._pending.start()
-
-    def finish_pending(self) -> None:
-        """Waits for a save at breakpoint that :meth:`save` left writing (bounded by its time limit)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.join()
-
-    def persist_asked(self, action: pb.Action, *, current_ranks: list[int]) -> None:
-        """PERSIST_CHECKPOINT, in the background (monitoring and the rendezvous go on). The host pins the
-        snapshot as soon as it is queued, so the workers' next save cannot overwrite it."""
-        ranks = current_ranks
-        if action.round and self.last is not None and self.last[0] == action.round:
-            ranks = self.last[1]  # the broken round's ranks, whatever this node runs now
-        threading.Thread(
-            target=self._host.save_at_breakpoint,
-            args=(action.reason or "asked by the master",),
-            kwargs={"ranks": ranks, "step": action.step or None},
-            daemon=True,
-        ).start()
-
-    def await_agreement(self, *, limit_s: float) -> None:
-        """Before leaving a job that ended: asks again until the master settles the step (at most
-        ``limit_s``), and persists it when it is not the one this node chose."""
-        self.finish_pending()
-        req, self.unsettled = self.unsettled, None
-        if req is None or self.last is None:
-            return
-        deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline:
-            with contextlib.suppress(TransportError):
-                answer = self._report(req)
-                if answer.persist_step >= 0:
-                    if answer.persist_step != req.step:
-                        self._host.save_at_breakpoint(
-                            f"step {answer.persist_step}, which every node holds",
-                            ranks=self.last[1],
-                            step=answer.persist_step,
-                        )
-                    return
-            time.sleep(0.5)
-        self._say(f"the nodes did not settle on a step to persist in time; leaving with step {req.step}")

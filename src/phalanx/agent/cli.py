@@ -16,7 +16,8 @@ from typing import IO
 
 from phalanx.agent import config as agent_config
 from phalanx.agent.client import MasterClient
-from phalanx.agent.supervisor import Supervisor, Terminated
+from phalanx.agent.outcomes import Terminated
+from phalanx.agent.supervisor import Supervisor
 from phalanx.api.errors import ConfigError, PhalanxError
 
 

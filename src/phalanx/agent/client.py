@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import queue
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -10,7 +12,7 @@ from typing import Any, TypeVar
 import grpc
 
 from phalanx.api import auth
-from phalanx.api.errors import AuthenticationError, TransportError
+from phalanx.api.errors import AuthenticationError, PhalanxError, TransportError
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.v1 import master_pb2_grpc as pb_grpc
 
@@ -48,12 +50,85 @@ class RetiredError(TransportError):
     """The master no longer lets this node take part (evicted, or replaced by a newer incarnation)."""
 
 
+class UnimplementedError(TransportError):
+    """The master does not serve this method (UNIMPLEMENTED): an older master, e.g. one without
+    HeartbeatStream."""
+
+
 def backoff_s(
     attempt: int, *, base: float = 0.2, cap: float = 5.0, rng: random.Random | None = None
 ) -> float:
     """Exponential backoff with full jitter between half and the whole step (never synchronised herds)."""
     step = min(cap, base * (2 ** min(attempt, 16)))
     return float(step * (0.5 + 0.5 * (rng or random).random()))
+
+
+def translate(exc: grpc.RpcError) -> PhalanxError:
+    """The agent's error for a failed call (see the error classes above)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthenticationError(f"the master refused the job token: {detail}")
+    if code in _RETRYABLE:
+        late = code == grpc.StatusCode.DEADLINE_EXCEEDED
+        return MasterUnavailableError(f"master unavailable ({code}): {detail}", late=late)
+    if code in _UNKNOWN_NODE:
+        return UnknownNodeError(f"master does not know this node ({code}): {detail}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return RequestTooLargeError(f"the master refused a request as too large: {detail}")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return RetiredError(f"the master retired this node: {detail}")
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return UnimplementedError(f"the master does not serve this call ({code}): {detail}")
+    return TransportError(f"master call failed ({code}): {detail}")
+
+
+_END = object()  # ends a stream's requests
+
+
+class HeartbeatStream:
+    """One HeartbeatStream call: :meth:`beat` sends a heartbeat and waits for its answer, with a deadline
+    per beat (the stream itself has none: it lives as long as the agent's link to this master). Used by
+    one thread at a time. Any error ends the stream: open a new one for the next beat."""
+
+    def __init__(self, stub: pb_grpc.MasterStub, metadata: Any) -> None:
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._call = stub.HeartbeatStream(iter(self._requests.get, _END), metadata=metadata)
+        self._reader = threading.Thread(target=self._read, daemon=True, name="phalanx-heartbeats")
+        self._reader.start()
+        self.closed = False
+
+    def _read(self) -> None:
+        # gRPC's sync API reads a stream only blocking, without a deadline; this thread hands each answer
+        # to beat(), which waits for it with one.
+        try:
+            for answer in self._call:
+                self._answers.put(answer)
+            self._answers.put(MasterUnavailableError("the master ended the heartbeat stream"))
+        except grpc.RpcError as exc:
+            self._answers.put(translate(exc))
+
+    def beat(self, req: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatResponse:
+        if self.closed:
+            raise MasterUnavailableError("the heartbeat stream is closed")
+        self._requests.put(req)
+        try:
+            answer = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            self.close()
+            raise MasterUnavailableError(f"no heartbeat answer within {timeout:.1f}s", late=True) from None
+        if isinstance(answer, PhalanxError):
+            self.close()
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Cancels the call (the master takes it as this agent's connection closing)."""
+        if not self.closed:
+            self.closed = True
+            self._requests.put(_END)  # frees gRPC's thread that waits for the next request
+            self._call.cancel()
 
 
 class MasterClient:
@@ -82,25 +157,17 @@ class MasterClient:
         try:
             answer = method(request, metadata=self._metadata, timeout=deadline)
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            detail = exc.details() if hasattr(exc, "details") else str(exc)
-            if code == grpc.StatusCode.UNAUTHENTICATED:
-                raise AuthenticationError(f"the master refused the job token: {detail}") from exc
-            if code in _RETRYABLE:
-                late = code == grpc.StatusCode.DEADLINE_EXCEEDED
-                if late and timeout is None:
-                    self.stretch = min(MAX_STRETCH, self.stretch * 2)
-                raise MasterUnavailableError(f"master unavailable ({code}): {detail}", late=late) from exc
-            if code in _UNKNOWN_NODE:
-                raise UnknownNodeError(f"master does not know this node ({code}): {detail}") from exc
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise RequestTooLargeError(f"the master refused a request as too large: {detail}") from exc
-            if code == grpc.StatusCode.FAILED_PRECONDITION:
-                raise RetiredError(f"the master retired this node: {detail}") from exc
-            raise TransportError(f"master call failed ({code}): {detail}") from exc
+            error = translate(exc)
+            if isinstance(error, MasterUnavailableError) and error.late and timeout is None:
+                self.stretch = min(MAX_STRETCH, self.stretch * 2)
+            raise error from exc
         if timeout is None and time.monotonic() - started < deadline / 4:
             self.stretch = max(1.0, self.stretch / 2)  # the network recovered
         return answer
+
+    def heartbeat_stream(self) -> HeartbeatStream:
+        """Opens a HeartbeatStream (nothing is sent until its first beat)."""
+        return HeartbeatStream(self._stub, self._metadata)
 
     def register(self, req: pb.RegisterNodeRequest, timeout: float | None = None) -> pb.RegisterNodeResponse:
         return self._call(self._stub.RegisterNode, req, timeout, base=5.0)  # type: ignore[no-any-return]

@@ -31,12 +31,18 @@ class WorkerPaths:
     """The worker's interval ring (:mod:`phalanx.api.intervals`), beside its beacon; None: no recorder."""
 
 
+NCCL_TRACE_ENV, NCCL_TRACE_ENTRIES = "TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"
+
+
 def static_env(
     base: Mapping[str, str], *, local_rank: int, local_world_size: int, job_id: str, node_id: str
 ) -> dict[str, str]:
     """The part of a worker's environment that does not depend on the round."""
     env = dict(base)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: N processes must not each take all cores
+    # NCCL's flight recorder, which a hung rank dumps into its hang evidence (phalanx.intervals); 2000 entries
+    # cost a few MiB per process. Set it to 0 to turn it off.
+    env.setdefault(NCCL_TRACE_ENV, NCCL_TRACE_ENTRIES)
     env.update(
         {
             "LOCAL_RANK": str(local_rank),

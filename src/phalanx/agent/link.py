@@ -6,8 +6,13 @@ Actions from heartbeat responses are queued for the supervisor's loop; worker lo
 second thread.
 
 Each heartbeat asks the master to hold its answer for up to one interval: an action (a new round) then
-arrives the moment the master decides it, and since a heartbeat is nearly always in flight, the master
-learns that this process died from its connection closing instead of from a heartbeat timeout.
+arrives the moment the master decides it. The heartbeats travel on one long-lived HeartbeatStream (one
+message each way per beat, the token checked once), and the master learns that this process died from the
+stream closing instead of from a heartbeat timeout. Against a master without HeartbeatStream (UNIMPLEMENTED)
+each beat is a Heartbeat call, held the same way, so that a call is nearly always in flight; the stream is
+tried again after the master was unreachable (it may come back upgraded). A stream that fails, or whose
+answer is late, is dropped and the next beat opens a new one: a restarted master gets a new stream exactly
+as it gets new calls. beat_now() and leave() come from other threads and use a call of their own.
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from phalanx.agent.client import MasterClient, MasterUnavailableError, UnknownNodeError, backoff_s
+from phalanx.agent.client import (
+    HeartbeatStream,
+    MasterClient,
+    MasterUnavailableError,
+    UnimplementedError,
+    UnknownNodeError,
+    backoff_s,
+)
 from phalanx.api.errors import PhalanxError
 from phalanx.api.settings import LogSettings
 from phalanx.api.v1 import master_pb2 as pb
@@ -121,6 +133,10 @@ class Link(threading.Thread):
         """The highest one-shot action seq received; sent back so the master stops repeating them."""
         self._round_trips: collections.deque[float] = collections.deque(maxlen=8)
         self.slack_s = HEARTBEAT_TIMEOUT_S
+        self._stream: HeartbeatStream | None = None
+        """The open HeartbeatStream, used by this thread only; None until the next beat opens one."""
+        self.streaming = True
+        """False while the master answered HeartbeatStream with UNIMPLEMENTED (an older master)."""
 
     def publish(
         self,
@@ -157,7 +173,26 @@ class Link(threading.Thread):
     def beat_now(self) -> None:
         self._beat(wait_s=0.0)
 
-    def _beat(self, *, wait_s: float, timeout_s: float | None = None) -> None:
+    def _send(self, req: pb.HeartbeatRequest, timeout_s: float) -> pb.HeartbeatResponse:
+        """One beat of this thread: on the stream (opened if none is), else as a call."""
+        if self.streaming:
+            if self._stream is None:
+                self._stream = self._client.heartbeat_stream()
+            try:
+                return self._stream.beat(req, timeout_s)
+            except UnimplementedError:
+                self.streaming = False
+                log.info("the master has no HeartbeatStream; sending each heartbeat as a call")
+            finally:
+                if self._stream.closed:  # failed: the next beat opens a new one
+                    self._stream = None
+        try:
+            return self._client.heartbeat(req, timeout=timeout_s)
+        except MasterUnavailableError:
+            self.streaming = True  # the master may come back as one that streams
+            raise
+
+    def _beat(self, *, wait_s: float, timeout_s: float | None = None, stream: bool = False) -> None:
         with self._lock:
             req = pb.HeartbeatRequest(
                 node_id=self._node_id,
@@ -172,7 +207,8 @@ class Link(threading.Thread):
             )
         sent = time.monotonic()
         try:
-            resp = self._client.heartbeat(req, timeout=timeout_s or wait_s + self.slack_s)
+            timeout = timeout_s or wait_s + self.slack_s
+            resp = self._send(req, timeout) if stream else self._client.heartbeat(req, timeout=timeout)
         except MasterUnavailableError as exc:
             if exc.late:  # the round trip took at least the slack: count it as that long
                 self._round_trips.append(self.slack_s)
@@ -218,7 +254,7 @@ class Link(threading.Thread):
         while not self._stop.is_set():
             started = time.monotonic()
             try:
-                self._beat(wait_s=self.interval_s)
+                self._beat(wait_s=self.interval_s, stream=True)
                 failures = 0
                 wait = self.interval_s - (time.monotonic() - started)  # a held heartbeat waited already
             except UnknownNodeError:
@@ -239,3 +275,5 @@ class Link(threading.Thread):
                 if failures in (1, 5) or failures % 20 == 0:
                     log.warning("heartbeat failed (%d in a row): %s", failures, exc)
             self._stop.wait(wait)
+        if self._stream is not None:
+            self._stream.close()

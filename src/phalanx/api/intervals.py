@@ -15,8 +15,9 @@ and ``2n+2`` once it is complete. A reader that sees another value before and af
 a torn or overwritten record and retries (or skips it, once the writer has lapped it). No pickle: fixed
 little-endian words and UTF-8 strings cut to :data:`phalanx.api.limits.MAX_NAME_CHARS` bytes.
 
-Layout: a 64-byte header of 8-byte words ``magic | capacity | head | pid | last_record_ns | 0 | 0 | 0``
-(``head`` counts the records completely written), then ``capacity`` slots of :data:`SLOT_WORDS` words:
+Layout: a 64-byte header of 8-byte words ``magic | capacity | head | pid | last_record_ns | dump_asked |
+dump_done | dump_able`` (``head`` counts the records completely written; the last three words are the NCCL
+flight-recorder dump handshake, :func:`request_dump`), then ``capacity`` slots of :data:`SLOT_WORDS` words:
 ``seq | kind, device, name length, group length | number | unix_ns | name (8 words) | group (8 words)``.
 As in the beacon, every word is stored through an aligned 8-byte memoryview store, never ``struct.pack_into``
 (which writes byte by byte).
@@ -28,7 +29,6 @@ import functools
 import mmap
 import os
 import statistics
-import struct
 import threading
 import time
 from collections import deque
@@ -46,7 +46,9 @@ the agent's 0.1 s monitoring tick needs."""
 
 MARK, BEGIN, END = 1, 2, 3
 _HEADER_WORDS = 8
-_H_MAGIC, _H_CAPACITY, _H_HEAD, _H_PID, _H_LAST_NS = range(5)
+_H_MAGIC, _H_CAPACITY, _H_HEAD, _H_PID, _H_LAST_NS, _H_DUMP_ASKED, _H_DUMP_DONE, _H_DUMP_ABLE = range(8)
+DUMP_SUFFIX = ".nccl.json"
+"""The worker writes its NCCL flight-recorder dump beside its ring: ``<ring>.nccl.json``."""
 _TEXT_BYTES = limits.MAX_NAME_CHARS
 _TEXT_WORDS = _TEXT_BYTES // 8
 SLOT_WORDS = 4 + 2 * _TEXT_WORDS
@@ -122,6 +124,7 @@ class RingWriter(_Mapped):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, writable=True)
+        self.path = str(path)
         self._lock = threading.Lock()
         self._head = int(self._words[_H_HEAD])
         self._words[_H_PID] = os.getpid()
@@ -138,32 +141,87 @@ class RingWriter(_Mapped):
     ) -> int:
         """Appends one record; returns its time (``time.time_ns()`` unless given)."""
         stamp = time.time_ns() if unix_ns is None else unix_ns
-        meta, texts = _texts(kind, device, name, group)
-        body = _BODY.pack(meta, number, stamp) + texts
+        meta, texts = encoded(kind, device, name, group)
+        self.write(meta, texts, number, stamp)
+        return stamp
+
+    def write(self, meta: int, texts: bytes, number: int, stamp: int) -> None:
+        """Appends one record already encoded by :func:`encoded`: the recorder's path, a few hundred
+        nanoseconds (positional arguments, three word stores and one copy of the texts; no packing)."""
         with self._lock:
             n = self._head
-            base = self._slot(n)
+            base = _HEADER_WORDS + (n % self.capacity) * SLOT_WORDS
             words = self._words
-            words[base + _S_SEQ] = 2 * n + 1  # odd: being written
-            # The body may be written byte by byte: the odd sequence word guards it.
-            at = 8 * (base + _S_META)
-            self._bytes[at : at + len(body)] = body
-            words[base + _S_SEQ] = 2 * n + 2
+            words[base] = 2 * n + 1  # odd: being written (_S_SEQ is the slot's first word)
+            words[base + _S_META] = meta
+            words[base + _S_NUMBER] = number
+            words[base + _S_NS] = stamp
+            if texts:
+                # The texts may be written byte by byte: the odd sequence word guards them.
+                at = 8 * (base + _S_NAME)
+                self._bytes[at : at + len(texts)] = texts
+            words[base] = 2 * n + 2
             self._head = n + 1
             words[_H_LAST_NS] = stamp
             words[_H_HEAD] = n + 1
-        return stamp
+
+    # ---- the NCCL flight-recorder dump, answered by the recorder's CUDA watcher thread ----------------
+
+    def offer_dumps(self) -> None:
+        """Tells the agent this process answers dump requests (:func:`request_dump`)."""
+        self._words[_H_DUMP_ABLE] = 1
+
+    def dump_asked(self) -> int:
+        """The pending dump request's number, 0 when none is pending."""
+        asked = int(self._words[_H_DUMP_ASKED])
+        return asked if asked > self._words[_H_DUMP_DONE] else 0
+
+    def dump_done(self, asked: int, text: bytes) -> None:
+        """Answers request ``asked``: writes ``text`` beside the ring (atomically), then says it is there."""
+        path = Path(self.path + DUMP_SUFFIX)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(text[: limits.MAX_NCCL_TRACE_BYTES + 1])
+        tmp.replace(path)
+        self._words[_H_DUMP_DONE] = asked
 
 
-_BODY = struct.Struct("<qqq")  # meta, number, unix_ns: the words after a slot's sequence word
+def request_dump(path: Path, *, timeout_s: float = 1.0) -> str:
+    """Asks the process writing ring ``path`` for its NCCL flight recorder and waits up to ``timeout_s`` for
+    it; "" when it does not answer dumps (no CUDA recorder), or not in time (its Python is stuck holding the
+    lock that the answer needs). The agent side; the answer is JSON text, never unpickled."""
+    try:
+        mapped = _Mapped(path, writable=True)
+    except (OSError, ValueError):
+        return ""
+    try:
+        words = mapped._words
+        if not words[_H_DUMP_ABLE]:
+            return ""
+        asked = int(max(words[_H_DUMP_ASKED], words[_H_DUMP_DONE])) + 1
+        words[_H_DUMP_ASKED] = asked
+        deadline = time.monotonic() + timeout_s
+        while words[_H_DUMP_DONE] < asked:
+            if time.monotonic() > deadline:
+                return ""
+            time.sleep(0.01)
+        dump = Path(str(path) + DUMP_SUFFIX)
+        raw = dump.read_bytes()
+        dump.unlink()  # /dev/shm is memory: nothing stays behind
+    except OSError:
+        return ""
+    finally:
+        mapped.close()
+    text = raw[: limits.MAX_NCCL_TRACE_BYTES].decode("utf-8", "replace")
+    return text if len(raw) <= limits.MAX_NCCL_TRACE_BYTES else text + "\n... (cut)"
 
 
 @functools.lru_cache(maxsize=1024)  # a job uses a handful of names and groups: build each slot text once
-def _texts(kind: int, device: bool, name: str, group: str) -> tuple[int, bytes]:
-    """A record's meta word and its name and group as the slot stores them (the name padded to its field)."""
+def encoded(kind: int, device: bool, name: str, group: str) -> tuple[int, bytes]:
+    """A record's meta word and its name and group as the slot stores them (the name padded to its field;
+    nothing for a record without texts, whose slot keeps stale bytes that the lengths in meta exclude)."""
     name_b, group_b = _encode(name), _encode(group)
     meta = kind | int(device) << 8 | len(name_b) << 16 | len(group_b) << 32
-    return meta, name_b.ljust(_TEXT_BYTES, b"\0") + group_b
+    return meta, (name_b.ljust(_TEXT_BYTES, b"\0") + group_b) if name_b or group_b else b""
 
 
 @dataclass(frozen=True)
@@ -325,7 +383,7 @@ def parse_group(group: str) -> tuple[str, list[int]]:
     member list (or one cut short) yields the members it names."""
     label, _, members = group.partition(":")
     ranks: list[int] = []
-    for part in members.split(","):
+    for part in members.replace(">", ",").split(","):  # a point-to-point channel: "pp:2>3"
         span, _, stride = part.strip().partition("/")
         first, dash, last = span.partition("-")
         try:
@@ -336,6 +394,13 @@ def parse_group(group: str) -> tuple[str, list[int]]:
             continue
         ranks.extend(range(lo, hi + 1, max(1, step)))
     return label, ranks
+
+
+def channel_name(src: int, dst: int, label: str = "pp") -> str:
+    """The group string of the point-to-point channel from global rank ``src`` to ``dst``: ``"pp:2>3"``. Both
+    ends number its sends and receives alike (messages on a channel arrive in order), and
+    :func:`parse_group` reads both ranks as its members."""
+    return f"{label}:{src}>{dst}"
 
 
 def group_name(label: str, ranks: list[int]) -> str:

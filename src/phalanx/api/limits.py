@@ -21,3 +21,6 @@ MAX_INTERVALS_PER_BEAT = 256
 """Intervals one rank's progress may carry in one heartbeat; the agent sends the newest, the master cuts."""
 MAX_NAME_CHARS = 64
 """An interval's name and group; the master cuts longer ones."""
+MAX_NCCL_TRACE_BYTES = 64 * 1024
+"""A hung rank's NCCL flight-recorder dump in its hang evidence (``HangEvidence.nccl_trace``): the agent keeps
+its first bytes (JSON cut there is marked, not parsed)."""

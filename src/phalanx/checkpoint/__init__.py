@@ -18,9 +18,12 @@ torch-free::
             log.warning(...)                       # memory, and the next persist tries again
     ckpt.wait()                                    # PersistError if persisting failed
 
-Modules: ``shm`` (slot layout and seqlock header), ``storage`` (storage interface, commit protocol,
-retention), ``persister`` (slot to safetensors), ``host`` (the per-node owner process), ``protocol``
-(its socket), ``report`` (ReportCheckpoint to the master) are torch-free; ``codec``, ``engine``,
+Modules: ``shm`` (slot layout and seqlock header), ``storage`` (storage interface, POSIX directory,
+commit protocol, retention), ``s3`` (S3 storage), ``persister`` (slot to safetensors), ``host`` (starting
+and stopping the per-node owner process), ``server`` (that process's request handling and persist loop),
+``messages`` (its typed requests and replies), ``protocol`` (its socket), ``connection`` (a training
+process's connection to it), ``persist_queue`` (a training process's persist requests), ``report``
+(ReportCheckpoint to the master) are torch-free; ``codec``, ``slots``, ``engine``, ``structure``,
 ``restore`` and ``sampler`` run in training processes.
 """
 

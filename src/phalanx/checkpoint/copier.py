@@ -13,7 +13,7 @@ leaves idle, and :meth:`BackgroundCopy.wait` copies whatever is left at full spe
 Measured on 2 cores (1 GiB, a step of 0.5 s on both cores): a background copy at normal priority cost
 training 0.092 s per save against 0.039 s for a blocking copy, because the step had no idle core to give;
 at idle priority it costs about what a blocking copy does, and with a core to spare 0.015-0.022 s against
-0.050-0.059 s (docs/architecture.md).
+0.050-0.059 s (docs/decisions.md).
 """
 
 from __future__ import annotations

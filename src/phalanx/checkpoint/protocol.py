@@ -1,7 +1,8 @@
 """The control channel between training processes and the checkpoint host (torch-free).
 
 A unix domain socket carrying newline-delimited JSON, one request and one reply at a time per
-connection; bulk data never crosses it (tensors go through shared memory). Environment variables tell a
+connection (the messages are :mod:`phalanx.checkpoint.messages`); bulk data never crosses it (tensors go
+through shared memory). Environment variables tell a
 training process where its host is.
 
 The socket lives in the user's 0700 directory of the temporary directory (:func:`socket_path`, the one
@@ -20,10 +21,10 @@ import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from phalanx.api.errors import CheckpointError
 from phalanx.checkpoint import shm
+from phalanx.checkpoint.messages import Message, Request
 
 ENV_SOCKET = "PHALANX_CHECKPOINT_SOCKET"
 ENV_SHM_DIR = "PHALANX_CHECKPOINT_SHM_DIR"
@@ -38,8 +39,6 @@ ENV_JOB_UID = "PHALANX_JOB_UID"
 same name."""
 
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the terminating NUL included
-
-Message = dict[str, Any]
 
 
 def job_id_from_env(env: Mapping[str, str]) -> str:
@@ -76,6 +75,12 @@ def socket_path(job_key: str) -> Path:
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         path = directory / f"ckpt-{hashlib.sha256(job_key.encode()).hexdigest()[:32]}.sock"
     return path
+
+
+def host_socket(env: Mapping[str, str], *, job_id: str, given: str | None = None) -> str:
+    """Where a training process finds its node's host: the socket it was ``given``, else the one its agent
+    advertised in the environment, else its job's own (:func:`socket_path`)."""
+    return given or env.get(ENV_SOCKET) or str(socket_path(job_id))
 
 
 def peer_allowed(peer_uid: int, own_uid: int) -> bool:
@@ -154,9 +159,10 @@ class HostClient:
         self._sock.settimeout(None)
         self._reader = LineReader(self._sock)
 
-    def call(self, message: Message, *, timeout_s: float | None = None) -> Message:
+    def call(self, request: Request | Message, *, timeout_s: float | None = None) -> Message:
         """Sends a request and returns the reply; raises HostTimeoutError when none came in ``timeout_s``
         and CheckpointError when the host is gone."""
+        message = request if isinstance(request, dict) else request.to_dict()
         with self._lock:
             if self._broken:
                 raise CheckpointError(f"the connection to the checkpoint host at {self.path} {self._broken}")

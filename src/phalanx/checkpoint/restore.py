@@ -7,9 +7,9 @@ Agreement uses integer all-reduces only (no pickled objects): propose the minimu
 rank's newest candidate, accept it when every rank holds it, else lower the bound and repeat. A snapshot
 that fails its checksum is dropped on every rank, with a warning naming it, and the next older common
 step is tried; :class:`~phalanx.api.errors.CheckpointCorruptError` is raised when nothing valid remains.
-A manifest or snapshot of the wrong structure (truncated JSON, a missing key, a wrong type) counts as
-corrupt the same way, and is found before the ranks vote on it: never an exception on one rank while the
-others wait in a collective.
+A manifest or snapshot of the wrong structure (truncated JSON, a missing key, a wrong type: see
+:mod:`phalanx.checkpoint.structure`) counts as corrupt the same way, and is found before the ranks vote on
+it: never an exception on one rank while the others wait in a collective.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,13 +31,48 @@ import torch.distributed as dist
 from phalanx.api.errors import CheckpointCorruptError, CheckpointError
 from phalanx.checkpoint import codec, crc, shm, storage
 from phalanx.checkpoint.persister import safetensors_header
-
-if TYPE_CHECKING:
-    from phalanx.checkpoint.engine import Checkpointer
+from phalanx.checkpoint.structure import MALFORMED, manifest_problem, meta_problem
 
 log = logging.getLogger("phalanx.checkpoint")
 
 LIST_LIMIT_S = 10.0  # longest a load with snapshots in memory waits for storage to list its steps
+
+
+@dataclass(frozen=True)
+class LoadSource:
+    """What a load reads: this node's memory and the job's storage, and who loads (the job's name)."""
+
+    storage: storage.Storage | None
+    memory_slots: Callable[[int], list[shm.Segment]]
+    """A rank's mapped slots on this node ([] when there are none)."""
+    shm_dir: Path
+    job_id: str  # the node's job id, which names the slots
+    job_name: str  # the job's name, to tell when a step on storage was committed by another job
+    copy_threads: int  # threads a read and its checksum may use
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load found: ``loaded`` is ``(step, state)`` or None; ``source`` says where it came from
+    ("memory", "storage" or "peer"); ``resumed_from`` is ``{"job", "step"}`` when the step was committed by
+    another job, which this one continues (see storage.claim_decision)."""
+
+    loaded: tuple[int, Any] | None
+    source: str | None = None
+    storage_reads: int = 0
+    seconds: float | None = None
+    resumed_from: dict[str, Any] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The report as ``Checkpointer.last_load`` shows it."""
+        if self.loaded is None:
+            return {"step": None, "source": None, "storage_reads": 0}
+        return {
+            "step": self.loaded[0],
+            "source": self.source,
+            "storage_reads": self.storage_reads,
+            "seconds": self.seconds,
+        }
 
 
 class CheckpointWarning(UserWarning):
@@ -83,52 +120,6 @@ def agree(candidates: set[int], *, held_by_any: bool = False) -> int | None:
         if _all_reduce(int(proposal in candidates), dist.ReduceOp.MIN if _distributed() else None):
             return proposal
         upper = proposal - 1
-
-
-# ---------------------------------------------------------------------------------------------------
-# Structure checks
-
-_MALFORMED = (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError)
-"""What reading a shard of the wrong structure raises (torch raises RuntimeError for a bad view)."""
-
-
-def meta_problem(meta: Any) -> str:
-    """What is wrong with the structure of a snapshot's metadata ("" when nothing): the tensor table must
-    describe tensors safetensors and torch can hold, laid out as the byte counts say."""
-    if not isinstance(meta, dict):
-        return "the metadata is not a JSON object"
-    if "skeleton" not in meta:
-        return "the metadata has no skeleton"
-    table = meta.get("tensors")
-    if not isinstance(table, list):
-        return "the metadata has no tensor table"
-    for i, entry in enumerate(table):
-        if not isinstance(entry, dict):
-            return f"tensor {i} is not described by an object"
-        name, dtype, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
-        offset, nbytes = entry.get("offset"), entry.get("nbytes")
-        if not isinstance(name, str) or dtype not in codec.DTYPES:
-            return f"tensor {i} has no name or an unknown dtype ({dtype!r})"
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            return f"tensor {name!r} has a malformed shape {shape!r}"
-        if type(offset) is not int or type(nbytes) is not int or offset < 0:
-            return f"tensor {name!r} has a malformed offset or size"
-        count = 1
-        for d in shape:
-            count *= d
-        if nbytes != count * codec.DTYPES[dtype].itemsize:
-            return f"tensor {name!r}: {nbytes} bytes do not hold a {dtype} tensor of shape {shape}"
-    return ""
-
-
-def manifest_problem(manifest: Any) -> str:
-    """What is wrong with the structure of a shard manifest ("" when nothing)."""
-    if not isinstance(manifest, dict):
-        return "the manifest is not a JSON object"
-    for key in ("size", "crc32"):
-        if type(manifest.get(key)) is not int:
-            return f"the manifest's {key!r} is missing or not an integer"
-    return meta_problem(manifest.get("meta"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -268,7 +259,7 @@ def read_storage(
         raise CheckpointCorruptError(f"{store.url(file)}: checksum mismatch (the file is corrupt)")
     try:
         return _decode_shard(data, manifest["meta"])
-    except _MALFORMED as exc:  # a manifest that passed its checks but does not match its file
+    except MALFORMED as exc:  # a manifest that passed its checks but does not match its file
         raise CheckpointCorruptError(
             f"{store.url(file)}: the shard does not match its manifest: {exc}"
         ) from exc
@@ -338,7 +329,7 @@ def _broadcast_shard(
 
 
 def _read_step(
-    ckpt: Checkpointer,
+    ckpt: LoadSource,
     *,
     step: int,
     memory: dict[int, shm.Segment],
@@ -408,7 +399,7 @@ def _stored_steps(store: storage.Storage | None, *, memory: Mapping[int, Any]) -
     return set()
 
 
-def _any_replica(ckpt: Checkpointer, own: dict[int, shm.Segment]) -> dict[int, shm.Segment]:
+def _any_replica(ckpt: LoadSource, own: dict[int, shm.Segment]) -> dict[int, shm.Segment]:
     """The steps this node holds under any rank, this rank's own snapshot first: data-parallel replicas
     all save the same state, and a rank renumbered by a new round finds its old one under another rank."""
     steps = dict(own)
@@ -418,26 +409,27 @@ def _any_replica(ckpt: Checkpointer, own: dict[int, shm.Segment]) -> dict[int, s
     return steps
 
 
-def _note_lineage(ckpt: Checkpointer, step: int) -> None:
-    """Remembers that this job continues the job that committed ``step`` when that is another job: it may
-    then take that job's storage over (see storage.claim_decision)."""
+def _lineage(ckpt: LoadSource, step: int) -> dict[str, Any] | None:
+    """``{"job", "step"}`` when another job committed ``step``: this job continues that one, and may then
+    take its storage over (see storage.claim_decision)."""
     assert ckpt.storage is not None
     saved = storage.commit_record(ckpt.storage, step).get("save")
     job = saved.get("job") if isinstance(saved, dict) else None
     if isinstance(job, str) and job and job != ckpt.job_name:
-        ckpt.resumed_from = {"job": job, "step": step}
         log.info("job %s resumes from step %d of job %s", ckpt.job_name, step, job)
+        return {"job": job, "step": step}
+    return None
 
 
 def load(
-    ckpt: Checkpointer,
+    ckpt: LoadSource,
     *,
     shard_rank: int,
     replica_group: Any = None,
     into: Any = None,
     replicated: bool = False,
-) -> tuple[int, Any] | None:
-    """See :meth:`Checkpointer.load`."""
+) -> LoadReport:
+    """See :meth:`phalanx.checkpoint.engine.Checkpointer.load`."""
     started = time.perf_counter()
     targets = None
     if into is not None:
@@ -460,8 +452,7 @@ def load(
                 raise CheckpointCorruptError(
                     f"every checkpoint candidate failed its check (steps {sorted(bad)}); nothing to load"
                 )
-            ckpt.last_load = {"step": None, "source": None, "storage_reads": 0}
-            return None
+            return LoadReport(loaded=None)
         got, source = _read_step(
             ckpt,
             step=step,
@@ -479,20 +470,18 @@ def load(
                 if targets is not None:  # whichever way it was read: ``into`` ends up holding the state
                     tensors = _fill(targets, meta["tensors"], tensors)
                 state = codec.unflatten(meta["skeleton"], tensors)
-            except _MALFORMED as exc:
+            except MALFORMED as exc:
                 _warn(f"skipping checkpoint step {step}: its structure is malformed ({exc})")
                 got = None
         if (
             _all_reduce(int(got is not None), dist.ReduceOp.MIN if _distributed() else None)
             and got is not None
         ):
-            ckpt.last_load = {
-                "step": step,
-                "source": source,
-                "storage_reads": (ckpt.storage.reads if ckpt.storage else 0) - reads_before,
-                "seconds": time.perf_counter() - started,
-            }
-            if source != "memory" and step in on_storage:
-                _note_lineage(ckpt, step)
-            return step, state
+            return LoadReport(
+                loaded=(step, state),
+                source=source,
+                storage_reads=(ckpt.storage.reads if ckpt.storage else 0) - reads_before,
+                seconds=time.perf_counter() - started,
+                resumed_from=_lineage(ckpt, step) if source != "memory" and step in on_storage else None,
+            )
         bad.append(step)

@@ -66,9 +66,10 @@ def run(args: argparse.Namespace) -> int:
 
     from kubernetes import client, config
 
-    from phalanx.operator.executor import Executor, read_metrics_token
+    from phalanx.operator.executor import Executor
     from phalanx.operator.handlers import Reconciler
     from phalanx.operator.leader import LeaderElector
+    from phalanx.operator.supporting import read_metrics_token
     from phalanx.operator.telemetry import loop_answers, serve
 
     settings = settings_from(args)

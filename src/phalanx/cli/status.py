@@ -19,6 +19,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from phalanx.api import elasticjob as ej
 from phalanx.cli.masterclient import Kube, MasterAPI, add_kube_flags, add_master_flags, master_from_args
 
 __all__ = ["from_kube", "from_master", "register", "render"]
@@ -154,7 +155,7 @@ def from_kube(kube: Kube, name: str) -> dict[str, Any]:
     """The view of an ElasticJob from its status and its Pods (what the operator and the master publish)."""
     obj = kube.elastic_job(name)
     st = obj.get("status") or {}
-    master = st.get("master") or {}
+    master = st.get(ej.STATUS_MASTER) or {}
     now = time.time()
     conditions = [
         {"type": c.get("type"), "status": c.get("status"), "reason": c.get("reason", "")}
@@ -166,21 +167,21 @@ def from_kube(kube: Kube, name: str) -> dict[str, Any]:
             "name": name,
             "namespace": kube.namespace,
             "phase": st.get("phase", "") or "Pending",
-            "reason": master.get("reason", ""),
-            "round": st.get("round", 0),
-            "world_size": st.get("worldSize", 0),
-            "step": st.get("step", -1),
-            "restarts": str(st.get("restartCount", 0)),
-            "evictions": str(len(st.get("evictions") or [])),
-            "committed_checkpoint_step": st.get("lastCommittedCheckpointStep", -1),
+            "reason": master.get(ej.MASTER_REASON, ""),
+            "round": st.get(ej.STATUS_ROUND, 0),
+            "world_size": st.get(ej.STATUS_WORLD_SIZE, 0),
+            "step": st.get(ej.STATUS_STEP, -1),
+            "restarts": str(st.get(ej.STATUS_RESTART_COUNT, 0)),
+            "evictions": str(len(st.get(ej.STATUS_EVICTIONS) or [])),
+            "committed_checkpoint_step": st.get(ej.STATUS_COMMITTED_STEP, -1),
             "nodes_running": st.get("nodes", 0),
-            "members": master.get("members") or [],
-            "master_phase": master.get("phase", ""),
+            "members": master.get(ej.MASTER_MEMBERS) or [],
+            "master_phase": master.get(ej.MASTER_PHASE, ""),
             "master_endpoint": st.get("masterEndpoint", ""),
             "conditions": conditions,
         },
         "pods": sorted((_pod_row(p, now=now) for p in kube.pods(name)), key=lambda r: (r["role"], r["pod"])),
-        "evictions": st.get("evictions") or [],
+        "evictions": st.get(ej.STATUS_EVICTIONS) or [],
     }
 
 

@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
 from phalanx.diagnostics.classify import ECHO
 
-__all__ = ["FailureLike", "explain", "is_echo", "pick", "sort_key", "tier"]
+__all__ = ["SETTLE_S", "FailureLike", "explain", "is_echo", "pick", "settled", "sort_key", "tier"]
 
 REAL_CAUSES = frozenset({"killed", "oom", "hardware", "hang", "user"})
 """Failure classes (lower-case :class:`~phalanx.diagnostics.classify.FailureClass` names) that are causes."""
+
+SETTLE_S = 2.0
+"""How long after a restart its event waits for the round's other failure reports (see :func:`settled`).
+The echo's node often reports first: its rank's gloo error surfaces within milliseconds, while the agent of
+a SIGKILLed rank sees the exit in its next 0.1 s tick; on a loaded machine a report may take a second."""
 
 MAX_MESSAGE_CHARS = 160
 """How much of the root cause's message the sentence quotes (its first line)."""
@@ -145,3 +150,13 @@ def explain(root: FailureLike, failures: Sequence[FailureLike]) -> str:
     if also:
         sentence += f"; {_ranks(also)} also failed"
     return sentence
+
+
+def settled(
+    *, waited_s: float, reported: Collection[str], members: Collection[str], window_s: float = SETTLE_S
+) -> bool:
+    """Whether the root cause of a round's failures can be named for good, ``waited_s`` after the first
+    report: every member of the round has reported (nothing better can come), or ``window_s`` has passed (a
+    member that says nothing by then either failed in a way its report will not fix, or its report is
+    revised later by a ``root_cause`` event). The restart itself never waits for this: only its event."""
+    return waited_s >= window_s or (bool(members) and set(members) <= set(reported))

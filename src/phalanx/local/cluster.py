@@ -26,14 +26,14 @@ import httpx
 
 from phalanx.agent.checkpointing import node_socket_path, remove_node_segments
 from phalanx.agent.env import beacon_path
-from phalanx.agent.supervisor import SHM_DIR
+from phalanx.agent.pool import SHM_DIR
 from phalanx.api.errors import CheckpointError
 from phalanx.checkpoint.protocol import HostClient
 from phalanx.local import cpulimit, fabric, procs
 from phalanx.local.cpulimit import CpuGroup
 from phalanx.local.inject import HOST_KINDS, NETWORK_KINDS, SLOW_KINDS, UNNOTICED_KINDS, Injection
 from phalanx.local.relay import Relay
-from phalanx.local.report import FailureRecord, Summary, cause_of, table
+from phalanx.local.report import FailureRecord, Summary, cause_of, recovery_action, table
 
 POLL_S = 0.05
 STOP_GRACE_S = 40.0  # SIGTERM to SIGKILL at the end of a run: the agents' workers' grace, then a persist
@@ -281,11 +281,16 @@ class LocalCluster:
                     continue
                 if f.recovery_round_seen_ns == 0:
                     f.recovery_round_seen_ns = time.time_ns()
-                    f.action = f.action or f"restarted in round {round_now}"
                 since_ns = f.recovery_round_seen_ns
             fresh = [s for (s, ns, _) in steps.values() if ns > since_ns and s >= 0]
             if not fresh:
                 continue
+            if f.kind != "kill-master":
+                running = {f"{n}/{lr}": pid for (n, lr), (_, _, pid) in steps.items() if _running(pid)}
+                world = int(self.job.get("world_size", 0) or 0)
+                f.recovery = recovery_action(
+                    survivors=f.survivors, running=running, world=world, round_=round_now
+                )
             f.resumed_step = min(fresh)
             f.recovered_at = self.elapsed()
             f.steps_lost = max(0, f.step_at_injection - f.resumed_step + 1)
@@ -320,6 +325,11 @@ class LocalCluster:
                 injected_at=self.elapsed(),
                 step_at_injection=_job_step(steps, fallback=self.max_step),
                 round_at_injection=int(self.job.get("round", 0) or 0),
+                survivors={
+                    f"{n}/{lr}": pid
+                    for (n, lr), (_, _, pid) in steps.items()
+                    if n != target or (inj.kind in ("kill-worker", "hang-worker") and lr != inj.rank)
+                },
             )
             if inj.kind == "kill-worker":
                 os.kill(pid, 9)
@@ -576,6 +586,17 @@ class LocalCluster:
         print(table(s), file=self.out, flush=True)
         if self.o.summary_json is not None:
             self.o.summary_json.write_text(json.dumps(s.to_json(), indent=2))
+
+
+def _running(pid: int) -> bool:
+    """Whether the process still exists (a beacon keeps the pid of a worker that has since died)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
 
 
 def _job_step(steps: dict[tuple[str, int], tuple[int, int, int]], *, fallback: int) -> int:

@@ -28,6 +28,11 @@ class FailureRecord:
     recovery_round_seen_ns: int = 0
     host_pid: int = 0
     """A checkpoint-host fault: the pid of the host it hit."""
+    recovery: str = ""
+    """How the job recovered (:func:`recovery_action`); ``action`` says what was done to the node."""
+    survivors: dict[str, int] = field(default_factory=dict)
+    """"node/local rank" -> pid of the workers the fault did not hit, as their beacons said when it hit:
+    whether they still run at recovery tells an in-process regroup from a restart."""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -37,9 +42,14 @@ class FailureRecord:
             "round_at_injection",
             "recovery_round_seen_ns",
             "host_pid",
+            "survivors",
         ):
             data.pop(key)
+        data["action"] = self.described()
         return data
+
+    def described(self) -> str:
+        return "; ".join(part for part in (self.recovery, self.action) if part)
 
 
 HEAL_GRACE_S = 1.0
@@ -58,6 +68,15 @@ def cause_of(failures: list[FailureRecord], *, node: str, at: float) -> FailureR
             continue
         return f
     return None
+
+
+def recovery_action(*, survivors: dict[str, int], running: dict[str, int], world: int, round_: int) -> str:
+    """What the job did about a fault, from the workers' own beacons: if every worker the fault spared still
+    runs in the same process, the job re-formed its groups in process; otherwise its workers restarted.
+    ``survivors`` and ``running`` map "node/local rank" to the pid, at the fault and at recovery."""
+    if survivors and all(running.get(key) == pid for key, pid in survivors.items()):
+        return f"re-formed in process at world {world} (round {round_})"
+    return f"workers restarted (round {round_})"
 
 
 @dataclass
@@ -110,7 +129,7 @@ def table(summary: Summary) -> str:
         lost = "-" if f.steps_lost is None else str(f.steps_lost)
         lines.append(
             f"{f.kind:<14} {f.node:<8} {f.rank:>4} {f.injected_at:>7.2f}s {_s(detect):>9} {_s(recover):>10} "
-            f"{lost:>5}  {f.action}"
+            f"{lost:>5}  {f.described()}"
         )
     lines.append(
         "detected/recovered: seconds after the fault; recovered = first completed step after recovery"

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from phalanx.api.elasticjob import FINISHED_PHASES, Phase
 from phalanx.api.settings import MasterSettings
 from phalanx.api.v1 import master_pb2 as pb
+from phalanx.api.verdicts import Eviction, HangAnalysis
 from phalanx.diagnostics.stacks import compare_stacks
 from phalanx.master import rendezvous as rdzv
 from phalanx.master import snapshot
@@ -31,13 +34,13 @@ from phalanx.master.policy import FailureRecord
 from phalanx.master.stats import JobStats
 from phalanx.master.timeline import Timeline
 
-__all__ = ["EVENT_SEQ_GAP", "FINISHED", "JobCore", "action"]
+__all__ = ["EVENT_SEQ_GAP", "FINISHED", "HangInquiry", "JobCore", "action"]
 
 log = logging.getLogger("phalanx.master")
 rdzv_log = logging.getLogger("phalanx.rendezvous")
 failure_log = logging.getLogger("phalanx.failures")
 
-FINISHED = ("Succeeded", "Failed")
+FINISHED = FINISHED_PHASES
 EVENT_SEQ_GAP = 1000
 RESTORE_GRACE_INTERVALS = 3
 """Heartbeat intervals within which a live agent reaches a restarted master (it retries every interval,
@@ -49,6 +52,19 @@ def action(kind: int, **fields: Any) -> pb.Action:
     return pb.Action(kind=kind, **fields)  # type: ignore[arg-type]
 
 
+@dataclass(kw_only=True)
+class HangInquiry:
+    """A hang being analysed: the members of its round were asked for their stacks."""
+
+    round: int
+    node: str
+    """The node whose agent found the hang."""
+    requested_at: float
+    members: list[str]
+    stacks: dict[str, dict[int, str]] = field(default_factory=dict)
+    """Node -> rank -> stack dump, as they arrive."""
+
+
 class JobCore:
     """The job's state, bookkeeping helpers and time-driven decisions (:meth:`tick`)."""
 
@@ -57,7 +73,7 @@ class JobCore:
     ) -> None:
         self.settings = settings
         self.job_id = settings.job_id
-        self.phase = "Pending"
+        self.phase: str = Phase.PENDING
         self.reason = ""
         self.started_unix = now
         self.round: rdzv.Round | None = None
@@ -66,7 +82,7 @@ class JobCore:
         self.opened_at = now
         self.joiners: dict[str, rdzv.Joiner] = {}
         self.restart_count = 0
-        self.evictions: list[dict[str, Any]] = []
+        self.evictions: list[Eviction] = []
         self.checkpoints = CheckpointTracker()
         self.breakpoint: Breakpoint | None = None
         """The save at breakpoint of the newest broken round (not durable: a restarted master only misses
@@ -80,13 +96,13 @@ class JobCore:
         """Each global rank's last ``RankActivity`` from heartbeats: rank -> (node, round, activity). Where
         the ranks are when a hang is reported: the ones that never entered the collective the others wait in
         are the suspects (not durable: a restarted master learns them again within a heartbeat)."""
-        self.hang: dict[str, Any] | None = None
-        """The pending hang analysis of a round: round, node, requested_at, stacks."""
+        self.hang: HangInquiry | None = None
+        """The pending hang analysis of a round."""
         self.early_stacks: tuple[int, dict[str, dict[int, str]]] = (0, {})
         """Stacks of the current round that came before any hang analysis asked for them (round, node ->
         rank -> dump): an agent that detects a hang sends its stacks first and then reports the failure
         that starts the analysis, and so may every node whose ranks block in the same collective."""
-        self.last_hang_analysis: dict[str, Any] | None = None
+        self.last_hang_analysis: HangAnalysis | None = None
         self.max_step = -1
         self.below_min_since: float | None = now
         self.scheduled_workers: int | None = None
@@ -140,11 +156,24 @@ class JobCore:
     def shown_phase(self) -> str:
         """The phase people and the operator see: Suspended while the job is (the decisions use ``phase``,
         which the suspension leaves as it was)."""
-        return "Suspended" if self.suspended and not self.finished else self.phase
+        return Phase.SUSPENDED if self.suspended and not self.finished else self.phase
 
     @property
     def members(self) -> list[str]:
         return self.round.node_ids if self.round else []
+
+    _member_set: tuple[rdzv.Round | None, frozenset[str]] = (None, frozenset())
+
+    def is_member(self, node_id: str) -> bool:
+        """``node_id in self.members`` without building the list: every heartbeat asks, and with a thousand
+        nodes the list cost more than the rest of the beat. A completed round never changes (frozen), so
+        the set is made once per round."""
+        round = self.round
+        if round is None:
+            return False
+        if self._member_set[0] is not round:
+            self._member_set = (round, frozenset(round.node_ids))
+        return node_id in self._member_set[1]
 
     def alive(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.status == ALIVE]
@@ -169,11 +198,11 @@ class JobCore:
             "max_restarts": self.settings.restart.max_restarts,
             "eviction_count": len(self.evictions),
             "max_evictions": self.settings.restart.max_evictions,
-            "evictions": list(self.evictions),
+            "evictions": [e.to_dict() for e in self.evictions],
             "committed_checkpoint_step": self.checkpoints.committed,
             "max_step": self.max_step,
             "root_cause": self.root_cause,
-            "hang_analysis": self.last_hang_analysis,
+            "hang_analysis": self.last_hang_analysis.to_dict() if self.last_hang_analysis else None,
             "started_unix": self.started_unix,
             "completed": sorted(self.completed),
         }
@@ -230,7 +259,7 @@ class JobCore:
     def _exitaction(self, node: Node, incarnation: str) -> pb.Action | None:
         """EXIT for a finished job, an evicted or lost node, or a replaced incarnation; None otherwise."""
         if self.finished:
-            code = 0 if self.phase == "Succeeded" else 1
+            code = 0 if self.phase == Phase.SUCCEEDED else 1
             return action(
                 pb.ACTION_KIND_EXIT, round=self.round_number, exit_code=code, reason=self._end_reason()
             )
@@ -252,8 +281,8 @@ class JobCore:
         self.reason = reason
         self.round_open = False
         self.joiners.clear()
-        self._event("job_succeeded" if phase == "Succeeded" else "job_failed", now=now, message=reason)
-        (log.info if phase == "Succeeded" else failure_log.error)(
+        self._event("job_succeeded" if phase == Phase.SUCCEEDED else "job_failed", now=now, message=reason)
+        (log.info if phase == Phase.SUCCEEDED else failure_log.error)(
             "job %s: %s", phase.lower(), reason, extra={"round": self.round_number}
         )
         self.round_version += 1
@@ -267,7 +296,7 @@ class JobCore:
         self.round_open = True
         self.opened_at = now
         if self.round is not None:
-            self.phase = "Restarting"
+            self.phase = Phase.RESTARTING
         self._event("round_open", now=now, round=self.next_round, message=why)
         rdzv_log.info("round %d open: %s", self.next_round, why, extra={"round": self.next_round})
         self.action_version += 1
@@ -285,19 +314,13 @@ class JobCore:
         self.joiners.pop(node.node_id, None)
         if len(self.evictions) >= self.settings.restart.max_evictions:
             self._finish(
-                "Failed",
+                Phase.FAILED,
                 f"{reason}, and the eviction budget ({self.settings.restart.max_evictions}) is spent",
                 now=now,
             )
             return False
         self.evictions.append(
-            {
-                "node_id": node.node_id,
-                "machine": node.machine,
-                "reason": reason,
-                "kind": kind,
-                "requested_at": now,
-            }
+            Eviction(node_id=node.node_id, machine=node.machine, reason=reason, kind=kind, requested_at=now)
         )
         self.stats.evictions[kind] = self.stats.evictions.get(kind, 0) + 1
         self._event("eviction_requested", now=now, node=node.node_id, message=reason)
@@ -314,24 +337,24 @@ class JobCore:
         hang, self.hang = self.hang, None
         if hang is None:
             return
-        hung = str(hang["node"])
-        verdict = compare_stacks(hang["stacks"], hung_node=hung)
-        self.last_hang_analysis = {
-            "round": hang["round"],
-            "hung_node": hung,
-            "odd_nodes": verdict.odd_nodes,
-            "odd_ranks": sorted(verdict.odd_ranks),
-            "nodes_reported": sorted(hang["stacks"]),
-            "reason": verdict.reason,
-        }
+        hung = hang.node
+        verdict = compare_stacks(hang.stacks, hung_node=hung)
+        self.last_hang_analysis = HangAnalysis(
+            round=hang.round,
+            hung_node=hung,
+            odd_nodes=list(verdict.odd_nodes),
+            odd_ranks=sorted(verdict.odd_ranks),
+            nodes_reported=sorted(hang.stacks),
+            reason=verdict.reason,
+        )
         self._event(
             "hang_analysis",
             now=now,
             node=",".join(verdict.odd_nodes),
-            round=hang["round"],
+            round=hang.round,
             message=verdict.reason,
         )
-        failure_log.warning("hang analysis: %s", verdict.reason, extra={"node": hung, "round": hang["round"]})
+        failure_log.warning("hang analysis: %s", verdict.reason, extra={"node": hung, "round": hang.round})
         if len(verdict.odd_nodes) == 1 and verdict.odd_nodes[0] != hung:
             # The stacks put the blame on another node: move the hang from the detector to the culprit.
             odd = verdict.odd_nodes[0]
@@ -414,7 +437,7 @@ class JobCore:
                 return
         for node_id in self.absent(now=now):
             self._leave_out(self.nodes[node_id], now=now)
-        if self.hang is not None and now - float(self.hang["requested_at"]) > hb.timeout_s:
+        if self.hang is not None and now - self.hang.requested_at > hb.timeout_s:
             self._analyze_hang(now=now)
         self._settle_breakpoint(now=now)  # a member that went away is no longer waited for
         self._maybe_complete(now=now)
@@ -427,7 +450,7 @@ class JobCore:
             self.below_min_since = now
         elif now - self.below_min_since > rs.min_nodes_timeout_s:
             self._finish(
-                "Failed",
+                Phase.FAILED,
                 f"only {alive} of the {rs.min_nodes} required nodes for over {rs.min_nodes_timeout_s:g}s",
                 now=now,
             )
@@ -457,9 +480,10 @@ class JobCore:
         open for another reason completes without it: the timeout still decides whether it is lost, so a
         live one slow to come back costs no round, and joins the next one if it missed this."""
         grace = RESTORE_GRACE_INTERVALS * self.settings.heartbeat.interval_s
-        unheard = set(unheard_since_restore(self.nodes.values(), now=now, grace_s=grace))
-        absent = set(self.absent(now=now))
-        return [n.node_id for n in self.alive() if n.node_id not in absent | unheard]
+        left_out = set(unheard_since_restore(self.nodes.values(), now=now, grace_s=grace))
+        left_out.update(self.absent(now=now))
+        # One set, built once: this runs at every join; a union per node is quadratic at thousands of nodes.
+        return [n.node_id for n in self.nodes.values() if n.status == ALIVE and n.node_id not in left_out]
 
     def _leave_out(self, node: Node, *, now: float) -> None:
         """Stops waiting for an absent node, once per disconnection: a member's absence opens a new round at
@@ -513,6 +537,11 @@ class JobCore:
     def _maybe_complete(self, *, now: float) -> None:
         if not self.round_open or self.finished or self.suspended or not self.joiners:
             return
+        rs = self.settings.rendezvous
+        if rdzv.usable(len(self.joiners), rs) < rs.min_nodes:
+            # should_complete's first test, made before the expected nodes are listed: while thousands of
+            # nodes join one by one, listing them at every join would make the rendezvous quadratic.
+            return
         if not rdzv.should_complete(
             joiners=self.joiners,
             expected=self._expected(now=now),
@@ -540,7 +569,7 @@ class JobCore:
             self.breakpoint = None
         self.completed = set()
         self.round_failures = []
-        self.phase = "Running"
+        self.phase = Phase.RUNNING
         self._event(
             "round_complete",
             now=now,

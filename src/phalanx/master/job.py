@@ -14,13 +14,15 @@ the first), ``Succeeded``, ``Failed``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from phalanx.api.elasticjob import Phase
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.diagnostics import hang
+from phalanx.diagnostics import hang, rootcause
 from phalanx.master import rendezvous as rdzv
 from phalanx.master.breakpoints import Breakpoint
-from phalanx.master.core import FINISHED, action, failure_log, log
+from phalanx.master.core import FINISHED, HangInquiry, action, failure_log, log
 from phalanx.master.errors import RequestError
 from phalanx.master.membership import ALIVE, Node, lost_records_to_drop, registration_refusal
 from phalanx.master.policy import (
@@ -33,6 +35,7 @@ from phalanx.master.policy import (
     root_cause,
 )
 from phalanx.master.probing import ProbeCore
+from phalanx.master.recovery import RecoveryTracker
 
 __all__ = ["FINISHED", "Job", "RendezvousAnswer"]
 
@@ -42,6 +45,23 @@ def _same_failure(recorded: dict[str, Any] | None, root: FailureRecord) -> bool:
     if recorded is None:
         return False
     return (recorded.get("node_id"), recorded.get("rank")) == (root.node_id, root.rank)
+
+
+HOLDS_RESTART_EVENT = frozenset({"failure", "root_cause", "round_open"})
+"""Events that may come before a pending restart event (the round's other reports, the round it opened);
+any other event (the next round completing, the job ending) emits it first, so the log stays in order."""
+
+
+@dataclass
+class PendingRestart:
+    """A restart done and its event not yet emitted: it waits (:func:`rootcause.settled`) for the round's
+    other reports, so that it names the root cause even when the echo's node reports first."""
+
+    round: int
+    at: float
+    node: str
+    rank: int
+    message: str
 
 
 class RendezvousAnswer:
@@ -57,6 +77,15 @@ class RendezvousAnswer:
 class Job(ProbeCore):
     """State and decisions of one job's master: :class:`JobCore`, probe rounds (:class:`ProbeCore`) and
     the agents' requests."""
+
+    pending_restart: PendingRestart | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.recovery = RecoveryTracker()
+        """Where each recovery's time goes (detect, reform, restore, recompute): the master's metrics.
+        Set first: restoring saved state may emit events already. Not durable (a restarted master starts
+        with none)."""
+        super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------
     # Requests
@@ -144,16 +173,19 @@ class Job(ProbeCore):
             node.hb_round = req.round
             node.agent_restarts = req.restart_count
             if req.ranks:
-                node.ranks = list(req.ranks)
-                top = max(r.step for r in req.ranks)
+                ranks = node.ranks = list(req.ranks)  # read the repeated field once: every beat passes here
+                top = ranks[0].step
+                for r in ranks:
+                    top = max(top, r.step)
+                    if r.HasField("activity"):
+                        self.activities[r.rank] = (req.node_id, req.round, r.activity)
                 if top > self.max_step:
                     self.max_step = top
                     self._changed()
-                self.observe_steps(req.node_id, req.ranks, round=req.round)
-                self.timeline.observe(req.node_id, req.ranks, now=now)
-                for r in req.ranks:
-                    if r.HasField("activity"):
-                        self.activities[r.rank] = (req.node_id, req.round, r.activity)
+                if req.round == self.round_number:
+                    self.recovery.stepped(now=now, step=top)
+                self.observe_steps(req.node_id, ranks, round=req.round)
+                self.timeline.observe(req.node_id, ranks, now=now)
                 self._maybe_succeed(now=now)
         return self.heartbeat_answer(req, now=now)
 
@@ -176,7 +208,7 @@ class Job(ProbeCore):
             node.sent_seq = max(node.sent_seq, node.pending[-1].seq)
         if (
             self.round_open
-            and req.node_id in self.members
+            and self.is_member(req.node_id)
             and req.node_id not in self.joiners
             and req.state not in (pb.NODE_STATE_RENDEZVOUS, pb.NODE_STATE_RESTARTING)
         ):
@@ -244,15 +276,7 @@ class Job(ProbeCore):
         member = r.member(req.node_id) if r is not None and req.round == r.number else None
         if r is not None and member is not None:
             resp.status = pb.RENDEZVOUS_STATUS_COMPLETE
-            resp.members.extend(
-                pb.Member(
-                    node_id=m.node_id,
-                    group_rank=m.group_rank,
-                    nproc_per_node=m.nproc,
-                    rank_offset=m.rank_offset,
-                )
-                for m in r.members
-            )
+            resp.MergeFrom(self._members_message(r))
             resp.group_rank = member.group_rank
             resp.rank_offset = member.rank_offset
             resp.world_size = r.world_size
@@ -264,6 +288,24 @@ class Job(ProbeCore):
         else:
             resp.status = pb.RENDEZVOUS_STATUS_NOT_MEMBER
         return RendezvousAnswer(resp)
+
+    _round_members: tuple[rdzv.Round, pb.GetRendezvousResponse] | None = None
+
+    def _members_message(self, r: rdzv.Round) -> pb.GetRendezvousResponse:
+        """The round's member list as a message, built once per round and merged into each member's answer
+        (a copy in C): built per answer, the answers of N members cost N x N Python objects."""
+        if self._round_members is None or self._round_members[0] is not r:
+            members = [
+                pb.Member(
+                    node_id=m.node_id,
+                    group_rank=m.group_rank,
+                    nproc_per_node=m.nproc,
+                    rank_offset=m.rank_offset,
+                )
+                for m in r.members
+            ]
+            self._round_members = (r, pb.GetRendezvousResponse(members=members))
+        return self._round_members[1]
 
     def report_failure(self, req: pb.ReportFailureRequest, *, now: float) -> pb.Action:
         node = self._node(req.node_id, req.incarnation)
@@ -352,7 +394,15 @@ class Job(ProbeCore):
         if decision.root is not None:
             self.root_cause = decision.root.to_json()
             self.root_cause["explanation"] = explain_cause(self.round_failures)
-            self._revise_cause(previous, decision.root, now=now)
+            pending = self.pending_restart
+            if pending is not None and pending.round == decision.root.round:
+                # The restart's event, still waiting, names the better cause: no revision needed.
+                pending.node, pending.rank = decision.root.node_id, decision.root.rank
+                pending.message = f"worker failure: {self.root_cause['explanation']}"
+                if self.recovery.current is not None and decision.root.unix > 0:
+                    self.recovery.current.failed = min(decision.root.unix, self.recovery.current.started)
+            else:
+                self._revise_cause(previous, decision.root, now=now)
         first = root_cause(records) or records[0]  # the report's own cause, not the echo it also carries
         summary = first.summary()
         if suspects is not None:
@@ -367,6 +417,7 @@ class Job(ProbeCore):
                     "seq": found.seq,
                 }
         self._event("failure", now=now, node=node.node_id, rank=first.rank, message=summary)
+        self._settle_restart_event(now=now)
         failure_log.error(
             "failure of %s; root cause of round %d: %s; decision: %s (%s)",
             first.summary(),
@@ -378,7 +429,7 @@ class Job(ProbeCore):
         )
         self._changed(durable=True)
         if decision.verdict is Verdict.FAIL:
-            self._finish("Failed", decision.reason, now=now)
+            self._finish(Phase.FAILED, decision.reason, now=now)
             return action(
                 pb.ACTION_KIND_EXIT, round=self.round_number, exit_code=1, reason=self._end_reason()
             )
@@ -400,11 +451,66 @@ class Job(ProbeCore):
             return action(pb.ACTION_KIND_EXIT, exit_code=1, reason=node.exit_reason or self._end_reason())
         if decision.verdict is Verdict.RESTART:
             self.restart_count += 1
-            self._event("restart", now=now, node=node.node_id, message=decision.reason)
-            if decision.dump_stacks:
-                self._start_hang_analysis(decision.blamed or node.node_id, now=now)
+            failed_at = decision.root.unix if decision.root is not None else 0.0
+            self.recovery.start(now=now, failed=failed_at, step=self.max_step)
+            if decision.dump_stacks or decision.root is None:
+                # A hang's event names its suspects already; it goes out at once.
+                self._event("restart", now=now, node=node.node_id, message=decision.reason)
+                if decision.dump_stacks:
+                    self._start_hang_analysis(decision.blamed or node.node_id, now=now)
+            else:
+                self._emit_restart()  # one still waiting from an earlier round goes first
+                root = decision.root
+                self.pending_restart = PendingRestart(
+                    round=self.round_number,
+                    at=now,
+                    node=root.node_id,
+                    rank=root.rank,
+                    message=decision.reason,
+                )
             self._open_round(decision.reason, now=now)
+            self._settle_restart_event(now=now)
         return action(pb.ACTION_KIND_REJOIN, round=self.next_round, reason=decision.reason)
+
+    def tick(self, *, now: float) -> None:
+        super().tick(now=now)
+        self._settle_restart_event(now=now)
+
+    def _event(
+        self, kind: str, *, now: float, node: str = "", rank: int = -1, round: int = -1, message: str = ""
+    ) -> None:
+        if kind not in HOLDS_RESTART_EVENT:
+            self._emit_restart()
+        if kind == "round_complete":
+            self.recovery.reformed(now=now)
+        elif kind == "round_open" and self.round is not None:
+            cur = self.recovery.current
+            if cur is None or cur.reformed > 0:  # not a restart's own round: a node lost, evicted, added
+                self.recovery.start(now=now, failed=0.0, step=self.max_step)
+        super()._event(kind, now=now, node=node, rank=rank, round=round, message=message)
+
+    def _settle_restart_event(self, *, now: float) -> None:
+        """Emits the pending restart event once the round's root cause is settled."""
+        pending = self.pending_restart
+        if pending is None:
+            return
+        reported = {r.node_id for r in self.round_failures} if pending.round == self.round_number else set()
+        members = self.round.node_ids if self.round is not None and pending.round == self.round_number else []
+        if rootcause.settled(waited_s=now - pending.at, reported=reported, members=members):
+            self._emit_restart()
+
+    def _emit_restart(self) -> None:
+        """The pending restart event, dated when the restart was decided."""
+        pending, self.pending_restart = self.pending_restart, None
+        if pending is not None:
+            super()._event(
+                "restart",
+                now=pending.at,
+                node=pending.node,
+                rank=pending.rank,
+                round=pending.round,
+                message=pending.message,
+            )
 
     def _revise_cause(self, previous: dict[str, Any] | None, root: FailureRecord, *, now: float) -> None:
         """Says so when a later report of the round names a better root cause than the one the restart (or
@@ -425,7 +531,7 @@ class Job(ProbeCore):
         """A report of the round that failed the job, arriving after it (its restart budget was spent on
         a peer's echo, reported first): the recorded cause and the job's reason, which the ElasticJob's
         status shows, name the better root cause it brings."""
-        if self.phase != "Failed" or req.round != self.round_number or req.node_id not in self.members:
+        if self.phase != Phase.FAILED or req.round != self.round_number or req.node_id not in self.members:
             return
         previous = self.root_cause
         before = str(previous.get("explanation", "")) if previous else ""
@@ -447,13 +553,9 @@ class Job(ProbeCore):
             {n: s for n, s in early.items() if n in self.members} if early_round == self.round_number else {}
         )
         self.early_stacks = (0, {})
-        self.hang = {
-            "round": self.round_number,
-            "node": node_id,
-            "requested_at": now,
-            "members": self.members,
-            "stacks": stacks,
-        }
+        self.hang = HangInquiry(
+            round=self.round_number, node=node_id, requested_at=now, members=self.members, stacks=stacks
+        )
         dump = action(pb.ACTION_KIND_DUMP_STACKS, round=self.round_number, reason=f"hang on {node_id}")
         missing = [m for m in self.members if m not in stacks and m != node_id and m in self.nodes]
         for member in missing:
@@ -506,7 +608,7 @@ class Job(ProbeCore):
                 f"{len(self.completed)} of {len(self.members)} nodes completed round {self.round_number}; "
                 f"{', '.join(sorted(idle))} joined it as training ended and had nothing left to train"
             )
-        self._finish("Succeeded", reason, now=now)
+        self._finish(Phase.SUCCEEDED, reason, now=now)
         return True
 
     def report_checkpoint(
@@ -595,7 +697,7 @@ class Job(ProbeCore):
         self._node(req.node_id, req.incarnation)
         stacks = {r.rank: r.stacks for r in req.ranks}
         hang = self.hang
-        if hang is None or req.round != hang["round"]:
+        if hang is None or req.round != hang.round:
             if req.round == self.round_number and req.node_id in self.members:
                 early_round, early = self.early_stacks
                 self.early_stacks = (
@@ -603,6 +705,6 @@ class Job(ProbeCore):
                     {**(early if early_round == req.round else {}), req.node_id: stacks},
                 )
             return
-        hang["stacks"][req.node_id] = stacks
-        if set(hang["members"]) <= set(hang["stacks"]):
+        hang.stacks[req.node_id] = stacks
+        if set(hang.members) <= set(hang.stacks):
             self._analyze_hang(now=now)

@@ -13,12 +13,13 @@
   every ``status_progress_interval_s`` (10 s; :func:`publish_decision`), so a training job costs a few
   PATCHes a minute instead of one per heartbeat.
 * the sink follows ``spec.suspend``, the job's generation and the operator's scheduled-workers annotation
-  through a watch of the one ElasticJob (:class:`JobWatch`: a LIST and a WATCH with the field selector
-  ``metadata.name=<job>``, resumed from the last resourceVersion, listed again on ``410 Gone``), so a
-  spec change reaches the master within a second and an idle job costs no reads. A suspended master
-  publishes phase ``Suspended`` and the generation it follows (``status.master.observedGeneration``), which
-  together tell the operator it may delete the worker Pods. While the watch is down, or refused (a Role
-  made by an older operator), the spec is read by a GET every :data:`SPEC_POLL_S` instead.
+  through a watch of the one ElasticJob (:class:`phalanx.master.kube_watch.JobWatch`: a LIST and a WATCH
+  with the field selector ``metadata.name=<job>``, resumed from the last resourceVersion, listed again on
+  ``410 Gone``), so a spec change reaches the master within a second and an idle job costs no reads. A
+  suspended master publishes phase ``Suspended`` and the generation it follows
+  (``status.master.observedGeneration``), which together tell the operator it may delete the worker Pods.
+  While the watch is down, or refused (a Role made by an older operator), the spec is read by a GET every
+  :data:`SPEC_POLL_S` instead.
 
 The master's RBAC (built by the operator) allows exactly this: get/list/watch of its own ElasticJob (list
 and watch only with the field selector on its name), get/patch of its status and of its own ConfigMap (by
@@ -29,33 +30,29 @@ Pod, from ``$KUBECONFIG``.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from phalanx.api import elasticjob as ej
+from phalanx.api.elasticjob import GROUP, PLURAL, SCHEDULED_ANNOTATION, STATE_KEY, VERSION
 from phalanx.api.errors import KubernetesError, StateStoreError
+from phalanx.master.kube_watch import SPEC_POLL_S, JobWatch
 from phalanx.master.state import SpecView
 
 log = logging.getLogger("phalanx.master")
 
-GROUP = "phalanx.dev"
-VERSION = "v1alpha1"
-PLURAL = "elasticjobs"
-STATE_KEY = "state.json"
 _MAX_TEXT = 32000  # CRD maxLength of status.master.reason is 32768
-SPEC_POLL_S = 2.0  # how stale the spec's suspend may be when no status was published meanwhile
+RETRY_PUBLISH_S = 1.0  # a failed PATCH is retried this long after (on the publisher's next spec() call)
 
 __all__ = [
     "ConfigMapStateStore",
     "ElasticJobStatusSink",
-    "JobWatch",
     "parse_state_url",
     "publish_decision",
     "state_store",
@@ -100,7 +97,7 @@ class ConfigMapStateStore:
         from kubernetes import client
 
         self.namespace = namespace
-        self.config_map = f"{name}-master-state"
+        self.config_map = ej.state_config_map(name)
         self._core = client.CoreV1Api(api or _api_client())
 
     def load(self) -> dict[str, Any] | None:
@@ -136,9 +133,6 @@ class ConfigMapStateStore:
             raise StateStoreError(f"cannot write {self.namespace}/{self.config_map}: {exc.reason}") from exc
 
 
-SCHEDULED_ANNOTATION = "phalanx.dev/scheduled-workers"
-
-
 def scheduled_workers(meta: Mapping[str, Any]) -> int | None:
     """The operator's count of the job's worker Pods placed on a node (None: not said, or not a count)."""
     value = (meta.get("annotations") or {}).get(SCHEDULED_ANNOTATION)
@@ -152,45 +146,45 @@ def job_status_patch(status: Mapping[str, Any]) -> dict[str, Any]:
     """Maps the master's ``/v1/job`` JSON onto ElasticJob status fields (pure; unit-tested)."""
     evictions = [
         {
-            "nodeId": str(e.get("node_id", "")),
-            "machine": str(e.get("machine", "") or ""),
-            "reason": str(e.get("reason", ""))[:_MAX_TEXT],
-            "requestedAt": _rfc3339(e.get("requested_at")),
+            ej.EVICTION_NODE_ID: str(e.get("node_id", "")),
+            ej.EVICTION_MACHINE: str(e.get("machine", "") or ""),
+            ej.EVICTION_REASON: str(e.get("reason", ""))[:_MAX_TEXT],
+            ej.EVICTION_REQUESTED_AT: _rfc3339(e.get("requested_at")),
         }
         for e in status.get("evictions") or []
         if isinstance(e, Mapping) and e.get("node_id")
     ]
     patch: dict[str, Any] = {
-        "round": int(status.get("round") or 0),
-        "worldSize": int(status.get("world_size") or 0),
-        "restartCount": int(status.get("restart_count") or 0),
-        "evictions": evictions,
-        "master": {
-            "phase": str(status.get("phase", "")),
-            "reason": str(status.get("reason") or "")[:_MAX_TEXT],
-            "members": [str(m) for m in status.get("members") or []],
-            "observedGeneration": int(status.get("spec_generation") or 0),
-            "updatedAt": _rfc3339(datetime.now(tz=UTC).timestamp()),
+        ej.STATUS_ROUND: int(status.get("round") or 0),
+        ej.STATUS_WORLD_SIZE: int(status.get("world_size") or 0),
+        ej.STATUS_RESTART_COUNT: int(status.get("restart_count") or 0),
+        ej.STATUS_EVICTIONS: evictions,
+        ej.STATUS_MASTER: {
+            ej.MASTER_PHASE: str(status.get("phase", "")),
+            ej.MASTER_REASON: str(status.get("reason") or "")[:_MAX_TEXT],
+            ej.MASTER_MEMBERS: [str(m) for m in status.get("members") or []],
+            ej.MASTER_OBSERVED_GENERATION: int(status.get("spec_generation") or 0),
+            ej.MASTER_UPDATED_AT: _rfc3339(datetime.now(tz=UTC).timestamp()),
         },
     }
     step = status.get("max_step")
     if isinstance(step, int) and step >= 0:
-        patch["step"] = step
+        patch[ej.STATUS_STEP] = step
     committed = status.get("committed_checkpoint_step")
     if isinstance(committed, int) and committed >= 0:
-        patch["lastCommittedCheckpointStep"] = committed
+        patch[ej.STATUS_COMMITTED_STEP] = committed
     return patch
 
 
-PROGRESS_FIELDS = frozenset({"step"})
+PROGRESS_FIELDS = frozenset({ej.STATUS_STEP})
 """Status fields that only tell how far training got: coalesced to one PATCH per progress interval."""
 
 
 def _urgent_part(patch: Mapping[str, Any]) -> dict[str, Any]:
     """The patch without progress and without ``master.updatedAt`` (which changes on every patch)."""
     out = {k: v for k, v in patch.items() if k not in PROGRESS_FIELDS}
-    if isinstance(out.get("master"), Mapping):
-        out["master"] = {k: v for k, v in out["master"].items() if k != "updatedAt"}
+    if isinstance(master := out.get(ej.STATUS_MASTER), Mapping):
+        out[ej.STATUS_MASTER] = {k: v for k, v in master.items() if k != ej.MASTER_UPDATED_AT}
     return out
 
 
@@ -223,131 +217,6 @@ def newer(version: str, than: str) -> bool:
         return int(version) > int(than)
     except ValueError:
         return True
-
-
-WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; it is resumed from the last version
-WATCH_BACKOFF_S = (0.5, 30.0)  # first and longest wait before reconnecting a failed watch
-RETRY_PUBLISH_S = 1.0  # a failed PATCH is retried this long after (on the publisher's next spec() call)
-
-
-class JobWatch:
-    """Follows one ElasticJob: a LIST, then a WATCH from its resourceVersion, both with the field selector
-    ``metadata.name=<job>`` (the only list/watch the master's RBAC allows). A watch the API server ends
-    (its timeout) is resumed at once from the last version seen (events and bookmarks); one that fails
-    (connection lost, API server restarted) is resumed after a backoff doubling from 0.5 s to 30 s;
-    ``410 Gone`` (the version is older than the server keeps) lists again. ``403`` (a Role made by an
-    operator older than this master, without list/watch) stops the watch for good: the sink then reads
-    the job by GET as before. Runs in a daemon thread; ``on_object`` gets every version of the job."""
-
-    def __init__(
-        self, custom: Any, *, namespace: str, name: str, on_object: Any, resource_version: str = ""
-    ) -> None:
-        self._custom = custom
-        self.namespace = namespace
-        self.name = name
-        self._on_object = on_object
-        self.resource_version = resource_version  # "" lists first; a given one resumes from it
-        self.connected = False
-        self.forbidden = False
-        self.lists = 0
-        self.watches = 0
-        self.gone = 0  # 410 answers: versions the API server no longer had
-        self.failures = 0
-        self._listed_at = float("-inf")
-        self._stop = threading.Event()
-        self._watch: Any = None
-        self._thread = threading.Thread(target=self._run, name=f"watch-elasticjob-{name}", daemon=True)
-
-    def start(self) -> JobWatch:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        w = self._watch
-        if w is not None:
-            w.stop()
-            with contextlib.suppress(Exception):  # unblocks the read of the open watch
-                w._resp.close()
-
-    def _selector(self) -> str:
-        return f"metadata.name={self.name}"
-
-    def _run(self) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        backoff = WATCH_BACKOFF_S[0]
-        while not self._stop.is_set():
-            try:
-                if not self.resource_version:
-                    self._list()
-                self._follow()
-                backoff = WATCH_BACKOFF_S[0]
-                continue
-            except ApiException as exc:
-                if exc.status == 410:
-                    self.gone += 1
-                    self.resource_version = ""  # list again
-                    if time.monotonic() - self._listed_at > 1.0:
-                        continue  # at once: the server is fine, the version was just old
-                reason = f"{exc.status} {exc.reason}"
-                if exc.status == 403:
-                    self.forbidden = True
-                    log.warning(
-                        "no list/watch on ElasticJob %s/%s (%s): reading it every %.0fs instead",
-                        self.namespace, self.name, exc.reason, SPEC_POLL_S,
-                    )  # fmt: skip
-                    return
-            except Exception as exc:  # connection refused or reset, a timeout, a broken stream
-                reason = f"{type(exc).__name__}: {exc}"
-            finally:
-                self.connected = False
-            if self._stop.is_set():
-                return
-            self.failures += 1
-            wait = backoff * random.uniform(0.8, 1.2)  # jitter: a thousand masters do not reconnect at once
-            log.warning("watch of ElasticJob %s/%s failed (%s); again in %.1fs", self.namespace, self.name,
-                        reason, wait)  # fmt: skip
-            self._stop.wait(wait)
-            backoff = min(backoff * 2, WATCH_BACKOFF_S[1])
-
-    def _list(self) -> None:
-        listed = self._custom.list_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, field_selector=self._selector(),
-            _request_timeout=30,
-        )  # fmt: skip
-        self.lists += 1
-        self._listed_at = time.monotonic()
-        for item in listed.get("items") or []:
-            self._on_object(item)
-        self.resource_version = str(listed["metadata"]["resourceVersion"])
-
-    def _follow(self) -> None:
-        from kubernetes import watch
-
-        self._watch = w = watch.Watch()  # type: ignore[no-untyped-call]
-        self.watches += 1
-        self.connected = True
-        started = time.monotonic()
-        for event in w.stream(  # type: ignore[no-untyped-call]
-            self._custom.list_namespaced_custom_object,
-            GROUP, VERSION, self.namespace, PLURAL,
-            field_selector=self._selector(),
-            resource_version=self.resource_version,
-            allow_watch_bookmarks=True,
-            timeout_seconds=WATCH_TIMEOUT_S,
-            _request_timeout=(10, WATCH_TIMEOUT_S + 30),  # a silent dead connection ends too
-        ):  # fmt: skip
-            obj = event.get("raw_object") or {}
-            version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
-            if version:
-                self.resource_version = version
-            if event.get("type") in ("ADDED", "MODIFIED"):
-                self._on_object(obj)
-        if self._stop.is_set():
-            return
-        if time.monotonic() - started < 1.0:  # ended at once: not the server's timeout; do not spin
-            raise ConnectionError("the watch ended as soon as it started")
 
 
 class ElasticJobStatusSink:

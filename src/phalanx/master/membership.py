@@ -13,7 +13,7 @@ whether it is lost.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,8 +184,10 @@ def registration_cap(max_nodes: int) -> int:
 
 def registration_refusal(nodes: Iterable[Node], *, node_id: str, max_nodes: int) -> str:
     """Why a registration under a node id the master does not know is refused; empty when it is accepted."""
-    live = sum(1 for n in nodes if n.status != LOST and n.node_id != node_id)
     cap = registration_cap(max_nodes)
+    if isinstance(nodes, Sized) and len(nodes) < cap:
+        return ""  # fewer records than the cap, live or not: no need to count them at every registration
+    live = sum(1 for n in nodes if n.status != LOST and n.node_id != node_id)
     if live < cap:
         return ""
     return (
@@ -199,10 +201,9 @@ def lost_records_to_drop(
 ) -> list[str]:
     """Ids of lost nodes beyond the ``keep`` most recently seen, members of no round: nodes that registered
     and went silent must not accumulate either."""
+    lost = [n for n in nodes if n.status == LOST]
+    if len(lost) <= keep:
+        return []  # the common case, decided without the members (this runs at every registration)
     member_ids = set(members)
-    lost = sorted(
-        (n for n in nodes if n.status == LOST and n.node_id not in member_ids),
-        key=lambda n: n.last_seen,
-        reverse=True,
-    )
-    return [n.node_id for n in lost[keep:]]
+    kept = sorted((n for n in lost if n.node_id not in member_ids), key=lambda n: n.last_seen, reverse=True)
+    return [n.node_id for n in kept[keep:]]

@@ -33,6 +33,9 @@ phalanx_log_lines_dropped_total               counter
 phalanx_rpc_duration_seconds                  histogram  method
 phalanx_event_loop_lag_seconds                gauge      (largest loop delay of the last 10 s)
 phalanx_state_save_failures_total             counter    (saves that failed: disk full; old state kept)
+phalanx_recovery_phase_seconds                histogram  phase (detect, reform, restore, recompute)
+phalanx_recovery_last_phase_seconds           gauge      phase (the newest finished recovery's)
+phalanx_recoveries_total                      counter    (finished recoveries)
 ============================================  =========  =====================================
 """
 
@@ -41,15 +44,22 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
+from phalanx.api.elasticjob import MASTER_PHASES
 from phalanx.master.job import Job
 from phalanx.master.logstore import LogStore
 from phalanx.master.membership import ALIVE, EVICTED, LOST
+from phalanx.master.recovery import PHASES
 
 __all__ = ["MasterMetrics"]
 
-_PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+_PHASES = tuple(phase.value for phase in MASTER_PHASES)
 
 
 class _JobCollector:
@@ -171,6 +181,35 @@ class _JobCollector:
             "was kept and the save is retried.",
             value=self._save_failures(),
         )
+
+        yield from _recovery(job)
+
+
+def _recovery(job: Job) -> Iterator[Metric]:
+    """The recovery breakdown (:mod:`phalanx.master.recovery`): where each recovery's time went."""
+    tracker = job.recovery
+    phases = HistogramMetricFamily(
+        "phalanx_recovery_phase_seconds",
+        "Seconds of each recovery phase: detect (failure to restart), reform (to the round completing), "
+        "restore (to the first step), recompute (to the step reached before the failure).",
+        labels=["phase"],
+    )
+    last = GaugeMetricFamily(
+        "phalanx_recovery_last_phase_seconds",
+        "The newest finished recovery's phases (0: it did not go through that phase, or none finished yet).",
+        labels=["phase"],
+    )
+    for phase in PHASES:
+        buckets, total = tracker.histogram(phase)
+        phases.add_metric([phase], buckets, total)
+        last.add_metric([phase], tracker.last.get(phase, 0.0))  # always there: dashboards and tests see it
+    yield phases
+    yield last
+    yield CounterMetricFamily(
+        "phalanx_recoveries",
+        "Recoveries finished (training back at its pre-failure step).",
+        value=tracker.finished,
+    )
 
 
 class MasterMetrics:

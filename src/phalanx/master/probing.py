@@ -288,18 +288,9 @@ class ProbeCore(JobCore):
 
     def observe_steps(self, node_id: str, ranks: Sequence[pb.RankProgress], *, round: int) -> None:
         """A heartbeat's progress of a member running the current round, for the step-time check."""
-        if round != self.round_number or self.round_open or node_id not in self.members:
+        if round != self.round_number or self.round_open or not self.is_member(node_id):
             return
-        for r in ranks:
-            self.step_times.observe(
-                round=round,
-                node_id=node_id,
-                rank=r.rank,
-                step=r.step,
-                step_unix=r.step_unix_ns / 1e9,
-                step_time_s=r.activity.step_time_s,
-                collective_time_s=r.activity.collective_time_s,
-            )
+        self.step_times.observe_beat(round=round, node_id=node_id, ranks=ranks)
 
     def straggler_view(self, node_id: str) -> dict[str, Any] | None:
         """The ``straggler`` field of a node in ``/v1/nodes``: its latest scores and verdict (``ok``,

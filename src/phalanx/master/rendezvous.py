@@ -2,7 +2,8 @@
 
 A round gathers *joiners*. It completes
 
-* at once when ``max_nodes`` joined;
+* at once when ``max_nodes`` joined, unless a live member of the previous round has yet to rejoin: a spare
+  that waited beside the running job must not take the place of a survivor that is rejoining;
 * at once when it re-forms a running job and every node the master expects has joined, all of them
   members of the previous round: the last call waits for newcomers, and a re-formed round expects none
   (a replacement that arrives later joins by scale up). Every recovery would otherwise pay it;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from phalanx.api.settings import RendezvousSettings
 
@@ -65,10 +67,20 @@ class Round:
 
     @property
     def node_ids(self) -> list[str]:
-        return [m.node_id for m in self.members]
+        return list(self._ids)
 
     def member(self, node_id: str) -> Member | None:
-        return next((m for m in self.members if m.node_id == node_id), None)
+        return self._by_id.get(node_id)
+
+    # A round never changes once formed; every member's requests look it up, so at thousands of nodes a
+    # scan per lookup would be quadratic. (cached_property writes the instance dict, which frozen allows.)
+    @cached_property
+    def _ids(self) -> tuple[str, ...]:
+        return tuple(m.node_id for m in self.members)
+
+    @cached_property
+    def _by_id(self) -> dict[str, Member]:
+        return {m.node_id: m for m in self.members}
 
 
 def usable(count: int, settings: RendezvousSettings) -> int:
@@ -95,7 +107,7 @@ def should_complete(
     members of the round before it (none for the job's first round)."""
     if usable(len(joiners), settings) < settings.min_nodes:
         return False
-    if len(joiners) >= settings.max_nodes:
+    if len(joiners) >= settings.max_nodes and not _survivor_missing(joiners, expected, previous):
         return True
     if previous and set(joiners) == set(expected) and set(joiners) <= set(previous):
         return True
@@ -105,6 +117,16 @@ def should_complete(
     if all(node in joiners for node in expected):
         return True
     return now - opened_at >= straggler_wait_s
+
+
+def _survivor_missing(
+    joiners: Mapping[str, Joiner], expected: Collection[str], previous: Collection[str]
+) -> bool:
+    """Whether a node the master expects, a member of the previous round, has not joined yet."""
+    if not previous:
+        return False
+    before = previous if isinstance(previous, (set, frozenset)) else set(previous)
+    return any(node in before and node not in joiners for node in expected)
 
 
 def form_round(

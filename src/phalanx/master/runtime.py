@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 
@@ -38,6 +37,38 @@ SAVE_WAIT_S = 5.0
 LAG_WINDOW_S = 10.0
 
 
+class Wakeup:
+    """Coroutines waiting for the next change, each with a time limit, woken all at once. One future and
+    one timer per waiter: every held heartbeat waits here, and ``asyncio.wait_for`` on an event would add a
+    task, and a cancellation when the limit passes, to each."""
+
+    def __init__(self) -> None:
+        self._waiting: set[asyncio.Future[None]] = set()
+
+    def wake(self) -> None:
+        waiting, self._waiting = self._waiting, set()
+        for future in waiting:
+            if not future.done():
+                future.set_result(None)
+
+    async def wait(self, limit_s: float) -> None:
+        """Returns at the next :meth:`wake`, or after ``limit_s`` seconds."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._waiting.add(future)
+        timer = loop.call_later(limit_s, _resolve, future)
+        try:
+            await future
+        finally:
+            timer.cancel()
+            self._waiting.discard(future)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class Runtime:
     def __init__(
         self, *, job: Job, logs: LogStore, store: StateStore, sink: StatusSink, resumed: bool
@@ -49,9 +80,9 @@ class Runtime:
         self.metrics = MasterMetrics(
             job, logs, loop_lag=self.loop_lag_s, save_failures=lambda: self.save_failures
         )
-        self._round_event = asyncio.Event()
+        self._round_wakeup = Wakeup()
         self._seen_round = job.round_version
-        self._action_event = asyncio.Event()
+        self._action_wakeup = Wakeup()
         self._seen_actions = job.action_version
         self._dirty = asyncio.Event()
         self._saved_version = job.durable_version if resumed else -1
@@ -71,26 +102,20 @@ class Runtime:
         job = self.job
         if job.round_version != self._seen_round:
             self._seen_round = job.round_version
-            event, self._round_event = self._round_event, asyncio.Event()
-            event.set()
+            self._round_wakeup.wake()
         if job.action_version != self._seen_actions:
             self._seen_actions = job.action_version
-            event, self._action_event = self._action_event, asyncio.Event()
-            event.set()
+            self._action_wakeup.wake()
         if job.durable_version != self._saved_version:
             self._dirty.set()
 
     async def round_changed(self, limit_s: float) -> None:
         """Returns when a round completes or the job ends, or after ``limit_s`` seconds."""
-        event = self._round_event
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), limit_s)
+        await self._round_wakeup.wait(limit_s)
 
     async def actions_changed(self, limit_s: float) -> None:
         """Returns when some node may have a new action, or after ``limit_s`` seconds."""
-        event = self._action_event
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), limit_s)
+        await self._action_wakeup.wait(limit_s)
 
     async def wait_saved(self, version: int) -> None:
         async with self._saved:

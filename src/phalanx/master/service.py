@@ -9,7 +9,9 @@ server.
 
 Heartbeat may be held (``wait_s``, at most one heartbeat interval) until the job has an action for the
 node: a new round reaches a held agent the moment it opens. A held heartbeat whose connection closes before
-the answer marks the node disconnected (see :mod:`phalanx.master.membership`).
+the answer marks the node disconnected (see :mod:`phalanx.master.membership`). HeartbeatStream carries the
+same beats on one stream per agent (the token checked once, when it opens); its closing marks the node
+disconnected whether a beat is held or not.
 
 GetRendezvous is a long-poll: while the round is still gathering, the call is held until it completes or
 ``min(wait_s, long_poll_max_s)`` passes, then answered WAITING. A COMPLETE answer goes out only after
@@ -57,6 +59,8 @@ class AuthInterceptor(aio.ServerInterceptor):  # type: ignore[misc]
         async def deny(request: Any, context: aio.ServicerContext) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token")
 
+        # Also refuses a HeartbeatStream: a stream is checked once, when it opens (its messages never pass
+        # through here), and gRPC ends it with this handler's status.
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     async def intercept_service(
@@ -82,6 +86,7 @@ class MasterService(pb_grpc.MasterServicer):
             for name in (
                 "RegisterNode",
                 "Heartbeat",
+                "HeartbeatStream",
                 "JoinRendezvous",
                 "GetRendezvous",
                 "ReportFailure",
@@ -101,10 +106,12 @@ class MasterService(pb_grpc.MasterServicer):
         fn: Callable[[], Resp],
         *,
         timed: bool = True,
+        check: bool = True,
     ) -> Resp:
         start = time.perf_counter()
         try:
-            validate(request)
+            if check:
+                validate(request)
             result = fn()
         except RequestError as exc:
             self._rt.after()
@@ -126,12 +133,15 @@ class MasterService(pb_grpc.MasterServicer):
         done: Callable[[Resp], bool],
         changed: Callable[[float], Awaitable[None]],
         wait_s: float,
+        checked: bool = False,
     ) -> Resp:
         """Asks the job until ``done(answer)`` or ``wait_s`` passed, asking again whenever ``changed``
-        returns (it returns when the job moved, or when the time it is given ran out)."""
+        returns (it returns when the job moved, or when the time it is given ran out). The request is
+        validated once (``checked``: already)."""
         deadline = time.monotonic() + wait_s
         while True:
-            answer = await self._run(method, request, context, ask, timed=False)
+            answer = await self._run(method, request, context, ask, timed=False, check=not checked)
+            checked = True
             remaining = deadline - time.monotonic()
             if done(answer) or remaining <= 0:
                 return answer
@@ -143,26 +153,30 @@ class MasterService(pb_grpc.MasterServicer):
             "RegisterNode", request, context, lambda: job.register(request, now=self._rt.now())
         )
 
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context: aio.ServicerContext) -> Any:
+    async def _beat(self, method: str, request: pb.HeartbeatRequest, context: aio.ServicerContext) -> Any:
+        """One heartbeat, answered at once or held (``wait_s``) until the job has an action for the node."""
         rt = self._rt
         start = time.monotonic()
-        answer = await self._run(
-            "Heartbeat", request, context, lambda: rt.job.heartbeat(request, now=rt.now())
-        )
+        answer = await self._run(method, request, context, lambda: rt.job.heartbeat(request, now=rt.now()))
         if answer.actions or request.wait_s <= 0:
             return answer
+        answer = await self._long_poll(
+            method,
+            request,
+            context,
+            lambda: rt.job.heartbeat_answer(request, now=rt.now()),
+            done=lambda a: bool(a.actions),
+            changed=rt.actions_changed,
+            wait_s=min(request.wait_s, rt.job.settings.heartbeat.interval_s),
+            checked=True,
+        )
+        answer.held_s = time.monotonic() - start
+        return answer
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: aio.ServicerContext) -> Any:
+        rt = self._rt
         try:
-            answer = await self._long_poll(
-                "Heartbeat",
-                request,
-                context,
-                lambda: rt.job.heartbeat_answer(request, now=rt.now()),
-                done=lambda a: bool(a.actions),
-                changed=rt.actions_changed,
-                wait_s=min(request.wait_s, rt.job.settings.heartbeat.interval_s),
-            )
-            answer.held_s = time.monotonic() - start
-            return answer
+            return await self._beat("Heartbeat", request, context)
         except asyncio.CancelledError:
             # Cancelled before the client's deadline and not by our own shutdown: the connection closed,
             # which a SIGKILLed agent's kernel does at once.
@@ -171,6 +185,28 @@ class MasterService(pb_grpc.MasterServicer):
                 rt.job.disconnected(request, now=rt.now())
                 rt.after()
             raise
+
+    async def HeartbeatStream(self, requests: Any, context: aio.ServicerContext) -> Any:
+        """Heartbeat on one stream: each beat answered in order, exactly as a Heartbeat call would be. An
+        error (an unknown node, a retired one) ends the stream with that call's status code."""
+        last: pb.HeartbeatRequest | None = None
+        try:
+            async for request in requests:
+                last = request
+                yield await self._beat("HeartbeatStream", request, context)
+        except asyncio.CancelledError:
+            self._stream_ended(last)
+            raise
+        self._stream_ended(last)
+
+    def _stream_ended(self, last: pb.HeartbeatRequest | None) -> None:
+        """A live agent keeps its stream open (a late answer aside, after which it opens a new one and
+        beats at once): a stream that ends, cancelled or cut (gRPC ends the requests of a stream whose
+        connection broke as if the agent had finished them), is the agent gone, unless it said it leaves."""
+        rt = self._rt
+        if last is not None and last.state != pb.NODE_STATE_LEAVING and not rt.stopping.is_set():
+            rt.job.disconnected(last, now=rt.now())
+            rt.after()
 
     async def JoinRendezvous(self, request: pb.JoinRendezvousRequest, context: aio.ServicerContext) -> Any:
         job = self._rt.job

@@ -15,22 +15,50 @@ join again), log rings, the event log itself and probe rounds (a running one is 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from phalanx.api.errors import StateStoreError
+from phalanx.api.settings import MasterSettings
+from phalanx.api.verdicts import Eviction
 from phalanx.master import rendezvous as rdzv
 from phalanx.master.checkpoints import CheckpointTracker
+from phalanx.master.events import EventLog
 from phalanx.master.membership import Node
-
-if TYPE_CHECKING:
-    from phalanx.master.core import JobCore
 
 __all__ = ["STATE_VERSION", "durable", "restore"]
 
 STATE_VERSION = 1
 
 
-def durable(job: JobCore) -> dict[str, Any]:
+class JobState(Protocol):
+    """What of a job is durable, as this module reads and restores it (the master's :class:`JobCore` is one;
+    named here, not imported, so that the core depends on this module and not the other way round)."""
+
+    job_id: str
+    settings: MasterSettings
+    phase: str
+    reason: str
+    started_unix: float
+    round: rdzv.Round | None
+    next_round: int
+    round_open: bool
+    opened_at: float
+    restart_count: int
+    evictions: list[Eviction]
+    checkpoints: CheckpointTracker
+    nodes: dict[str, Node]
+    hang_counts: dict[str, int]
+    completed: set[str]
+    root_cause: dict[str, Any] | None
+    suspended: bool
+    below_min_since: float | None
+    events: EventLog
+    action_seq: int
+
+    def alive(self) -> list[Node]: ...
+
+
+def durable(job: JobState) -> dict[str, Any]:
     """The state a restarted master resumes from (JSON)."""
     r = job.round
     return {
@@ -61,7 +89,7 @@ def durable(job: JobCore) -> dict[str, Any]:
         "next_round": job.next_round,
         "round_open": job.round_open,
         "restart_count": job.restart_count,
-        "evictions": list(job.evictions),  # copies: the snapshot is written from a worker thread
+        "evictions": [e.to_dict() for e in job.evictions],  # copies: written from a worker thread
         "committed_checkpoint_step": job.checkpoints.committed,
         "nodes": {n.node_id: n.durable() for n in job.nodes.values()},
         "hang_counts": dict(job.hang_counts),
@@ -73,7 +101,7 @@ def durable(job: JobCore) -> dict[str, Any]:
     }
 
 
-def restore(job: JobCore, saved: Mapping[str, Any], *, now: float) -> None:
+def restore(job: JobState, saved: Mapping[str, Any], *, now: float) -> None:
     """Loads ``saved`` into a freshly built job; every node gets one heartbeat timeout to reappear."""
     if saved.get("job_id") != job.job_id:
         raise StateStoreError(
@@ -106,7 +134,7 @@ def restore(job: JobCore, saved: Mapping[str, Any], *, now: float) -> None:
         job.next_round = int(saved["next_round"])
         job.round_open = bool(saved["round_open"])
         job.restart_count = int(saved["restart_count"])
-        job.evictions = list(saved.get("evictions", []))
+        job.evictions = [Eviction.from_dict(e) for e in saved.get("evictions", [])]
         job.checkpoints = CheckpointTracker(committed=int(saved.get("committed_checkpoint_step", -1)))
         job.nodes = {k: Node.from_durable(k, v, now=now) for k, v in dict(saved.get("nodes", {})).items()}
         job.hang_counts = {str(k): int(v) for k, v in dict(saved.get("hang_counts", {})).items()}

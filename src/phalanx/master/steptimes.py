@@ -15,6 +15,10 @@ collectives (``RankProgress.activity``); the newest pair is kept per rank, for t
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from phalanx.api.v1 import master_pb2 as pb
 
 __all__ = ["StepTimes"]
 
@@ -44,22 +48,44 @@ class StepTimes:
         collective_time_s: float = 0.0,
     ) -> None:
         """Records a heartbeat's view of one rank; a new round starts the record afresh."""
+        progress = pb.RankProgress(rank=rank, step=step, step_unix_ns=int(step_unix * 1e9))
+        if step_time_s or collective_time_s:
+            progress.activity.step_time_s = step_time_s
+            progress.activity.collective_time_s = collective_time_s
+        self.observe_beat(round=round, node_id=node_id, ranks=[progress])
+
+    def observe_beat(self, *, round: int, node_id: str, ranks: Iterable[Any]) -> None:
+        """:meth:`observe` for each ``RankProgress`` of one heartbeat: the master's per-beat path, so the
+        per-rank work is inline rather than one call with seven keywords per rank."""
         if round != self.round:
-            self.round = round
-            self.intervals.clear()
-            self.node_of.clear()
-            self.activity.clear()
-            self._last.clear()
-        if step < 0 or step_unix <= 0:
-            return  # not stepped yet in this round
-        self.node_of[rank] = node_id
-        if step_time_s > 0 and 0 <= collective_time_s <= step_time_s:
-            self.activity[rank] = (step_time_s, collective_time_s)
-        else:
-            self.activity.pop(rank, None)  # no recorder (any more), or figures that do not add up
-        last = self._last.get(rank)
-        if last is not None and step > last[0] and step_unix > last[1]:
-            samples = self.intervals.setdefault(rank, deque(maxlen=self.window))
-            samples.append((step_unix - last[1]) / (step - last[0]))
-        if last is None or step != last[0]:  # a step back: the rank reloaded a checkpoint
-            self._last[rank] = (step, step_unix)
+            self._restart(round)
+        node_of, activities, intervals, lasts = self.node_of, self.activity, self.intervals, self._last
+        for r in ranks:
+            step, step_unix = r.step, r.step_unix_ns / 1e9
+            if step < 0 or step_unix <= 0:
+                continue  # not stepped yet in this round
+            rank = r.rank
+            node_of[rank] = node_id
+            step_time_s = collective_time_s = 0.0
+            if r.HasField("activity"):  # else reading it would build an empty one for each rank of each beat
+                activity = r.activity
+                step_time_s, collective_time_s = activity.step_time_s, activity.collective_time_s
+            if step_time_s > 0 and 0 <= collective_time_s <= step_time_s:
+                activities[rank] = (step_time_s, collective_time_s)
+            else:
+                activities.pop(rank, None)  # no recorder (any more), or figures that do not add up
+            last = lasts.get(rank)
+            if last is not None and step > last[0] and step_unix > last[1]:
+                samples = intervals.get(rank)
+                if samples is None:  # not setdefault: that would build a deque on every call
+                    samples = intervals[rank] = deque(maxlen=self.window)
+                samples.append((step_unix - last[1]) / (step - last[0]))
+            if last is None or step != last[0]:  # a step back: the rank reloaded a checkpoint
+                lasts[rank] = (step, step_unix)
+
+    def _restart(self, round: int) -> None:
+        self.round = round
+        self.intervals.clear()
+        self.node_of.clear()
+        self.activity.clear()
+        self._last.clear()

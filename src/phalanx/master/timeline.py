@@ -203,6 +203,12 @@ class Timeline:
         for progress in ranks:
             if progress.rank < 0:
                 continue
+            if (
+                not progress.intervals
+                and not progress.HasField("activity")
+                and (node_id, progress.rank) not in self._series
+            ):
+                continue  # a rank without a recorder (the common case, so before any copying)
             intervals = list(progress.intervals)
             over = len(intervals) - limits.MAX_INTERVALS_PER_BEAT
             if over > 0:  # the agent sends the newest; keep those

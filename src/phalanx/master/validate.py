@@ -70,17 +70,66 @@ def _has_floats(desc: Descriptor) -> bool:
     )
 
 
-def _finite(message: Message, path: str = "") -> None:
+# How _finite reads a field: a float, repeated floats, a message, repeated messages, a map of floats, a map
+# of messages.
+_FLOAT, _FLOATS_REPEATED, _MESSAGE, _MESSAGES, _MAP_FLOATS, _MAP_MESSAGES = range(6)
+
+
+@functools.cache
+def _float_plan(desc: Descriptor) -> tuple[tuple[str, int], ...]:
+    """The fields of ``desc`` that :func:`_finite` reads, and how: its float fields and its message fields
+    (maps included) that hold a float somewhere. Worked out once per message type, so that checking a
+    heartbeat reads a handful of fields instead of listing every field of every rank."""
+    plan: list[tuple[str, int]] = []
+    for f in desc.fields:
+        if f.type in _FLOATS:
+            plan.append((f.name, _FLOATS_REPEATED if f.is_repeated else _FLOAT))
+        elif f.type == FieldDescriptor.TYPE_MESSAGE and (sub := f.message_type) and _has_floats(sub):
+            if sub.GetOptions().map_entry:
+                value = sub.fields_by_name["value"]
+                plan.append((f.name, _MAP_FLOATS if value.type in _FLOATS else _MAP_MESSAGES))
+            else:
+                plan.append((f.name, _MESSAGES if f.is_repeated else _MESSAGE))
+    return tuple(plan)
+
+
+_Path = tuple[Any, str, Any] | None
+"""Where a nested message sits: (its parent's path, field name, index or key), spelled out only for an
+error (formatting a path for every rank of every heartbeat would cost more than the check)."""
+
+
+def _spell(path: _Path) -> str:
+    if path is None:
+        return ""
+    parent, name, at = path
+    return f"{_spell(parent)}{name}{'' if at is None else f'[{at!r}]'}."
+
+
+def _finite(message: Message, path: _Path = None) -> None:
     """Every float field of ``message``, nested ones included, is finite: nan slips past every bound check
     and then breaks what the number feeds (medians, the JSON of the HTTP API, the state file)."""
-    for field, value in message.ListFields():
-        values = value if field.is_repeated else (value,)
-        if field.type in _FLOATS:
+    for name, how in _float_plan(message.DESCRIPTOR):
+        if how == _FLOAT:
+            value = getattr(message, name)
+            if not math.isfinite(value):
+                raise RequestError(f"{_spell(path)}{name} must be a finite number, got {value!r}"[:200])
+        elif how == _MESSAGES:
+            for i, item in enumerate(getattr(message, name)):
+                _finite(item, (path, name, i))
+        elif how == _MESSAGE:
+            if message.HasField(name):
+                _finite(getattr(message, name), (path, name, None))
+        elif how == _FLOATS_REPEATED:
+            values = getattr(message, name)
             if not all(math.isfinite(v) for v in values):
-                raise RequestError(f"{path}{field.name} must be a finite number, got {value!r}"[:200])
-        elif field.type == FieldDescriptor.TYPE_MESSAGE and _has_floats(field.message_type):
-            for i, item in enumerate(values):
-                _finite(item, f"{path}{field.name}[{i}]." if field.is_repeated else f"{path}{field.name}.")
+                raise RequestError(f"{_spell(path)}{name} must be a finite number, got {values!r}"[:200])
+        else:
+            entries = getattr(message, name)
+            for key in entries:
+                if how == _MAP_MESSAGES:
+                    _finite(entries[key], (path, name, key))
+                elif not math.isfinite(entries[key]):
+                    raise RequestError(f"{_spell(path)}{name}[{key!r}] must be a finite number"[:200])
 
 
 def validate(request: Any) -> None:

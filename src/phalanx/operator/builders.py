@@ -1,7 +1,8 @@
-"""Pure builders of every Kubernetes object the operator creates for an ElasticJob.
+"""Pure builders of the Pods the operator creates for an ElasticJob: the master Pod, the worker Pods, and
+the PodGroup that gang-schedules them (the other objects: :mod:`phalanx.operator.supporting`).
 
 Each function returns a plain dict (the object as the API takes it), owned by the ElasticJob so that the
-garbage collector deletes it with the job. Names are deterministic (:mod:`phalanx.operator.names`), which
+garbage collector deletes it with the job. Names are deterministic (:mod:`phalanx.api.elasticjob`), which
 is what makes a restarted operator create no duplicates: a second create of the same name is refused
 with 409 by the API server.
 
@@ -18,83 +19,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
+from phalanx.api import elasticjob
 from phalanx.api.auth import TLS_CA_ENV
+from phalanx.api.elasticjob import TOKEN_KEY
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings, ProbeSettings
-from phalanx.operator import names, resources, security, tls
-from phalanx.operator.crd import API_VERSION, GROUP, KIND, PLURAL
-from phalanx.operator.crd import format_duration as _dur
+from phalanx.operator import names, resources, security, supporting, tls
+from phalanx.operator.meta import Obj, object_meta, owner_reference
+from phalanx.operator.schema import format_duration as _dur
 from phalanx.operator.spec import JobSpec
+from phalanx.operator.supporting import METRICS_TOKEN_KEY
 
 TOKEN_DIR = "/var/run/phalanx/token"  # noqa: S105 -- a mount path, not a secret
-TOKEN_FILE = f"{TOKEN_DIR}/token"
+TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"
 METRICS_DIR = "/var/run/phalanx/metrics"
 TLS_DIR = "/var/run/phalanx/tls"
-METRICS_TOKEN_KEY = "token"  # noqa: S105 -- a key name, not a secret
 METRICS_TOKEN_FILE = f"{METRICS_DIR}/{METRICS_TOKEN_KEY}"
-STATE_KEY = "state.json"
 POD_GROUP_GROUP, POD_GROUP_VERSION, POD_GROUP_PLURAL = "scheduling.k8s.io", "v1beta1", "podgroups"
 POD_GROUP_API_VERSION = f"{POD_GROUP_GROUP}/{POD_GROUP_VERSION}"
-
-Obj = dict[str, Any]
-
-
-def owner_reference(job: Mapping[str, Any]) -> Obj:
-    """Makes the ElasticJob the controlling owner: deleting the job garbage-collects the object."""
-    meta = job["metadata"]
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def _meta(
-    job: Mapping[str, Any], name: str, *, component: str, extra: Mapping[str, str] | None = None
-) -> Obj:
-    meta = job["metadata"]
-    return {
-        "name": name,
-        "namespace": meta["namespace"],
-        "labels": {**names.labels(meta["name"], component=component), **(extra or {})},
-        "ownerReferences": [owner_reference(job)],
-    }
-
-
-def _secret(
-    job: Mapping[str, Any], name: str, *, component: str, data: Mapping[str, str], kind: str = "Opaque"
-) -> Obj:
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": _meta(job, name, component=component),
-        "type": kind,
-        "stringData": dict(data),
-    }
-
-
-def token_secret(job: Mapping[str, Any], *, token: str) -> Obj:
-    """The job's bearer token, mounted into the master and every worker. Nothing else goes in it: a training
-    script can read whatever its Pod mounts."""
-    return _secret(job, names.secret(job["metadata"]["name"]), component="token", data={"token": token})
-
-
-def metrics_secret(job: Mapping[str, Any], *, metrics_token: str) -> Obj:
-    """The operator's metrics token (good for GET /metrics only, the same for every job's master, so one
-    Prometheus credential scrapes them all), in a Secret of its own that only the master Pod mounts: a
-    worker, which runs the job author's code, never holds a credential that opens other jobs' masters."""
-    name = names.metrics_secret(job["metadata"]["name"])
-    return _secret(job, name, component="master", data={METRICS_TOKEN_KEY: metrics_token})
-
-
-def tls_secret(job: Mapping[str, Any], *, pems: Mapping[str, str]) -> Obj:
-    """The master's certificate and key and the CA's certificate (:func:`tls.master_certificate`): the
-    master Pod mounts all three, a worker Pod the CA certificate only."""
-    name = names.tls_secret(job["metadata"]["name"])
-    return _secret(job, name, component="master", data=pems, kind="kubernetes.io/tls")
 
 
 def _tls_volume(job_name: str, *, keys: Sequence[str]) -> Obj:
@@ -103,135 +45,11 @@ def _tls_volume(job_name: str, *, keys: Sequence[str]) -> Obj:
     items = [{"key": key, "path": key} for key in keys]
     return {
         "name": "phalanx-tls",
-        "secret": {"secretName": names.tls_secret(job_name), "items": items, "defaultMode": 0o444},
+        "secret": {"secretName": elasticjob.tls_secret(job_name), "items": items, "defaultMode": 0o444},
     }
 
 
 _TLS_MOUNT = {"name": "phalanx-tls", "mountPath": TLS_DIR, "readOnly": True}
-
-
-def master_network_policy(job: Mapping[str, Any], *, settings: OperatorSettings) -> Obj:
-    """Ingress to the master's gRPC and HTTP ports from the job's own Pods (same namespace, its
-    phalanx.dev/job label, which the operator sets on every Pod it makes and a template cannot change) and
-    from the Pods of ``settings.monitoring_namespace``; nothing else reaches the master."""
-    job_name = job["metadata"]["name"]
-    peers: list[Obj] = [{"podSelector": {"matchLabels": {names.JOB_LABEL: job_name}}}]
-    if monitoring := settings.monitoring_namespace:
-        peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": monitoring}}})
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(job, names.network_policy(job_name), component="master"),
-        "spec": {
-            "podSelector": {"matchLabels": names.selector(job_name, component="master")},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {
-                    "from": peers,
-                    "ports": [
-                        {"protocol": "TCP", "port": settings.master_grpc_port},
-                        {"protocol": "TCP", "port": settings.master_http_port},
-                    ],
-                }
-            ],
-        },
-    }
-
-
-def state_config_map(job: Mapping[str, Any]) -> Obj:
-    """Holds the master's durable state (written by phalanx.master.kube), so a new master Pod resumes."""
-    job_name = job["metadata"]["name"]
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _meta(job, names.state_config_map(job_name), component="master"),
-        "data": {},
-    }
-
-
-def master_service_account(job: Mapping[str, Any]) -> Obj:
-    job_name = job["metadata"]["name"]
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": _meta(job, names.master(job_name), component="master"),
-    }
-
-
-def master_role(job: Mapping[str, Any]) -> Obj:
-    """The master may touch only its own ElasticJob, its state ConfigMap, and write Events."""
-    job_name = job["metadata"]["name"]
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": _meta(job, names.master(job_name), component="master"),
-        "rules": [
-            # Read and watch its own job (spec.suspend, the generation). The API server authorizes a list
-            # or watch under resourceNames only when it names that one object (fieldSelector
-            # metadata.name=<job>), so this opens no other job of the namespace.
-            {
-                "apiGroups": [GROUP],
-                "resources": [PLURAL],
-                "resourceNames": [job_name],
-                "verbs": ["get", "list", "watch"],
-            },
-            # Publish observations and eviction requests into the status.
-            {
-                "apiGroups": [GROUP],
-                "resources": [f"{PLURAL}/status"],
-                "resourceNames": [job_name],
-                "verbs": ["get", "patch", "update"],
-            },
-            # Its durable state, so a replacement master Pod resumes the job.
-            {
-                "apiGroups": [""],
-                "resources": ["configmaps"],
-                "resourceNames": [names.state_config_map(job_name)],
-                "verbs": ["get", "update", "patch"],
-            },
-            # Events tell the story of the job (`kubectl describe ej`).
-            {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-        ],
-    }
-
-
-def master_role_binding(job: Mapping[str, Any]) -> Obj:
-    job_name = job["metadata"]["name"]
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": _meta(job, names.master(job_name), component="master"),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": names.master(job_name)},
-        "subjects": [
-            {
-                "kind": "ServiceAccount",
-                "name": names.master(job_name),
-                "namespace": job["metadata"]["namespace"],
-            }
-        ],
-    }
-
-
-def master_service(job: Mapping[str, Any], *, settings: OperatorSettings) -> Obj:
-    job_name = job["metadata"]["name"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(job, names.master(job_name), component="master"),
-        "spec": {
-            "selector": names.selector(job_name, component="master"),
-            "ports": [
-                {"name": "grpc", "port": settings.master_grpc_port, "targetPort": settings.master_grpc_port},
-                {"name": "http", "port": settings.master_http_port, "targetPort": settings.master_http_port},
-            ],
-        },
-    }
-
-
-def master_address(job: Mapping[str, Any], *, settings: OperatorSettings) -> str:
-    """host:port of the master's gRPC service, by the Service's DNS name."""
-    meta = job["metadata"]
-    return f"{names.master(meta['name'])}.{meta['namespace']}.svc:{settings.master_grpc_port}"
 
 
 def _field_env(name: str, path: str) -> Obj:
@@ -251,19 +69,17 @@ def _token_volume(job_name: str) -> Obj:
     # Secret files belong to root and the images run as uid 10001. Without an fsGroup (OpenShift's restricted
     # policy assigns its own and refuses others) only a world-readable mode lets the image's user read the
     # token; the container's users are the image's own, and the Secret's RBAC guards it outside the Pod.
-    return {"name": "phalanx-token", "secret": {"secretName": names.secret(job_name), "defaultMode": 0o444}}
+    return {
+        "name": "phalanx-token",
+        "secret": {"secretName": elasticjob.token_secret(job_name), "defaultMode": 0o444},
+    }
 
 
 _TOKEN_MOUNT = {"name": "phalanx-token", "mountPath": TOKEN_DIR, "readOnly": True}
 
 
-def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSettings) -> Obj:
-    """The job's master: rendezvous, membership, failure policy; state in the job's ConfigMap.
-
-    ``spec.master.template`` places and dresses it (tolerations, nodeSelector, affinity, priorityClassName,
-    imagePullSecrets, the Pod's and the container's securityContext, resources); the command, image, ports
-    and volumes stay the operator's. Security fields the template leaves out get the restricted defaults.
-    """
+def _master_command(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSettings) -> list[str]:
+    """``phalanx master`` for the job: its state in the job's ConfigMap, the token and TLS files mounted."""
     meta = job["metadata"]
     job_name, ns = meta["name"], meta["namespace"]
     command = [
@@ -285,13 +101,24 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
             "--tls-key-file",
             f"{TLS_DIR}/{tls.KEY_KEY}",
         ]
+    return command
+
+
+def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSettings) -> Obj:
+    """The job's master: rendezvous, membership, failure policy; state in the job's ConfigMap.
+
+    ``spec.master.template`` places and dresses it (tolerations, nodeSelector, affinity, priorityClassName,
+    imagePullSecrets, the Pod's and the container's securityContext, resources); the command, image, ports
+    and volumes stay the operator's. Security fields the template leaves out get the restricted defaults.
+    """
+    job_name = job["metadata"]["name"]
     template = spec.master_template
     template_spec: Mapping[str, Any] = template.get("spec") or {}
     given: Mapping[str, Any] = next(iter(template_spec.get("containers") or []), {})
     container: Obj = {
         "name": "master",
         "image": settings.image,
-        "command": command,
+        "command": _master_command(job, spec, settings=settings),
         "env": [_field_env("POD_IP", "status.podIP"), *_settings_env(spec, master=True)],
         "ports": [
             {"name": "grpc", "containerPort": settings.master_grpc_port},
@@ -307,7 +134,7 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
         volumes.append(
             {
                 "name": "phalanx-metrics",
-                "secret": {"secretName": names.metrics_secret(job_name), "defaultMode": 0o444},
+                "secret": {"secretName": elasticjob.metrics_secret(job_name), "defaultMode": 0o444},
             }
         )
     if settings.tls_ca_secret:
@@ -317,7 +144,7 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
         container["resources"] = copy.deepcopy(dict(resources_))
     if given.get("securityContext"):
         container["securityContext"] = copy.deepcopy(dict(given["securityContext"]))
-    pod_meta = _meta(job, names.master(job_name), component="master")
+    pod_meta = object_meta(job, elasticjob.master(job_name), component="master")
     given_meta: Mapping[str, Any] = template.get("metadata") or {}
     pod_meta["labels"] = {**(given_meta.get("labels") or {}), **pod_meta["labels"]}
     pod_meta["annotations"] = {
@@ -325,7 +152,7 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
         names.NODES_ANNOTATION: f"{spec.min_nodes}:{spec.max_nodes}",
     }
     pod_spec: Obj = {
-        "serviceAccountName": names.master(job_name),
+        "serviceAccountName": elasticjob.master(job_name),
         "restartPolicy": "Never",
         "containers": [container],
         "volumes": volumes,
@@ -403,6 +230,58 @@ def training_entry(container: Mapping[str, Any]) -> list[str]:
     return ["--no-python", *argv]
 
 
+def _agent_command(
+    job: Mapping[str, Any],
+    spec: JobSpec,
+    container: Mapping[str, Any],
+    *,
+    node_id: str,
+    settings: OperatorSettings,
+) -> list[str]:
+    """The worker container's command: ``phalanx-run`` with the job's settings, then the training entry."""
+    job_name = job["metadata"]["name"]
+    r = spec.restart
+    return [
+        f"{settings.command_prefix}phalanx-run",
+        "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}",
+        "--nproc-per-node", str(spec.nproc_per_node),
+        "--rdzv-endpoint", supporting.master_address(job, settings=settings),
+        "--rdzv-id", job_name,
+        "--node-id", node_id,
+        "--token-file", TOKEN_FILE,
+        "--local-addr", "$(POD_IP)",
+        "--max-restarts", str(r.max_restarts),
+        "--grace-period", _dur(r.grace_period_s),
+        "--hang-floor", _dur(spec.hang.floor_s),
+        "--hang-idle-floor", _dur(spec.hang.idle_floor_s),
+        "--hang-factor", f"{spec.hang.factor:g}",
+        "--hang-startup", _dur(spec.hang.startup_s),
+        *(["--no-hang-detection"] if not spec.hang.enabled else []),
+        *training_entry(container),
+    ]  # fmt: skip
+
+
+def _worker_env(
+    job: Mapping[str, Any], spec: JobSpec, *, node_id: str, settings: OperatorSettings
+) -> list[Obj]:
+    """Environment of the worker container besides the template's: where the agent and its node are."""
+    job_name = job["metadata"]["name"]
+    return [
+        _field_env("POD_IP", "status.podIP"),
+        _field_env("PHALANX_HOST", "status.podIP"),
+        _field_env("PHALANX_MACHINE", "spec.nodeName"),
+        {"name": "PHALANX_NODE_ID", "value": node_id},
+        {"name": "PHALANX_JOB_ID", "value": job_name},
+        # Two jobs of one name in two namespaces, or a job and a deleted one of its name, are two jobs to the
+        # flash checkpoint: their files on a node and their claims on storage differ.
+        _field_env("PHALANX_NAMESPACE", "metadata.namespace"),
+        *([{"name": "PHALANX_JOB_UID", "value": uid}] if (uid := job["metadata"].get("uid")) else []),
+        {"name": "PHALANX_TOKEN_FILE", "value": TOKEN_FILE},
+        {"name": "PHALANX_MASTER_ADDR", "value": supporting.master_address(job, settings=settings)},
+        *_settings_env(spec, master=False),
+    ]
+
+
 def worker_pod(
     job: Mapping[str, Any],
     spec: JobSpec,
@@ -415,7 +294,7 @@ def worker_pod(
     """One node of the job: the template's Pod, its first container wrapped in ``phalanx-run``."""
     meta = job["metadata"]
     job_name = meta["name"]
-    name = names.worker(job_name, slot=slot, incarnation=incarnation)
+    name = elasticjob.worker(job_name, slot=slot, incarnation=incarnation)
     template = copy.deepcopy(dict(spec.template))
     pod_meta = template.get("metadata") or {}
     pod_spec: Obj = template["spec"]
@@ -427,41 +306,11 @@ def worker_pod(
         names.NODE_ID_LABEL: name,
     }
     container = pod_spec["containers"][0]
-    r = spec.restart
-    command = [
-        f"{settings.command_prefix}phalanx-run",
-        "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}",
-        "--nproc-per-node", str(spec.nproc_per_node),
-        "--rdzv-endpoint", master_address(job, settings=settings),
-        "--rdzv-id", job_name,
-        "--node-id", name,
-        "--token-file", TOKEN_FILE,
-        "--local-addr", "$(POD_IP)",
-        "--max-restarts", str(r.max_restarts),
-        "--grace-period", _dur(r.grace_period_s),
-        "--hang-floor", _dur(spec.hang.floor_s),
-        "--hang-idle-floor", _dur(spec.hang.idle_floor_s),
-        "--hang-factor", f"{spec.hang.factor:g}",
-        "--hang-startup", _dur(spec.hang.startup_s),
-        *(["--no-hang-detection"] if not spec.hang.enabled else []),
-        *training_entry(container),
-    ]  # fmt: skip
-    container["command"] = command
+    container["command"] = _agent_command(job, spec, container, node_id=name, settings=settings)
     container.pop("args", None)
     container["env"] = [
         *(container.get("env") or []),
-        _field_env("POD_IP", "status.podIP"),
-        _field_env("PHALANX_HOST", "status.podIP"),
-        _field_env("PHALANX_MACHINE", "spec.nodeName"),
-        {"name": "PHALANX_NODE_ID", "value": name},
-        {"name": "PHALANX_JOB_ID", "value": job_name},
-        # Two jobs of one name in two namespaces, or a job and a deleted one of its name, are two jobs to the
-        # flash checkpoint: their files on a node and their claims on storage differ.
-        _field_env("PHALANX_NAMESPACE", "metadata.namespace"),
-        *([{"name": "PHALANX_JOB_UID", "value": uid}] if (uid := job["metadata"].get("uid")) else []),
-        {"name": "PHALANX_TOKEN_FILE", "value": TOKEN_FILE},
-        {"name": "PHALANX_MASTER_ADDR", "value": master_address(job, settings=settings)},
-        *_settings_env(spec, master=False),
+        *_worker_env(job, spec, node_id=name, settings=settings),
     ]
     container["volumeMounts"] = [*(container.get("volumeMounts") or []), dict(_TOKEN_MOUNT)]
     # Readable whatever user the training image runs as: an fsGroup of ours would re-own the user's volumes.
@@ -486,7 +335,7 @@ def worker_pod(
     if excluded_machines:
         _keep_off(pod_spec, sorted(set(excluded_machines)))
     if spec.gang_min_nodes is not None:
-        pod_spec["schedulingGroup"] = {"podGroupName": names.pod_group(job_name)}
+        pod_spec["schedulingGroup"] = {"podGroupName": elasticjob.pod_group(job_name)}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -531,7 +380,7 @@ def pod_group(job: Mapping[str, Any], spec: JobSpec) -> Obj:
     return {
         "apiVersion": POD_GROUP_API_VERSION,
         "kind": "PodGroup",
-        "metadata": _meta(job, names.pod_group(job["metadata"]["name"]), component="worker"),
+        "metadata": object_meta(job, elasticjob.pod_group(job["metadata"]["name"]), component="worker"),
         "spec": group_spec,
     }
 
@@ -554,3 +403,12 @@ def _keep_off(pod_spec: Obj, machines: list[str]) -> None:
 def bad_node_taint() -> Obj:
     """Taint put on the Kubernetes node of an evicted worker when spec.cordonBadNodes is set."""
     return {"key": "phalanx.dev/bad-node", "value": "evicted", "effect": "NoSchedule"}
+
+
+def with_bad_node_taint(taints: Sequence[Mapping[str, Any]]) -> list[Obj]:
+    """A node's taints with :func:`bad_node_taint` added once (and the unset fields of each left out)."""
+    taint = bad_node_taint()
+    merged = [dict(t) for t in taints]
+    if not any(t.get("key") == taint["key"] for t in merged):
+        merged.append(taint)
+    return [{k: v for k, v in t.items() if v is not None} for t in merged]

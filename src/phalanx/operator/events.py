@@ -8,9 +8,20 @@ Kept in the operator's memory: after a restart the first repeat creates a new Ev
 
 from __future__ import annotations
 
+import logging
+import secrets
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from phalanx.api.elasticjob import API_VERSION, KIND
+from phalanx.operator.actions import Event
+from phalanx.operator.conditions import rfc3339
+
+log = logging.getLogger("phalanx.operator")
 
 WINDOW_S = 600.0
 """How long an Event keeps being counted up after its last occurrence (client-go's default as well)."""
@@ -71,3 +82,55 @@ class Aggregator:
         """The Event is gone (its TTL expired): the next occurrence creates a new one."""
         with self._lock:
             self._seen.pop(key, None)
+
+
+def record_event(core: Any, aggregator: Aggregator, job: Mapping[str, Any], event: Event) -> None:
+    """Records an Event on the job through ``core`` (a kubernetes.client CoreV1Api); a repeat of a recent
+    one counts that one up instead of adding another."""
+    from kubernetes.client.exceptions import ApiException
+
+    meta = job["metadata"]
+    ns = meta["namespace"]
+    message = event.message[:1024]
+    now = time.time()
+    stamp = rfc3339(now)
+    key = (ns, meta["uid"], event.type, event.reason, message)
+    log.info("%s/%s: %s %s: %s", ns, meta["name"], event.type, event.reason, event.message)
+    seen = aggregator.record(key, now=now, stamp=stamp, new_name=_event_name(meta))
+    if not seen.new:
+        try:
+            core.patch_namespaced_event(seen.name, ns, {"count": seen.count, "lastTimestamp": stamp})
+            return
+        except ApiException as exc:
+            if exc.status != 404:
+                log.warning("cannot count up event %s: %s", event.reason, exc.reason)
+                return
+        aggregator.forget(key)  # expired meanwhile (--event-ttl): a new one
+        seen = aggregator.record(key, now=now, stamp=stamp, new_name=_event_name(meta))
+    body = {
+        "metadata": {"name": seen.name, "namespace": ns},
+        "involvedObject": {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": meta["name"],
+            "namespace": ns,
+            "uid": meta["uid"],
+        },
+        "type": event.type,
+        "reason": event.reason,
+        "message": message,
+        "source": {"component": "phalanx-operator"},
+        "reportingComponent": "phalanx-operator",
+        "firstTimestamp": seen.first,
+        "lastTimestamp": stamp,
+        "count": seen.count,
+    }
+    try:
+        core.create_namespaced_event(ns, body)
+    except ApiException as exc:
+        aggregator.forget(key)
+        log.warning("cannot record event %s: %s", event.reason, exc.reason)
+
+
+def _event_name(meta: Mapping[str, Any]) -> str:
+    return f"{meta['name']}.{secrets.token_hex(8)}"

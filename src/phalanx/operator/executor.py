@@ -3,26 +3,21 @@
 
 from __future__ import annotations
 
-import base64
 import copy
-import json
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-from phalanx.api.errors import ConfigError, KubernetesError
+from phalanx.api import elasticjob
+from phalanx.api.elasticjob import FINISHED_PHASES, GROUP, PLURAL, SCHEDULED_ANNOTATION, VERSION
+from phalanx.api.errors import KubernetesError
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import names, refusals, tls
-from phalanx.operator.builders import POD_GROUP_GROUP, POD_GROUP_PLURAL, POD_GROUP_VERSION
-from phalanx.operator.conditions import rfc3339, set_condition
-from phalanx.operator.crd import GROUP, KIND, PLURAL, VERSION
-from phalanx.operator.events import Aggregator
-from phalanx.operator.reconcile import (
+from phalanx.operator.actions import (
     Action,
     CordonNode,
     Create,
@@ -32,61 +27,28 @@ from phalanx.operator.reconcile import (
     Observed,
     PatchPodGroup,
     PatchStatus,
-    PodView,
-    managed_here,
-    reconcile,
-    supporting_names,
-    supporting_objects,
 )
+from phalanx.operator.builders import (
+    POD_GROUP_GROUP,
+    POD_GROUP_PLURAL,
+    POD_GROUP_VERSION,
+    with_bad_node_taint,
+)
+from phalanx.operator.ca import load_authority
+from phalanx.operator.conditions import set_condition
+from phalanx.operator.events import Aggregator, record_event
+from phalanx.operator.observe import owned_by, ownership, pod_view, read_metadata
+from phalanx.operator.reconcile import managed_here, reconcile
 from phalanx.operator.spec import gang_enabled
+from phalanx.operator.supporting import read_metrics_token, supporting_names, supporting_objects
 from phalanx.operator.telemetry import OperatorMetrics
 
 log = logging.getLogger("phalanx.operator")
 
-SCHEDULED_ANNOTATION = "phalanx.dev/scheduled-workers"
-"""The count of a job's worker Pods placed on a node, for its master (phalanx.master.kube reads it)."""
 SUPPORTING_RECHECK_S = 300.0
 """How long a job whose supporting objects all existed is trusted to still have them before they are read
 again (6 GETs). They are the job's own, deleted only with it; the operator does not watch them (a watch on
 Secrets would be a read of every Secret in the cluster)."""
-
-
-def read_metrics_token(path: str) -> str:
-    """The metrics token from ``path`` ("" without a path); a clear error, naming the setting, when it
-    cannot be read or is not one token. Never logged."""
-    if not path:
-        return ""
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}", field="metrics_token_file") from exc
-    if len(token) < 16 or any(c.isspace() for c in token):
-        raise ConfigError(
-            f"{path} must hold one token of at least 16 characters without spaces", field="metrics_token_file"
-        )
-    return token
-
-
-def pod_view(pod: Any) -> PodView:
-    """The decision's view of a kubernetes.client V1Pod."""
-    labels = pod.metadata.labels or {}
-    exit_code: int | None = None
-    reason = ""
-    for cs in (pod.status.container_statuses or []) if pod.status else []:
-        term = cs.state.terminated if cs.state else None
-        if term is not None:
-            exit_code, reason = term.exit_code, term.reason or ""
-            break
-    return PodView(
-        name=pod.metadata.name,
-        role=labels.get(names.ROLE_LABEL, ""),
-        phase=(pod.status.phase if pod.status else None) or "Pending",
-        node_name=pod.spec.node_name or "",
-        terminating=pod.metadata.deletion_timestamp is not None,
-        exit_code=exit_code,
-        reason=reason,
-        nodes=(pod.metadata.annotations or {}).get(names.NODES_ANNOTATION, ""),
-    )
 
 
 class Executor:
@@ -217,7 +179,7 @@ class Executor:
         once min_nodes of them could be scheduled, so a job waiting in a queue or for an autoscaler is
         not failed for nodes that never had a machine. Written only when the count changes."""
         meta = observed.job["metadata"]
-        if (observed.job.get("status") or {}).get("phase") in ("Succeeded", "Failed") or not self.may_act():
+        if (observed.job.get("status") or {}).get("phase") in FINISHED_PHASES or not self.may_act():
             return
         placed = sum(1 for p in observed.pods if p.role == "worker" and p.live and p.node_name)
         if (meta.get("annotations") or {}).get(SCHEDULED_ANNOTATION) == str(placed):
@@ -254,7 +216,7 @@ class Executor:
         else:
             selector = f"{names.JOB_LABEL}={name}"
             pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
-        owned = [p for p in pods if _owned_by(p.metadata.owner_references, job["metadata"]["uid"])]
+        owned = [p for p in pods if owned_by(p.metadata.owner_references, job["metadata"]["uid"])]
         group, serves = None, True
         if gang_enabled(job.get("spec") or {}):
             serves = self._serves_pod_groups()
@@ -291,7 +253,7 @@ class Executor:
     def _pod_group(self, namespace: str, name: str) -> Mapping[str, Any] | None:
         from kubernetes.client.exceptions import ApiException
 
-        group = names.pod_group(name)
+        group = elasticjob.pod_group(name)
         try:
             found: Mapping[str, Any] = self.custom.get_namespaced_custom_object(
                 POD_GROUP_GROUP, POD_GROUP_VERSION, namespace, POD_GROUP_PLURAL, group
@@ -306,10 +268,7 @@ class Executor:
         self, namespace: str, name: str, uid: str = ""
     ) -> tuple[frozenset[tuple[str, str]], frozenset[tuple[str, str]]]:
         """(the job's supporting objects that exist and are its own, those of their names that exist but
-        are not: no ownerReference with the job's uid). Read as metadata only: the operator never holds a
-        Secret's data, and a foreign object is never adopted."""
-        from kubernetes.client.exceptions import ApiException
-
+        are not: no ownerReference with the job's uid), read again every SUPPORTING_RECHECK_S at most."""
         reads = {
             "Secret": self.core.read_namespaced_secret,
             "ConfigMap": self.core.read_namespaced_config_map,
@@ -325,19 +284,7 @@ class Executor:
         if self.jobs is not None and seen is not None and time.monotonic() - seen < SUPPORTING_RECHECK_S:
             return everything, frozenset()
 
-        found, foreign = set(), set()
-        for kind, obj_name in wanted:
-            try:
-                meta = read_metadata(reads[kind], obj_name, namespace)
-            except ApiException as exc:
-                raise KubernetesError(f"cannot read {kind} {namespace}/{obj_name}: {exc.reason}") from exc
-            if meta is None:
-                continue
-            refs = meta.get("ownerReferences") or []
-            if uid and not any(isinstance(r, Mapping) and r.get("uid") == uid for r in refs):
-                foreign.add((kind, obj_name))
-            else:
-                found.add((kind, obj_name))
+        found, foreign = ownership(reads, wanted, namespace=namespace, uid=uid)
         if found == everything and uid:
             self._supporting_seen[uid] = time.monotonic()
         else:
@@ -351,44 +298,15 @@ class Executor:
         return tls.master_certificate(meta["name"], meta["namespace"], authority=self.authority(), now=now)
 
     def authority(self) -> tls.Authority:
-        """The CA in the Secret ``settings.tls_ca_secret`` of the operator's namespace, made (by the leader,
-        once) when there is none. Two replicas racing to make it: the second's create conflicts and it
-        reads the first's."""
-        from kubernetes.client.exceptions import ApiException
-
-        if self._authority is not None:
-            return self._authority
-        name, ns = self.settings.tls_ca_secret, self.own_namespace
-        try:
-            found = self.core.read_namespaced_secret(name, ns)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            if not self.may_act():
-                raise KubernetesError(f"the CA Secret {ns}/{name} does not exist yet") from exc
-            made = tls.new_authority(common_name=f"phalanx masters ({ns}/{name})", now=datetime.now(UTC))
-            body = {
-                "apiVersion": "v1",
-                "kind": "Secret",
-                "metadata": {"name": name, "namespace": ns, "labels": {"app.kubernetes.io/name": "phalanx"}},
-                "type": "kubernetes.io/tls",
-                "stringData": {tls.CERT_KEY: made.cert_pem, tls.KEY_KEY: made.key_pem},
-            }
-            try:
-                self.core.create_namespaced_secret(ns, body)
-                log.info("made the CA Secret %s/%s that signs the masters' certificates", ns, name)
-                self._authority = made
-                return made
-            except ApiException as again:
-                if again.status != 409:
-                    raise
-                found = self.core.read_namespaced_secret(name, ns)
-        data = {k: base64.b64decode(v).decode() for k, v in (found.data or {}).items()}
-        if tls.CERT_KEY not in data or tls.KEY_KEY not in data:
-            raise KubernetesError(
-                f"the CA Secret {ns}/{name} needs the keys {tls.CERT_KEY} and {tls.KEY_KEY}"
+        """The CA that signs the masters' certificates (:func:`phalanx.operator.ca.load_authority`), read
+        once per process."""
+        if self._authority is None:
+            self._authority = load_authority(
+                self.core,
+                name=self.settings.tls_ca_secret,
+                namespace=self.own_namespace,
+                may_act=self.may_act,
             )
-        self._authority = tls.Authority(data[tls.CERT_KEY], data[tls.KEY_KEY])
         return self._authority
 
     def _supporting_names(self, name: str) -> list[tuple[str, str]]:
@@ -520,29 +438,14 @@ class Executor:
         self._event(job, Event("Warning", "ForeignObject", message))
 
     def _create(self, ns: str, obj: dict[str, Any]) -> Any:
-        kind = obj["kind"]
-        if kind == "Pod":
-            return self.core.create_namespaced_pod(ns, obj)
-        elif kind == "Secret":
-            self.core.create_namespaced_secret(ns, obj)
-        elif kind == "ConfigMap":
-            self.core.create_namespaced_config_map(ns, obj)
-        elif kind == "ServiceAccount":
-            self.core.create_namespaced_service_account(ns, obj)
-        elif kind == "Service":
-            self.core.create_namespaced_service(ns, obj)
-        elif kind == "Role":
-            self.rbac.create_namespaced_role(ns, obj)
-        elif kind == "RoleBinding":
-            self.rbac.create_namespaced_role_binding(ns, obj)
-        elif kind == "NetworkPolicy":
-            self.networking.create_namespaced_network_policy(ns, obj)
-        elif kind == "PodGroup":
-            self.custom.create_namespaced_custom_object(
+        if obj["kind"] == "PodGroup":
+            return self.custom.create_namespaced_custom_object(
                 POD_GROUP_GROUP, POD_GROUP_VERSION, ns, POD_GROUP_PLURAL, obj
             )
-        else:
-            raise KubernetesError(f"the operator does not create {kind} objects")
+        if obj["kind"] not in _CREATES:
+            raise KubernetesError(f"the operator does not create {obj['kind']} objects")
+        api, method = _CREATES[obj["kind"]]
+        return getattr(getattr(self, api), method)(ns, obj)
 
     def _delete_job(self, job: Mapping[str, Any], action: DeleteJob) -> None:
         """Deletes the ElasticJob with foreground propagation, as batch/v1's TTL controller does: it stays,
@@ -555,99 +458,33 @@ class Executor:
         log.info("%s/%s: %s", meta["namespace"], meta["name"], action.message)
         try:
             self.custom.delete_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                meta["namespace"],
-                PLURAL,
-                meta["name"],
-                propagation_policy="Foreground",
-                body={"preconditions": {"uid": meta["uid"]}},
-            )
+                GROUP, VERSION, meta["namespace"], PLURAL, meta["name"],
+                propagation_policy="Foreground", body={"preconditions": {"uid": meta["uid"]}},
+            )  # fmt: skip
         except ApiException as exc:
             if exc.status not in (404, 409):
                 raise
 
     def _cordon(self, action: CordonNode) -> None:
-        from phalanx.operator.builders import bad_node_taint
-
         node = self.core.read_node(action.node)
-        taints = [t.to_dict() for t in (node.spec.taints or [])]
-        taint = bad_node_taint()
-        if not any(t.get("key") == taint["key"] for t in taints):
-            taints.append(taint)
-        taints = [{k: v for k, v in t.items() if v is not None} for t in taints]
+        taints = with_bad_node_taint([t.to_dict() for t in (node.spec.taints or [])])
         self.core.patch_node(action.node, {"spec": {"unschedulable": True, "taints": taints}})
 
     def _event(self, job: Mapping[str, Any], event: Event) -> None:
-        """Records an Event on the job; a repeat of a recent one counts that one up (see
-        :mod:`phalanx.operator.events`) instead of adding another."""
-        from kubernetes.client.exceptions import ApiException
-
-        meta = job["metadata"]
-        ns = meta["namespace"]
-        message = event.message[:1024]
-        now = time.time()
-        stamp = rfc3339(now)
-        key = (ns, meta["uid"], event.type, event.reason, message)
-        log.info("%s/%s: %s %s: %s", ns, meta["name"], event.type, event.reason, event.message)
-        seen = self._events.record(key, now=now, stamp=stamp, new_name=self._event_name(meta))
-        if not seen.new:
-            try:
-                self.core.patch_namespaced_event(seen.name, ns, {"count": seen.count, "lastTimestamp": stamp})
-                return
-            except ApiException as exc:
-                if exc.status != 404:
-                    log.warning("cannot count up event %s: %s", event.reason, exc.reason)
-                    return
-            self._events.forget(key)  # expired meanwhile (--event-ttl): a new one
-            seen = self._events.record(key, now=now, stamp=stamp, new_name=self._event_name(meta))
-        body = {
-            "metadata": {"name": seen.name, "namespace": ns},
-            "involvedObject": {
-                "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": KIND,
-                "name": meta["name"],
-                "namespace": ns,
-                "uid": meta["uid"],
-            },
-            "type": event.type,
-            "reason": event.reason,
-            "message": message,
-            "source": {"component": "phalanx-operator"},
-            "reportingComponent": "phalanx-operator",
-            "firstTimestamp": seen.first,
-            "lastTimestamp": stamp,
-            "count": seen.count,
-        }
-        try:
-            self.core.create_namespaced_event(ns, body)
-        except ApiException as exc:
-            self._events.forget(key)
-            log.warning("cannot record event %s: %s", event.reason, exc.reason)
-
-    @staticmethod
-    def _event_name(meta: Mapping[str, Any]) -> str:
-        return f"{meta['name']}.{secrets.token_hex(8)}"
+        record_event(self.core, self._events, job, event)
 
 
-METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
-"""The Accept header that makes the API server send an object's metadata without its data or spec."""
-
-
-def read_metadata(read: Callable[..., Any], name: str, namespace: str) -> Mapping[str, Any] | None:
-    """The metadata of one object through a kubernetes.client ``read_namespaced_*`` method (None: it does
-    not exist). A Secret's data never reaches the operator: it only needs to know whose the object is."""
-    from kubernetes.client.exceptions import ApiException
-
-    try:
-        response = read(name, namespace, _preload_content=False, _headers={"Accept": METADATA_ONLY})
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    body = json.loads(response.data or b"{}")
-    meta = body.get("metadata") if isinstance(body, Mapping) else None
-    return meta if isinstance(meta, Mapping) else {}
+_CREATES = {
+    "Pod": ("core", "create_namespaced_pod"),
+    "Secret": ("core", "create_namespaced_secret"),
+    "ConfigMap": ("core", "create_namespaced_config_map"),
+    "ServiceAccount": ("core", "create_namespaced_service_account"),
+    "Service": ("core", "create_namespaced_service"),
+    "Role": ("rbac", "create_namespaced_role"),
+    "RoleBinding": ("rbac", "create_namespaced_role_binding"),
+    "NetworkPolicy": ("networking", "create_namespaced_network_policy"),
+}
+"""The Executor's API client and its create method, by kind (PodGroups are custom objects)."""
 
 
 def pass_error_message(exc: Exception) -> str:
@@ -660,7 +497,3 @@ def pass_error_message(exc: Exception) -> str:
     else:
         text = str(exc) or "no message"
     return f"reconciliation pass failed ({type(exc).__name__}): {text}"[:1024]
-
-
-def _owned_by(refs: Sequence[Any] | None, uid: str) -> bool:
-    return any(r.uid == uid for r in refs or [])

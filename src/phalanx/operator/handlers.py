@@ -21,10 +21,10 @@ from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
+from phalanx.api.elasticjob import GROUP, PLURAL, VERSION
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import names
 from phalanx.operator.cache import WatchCache
-from phalanx.operator.crd import GROUP, PLURAL, VERSION
 from phalanx.operator.executor import Executor
 
 log = logging.getLogger("phalanx.operator")
@@ -64,7 +64,7 @@ class Reconciler:
             jobs_list, jobs_args = custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL)
             pods_list, pods_args = core.list_pod_for_all_namespaces, ()
         self.jobs = WatchCache(
-            kind="elasticjobs", list_fn=jobs_list, list_args=jobs_args, index=job_key, on_change=self._changed
+            kind=PLURAL, list_fn=jobs_list, list_args=jobs_args, index=job_key, on_change=self._changed
         )
         self.pods = WatchCache(
             kind="pods", list_fn=pods_list, list_args=pods_args, label_selector=selector, index=pod_key,

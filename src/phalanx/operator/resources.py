@@ -23,7 +23,7 @@ SLOTS_PER_RANK = 2
 """Slots the flash checkpoint keeps per rank in /dev/shm (phalanx.checkpoint.shm.SLOTS): a save writes the
 slot not holding the newest complete snapshot, so a crash mid-save never loses the last good one."""
 SLOT_GROWTH = 1.1
-"""Headroom a slot is allocated with (phalanx.checkpoint.engine._GROWTH), so a slightly larger state does
+"""Headroom a slot is allocated with (phalanx.checkpoint.slots.GROWTH), so a slightly larger state does
 not reallocate."""
 MIN_SHARED_MEMORY = "64Mi"
 """Smallest ``sharedMemory.sizeLimit`` admitted: a container runtime gives a container 64Mi of /dev/shm

@@ -27,7 +27,7 @@ from phalanx.api.settings import (
     parse_duration,
 )
 from phalanx.operator import resources
-from phalanx.operator.crd import (
+from phalanx.operator.admission import (
     CLEAN_POD_POLICIES,
     MAX_DURATIONS,
     MAX_HANG_FACTOR,
@@ -303,95 +303,136 @@ def _create_refused_timeout(spec: Mapping[str, Any]) -> float:
     return seconds
 
 
-def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
-    """Builds a :class:`JobSpec` from an ElasticJob's ``spec``; raises ConfigError naming the field."""
-    nodes = _group(spec, "nodes")
-    rdzv_default = RendezvousSettings()
-    try:
-        min_nodes = _count(nodes, "min", 1, where="nodes", maximum=MAX_NODES)
-        rendezvous = RendezvousSettings(
-            min_nodes=min_nodes,
-            max_nodes=_count(nodes, "max", min_nodes, where="nodes", maximum=MAX_NODES),
-            unit=_count(nodes, "unit", 1, where="nodes", maximum=MAX_NODES),
-            last_call_s=_dur(nodes, "lastCall", rdzv_default.last_call_s, "nodes"),
-            min_nodes_timeout_s=_dur(nodes, "minNodesTimeout", rdzv_default.min_nodes_timeout_s, "nodes"),
-        )
-        hb, hb_default = _group(spec, "heartbeat"), HeartbeatSettings()
-        heartbeat = HeartbeatSettings(
-            interval_s=_dur(hb, "interval", hb_default.interval_s, "heartbeat"),
-            timeout_s=_dur(hb, "timeout", hb_default.timeout_s, "heartbeat"),
-        )
-        hg, hg_default = _group(spec, "hang"), HangSettings()
-        hang = HangSettings(
-            enabled=bool(hg.get("enabled", hg_default.enabled)),
-            floor_s=_dur(hg, "floor", hg_default.floor_s, "hang"),
-            idle_floor_s=_dur(hg, "idleFloor", hg_default.idle_floor_s, "hang"),
-            factor=_factor(hg.get("factor", hg_default.factor)),
-            startup_s=_dur(hg, "startup", hg_default.startup_s, "hang"),
-        )
-        rs, rs_default = _group(spec, "restart"), RestartSettings()
-        restart = RestartSettings(
-            max_restarts=_count(
-                rs, "maxRestarts", rs_default.max_restarts, where="restart", maximum=MAX_RESTART_BUDGET
-            ),
-            max_evictions=_count(
-                rs, "maxEvictions", rs_default.max_evictions, where="restart", maximum=MAX_RESTART_BUDGET
-            ),
-            grace_period_s=_dur(rs, "gracePeriod", rs_default.grace_period_s, "restart"),
-        )
-        ck, ck_default = _group(spec, "checkpoint"), CheckpointSettings()
-        checkpoint = CheckpointSettings(
-            memory_interval_steps=_count(
-                ck,
-                "memoryIntervalSteps",
-                ck_default.memory_interval_steps,
-                where="checkpoint",
-                maximum=MAX_INTERVAL_STEPS,
-            ),
-            persist_interval_steps=_count(
-                ck,
-                "persistIntervalSteps",
-                ck_default.persist_interval_steps,
-                where="checkpoint",
-                maximum=MAX_INTERVAL_STEPS,
-            ),
-            storage_path=str(ck.get("storagePath", ck_default.storage_path)),
-            keep_last=_count(ck, "keepLast", ck_default.keep_last, where="checkpoint", maximum=MAX_KEEP_LAST),
-        )
-        probes = _probes(_group(spec, "healthChecks"))
-    except ConfigError as exc:
-        raise ConfigError(f"invalid ElasticJob spec: {exc}") from exc
-    par = _group(spec, "parallelism")
+def _rendezvous(nodes: Mapping[str, Any]) -> RendezvousSettings:
+    default = RendezvousSettings()
+    min_nodes = _count(nodes, "min", 1, where="nodes", maximum=MAX_NODES)
+    return RendezvousSettings(
+        min_nodes=min_nodes,
+        max_nodes=_count(nodes, "max", min_nodes, where="nodes", maximum=MAX_NODES),
+        unit=_count(nodes, "unit", 1, where="nodes", maximum=MAX_NODES),
+        last_call_s=_dur(nodes, "lastCall", default.last_call_s, "nodes"),
+        min_nodes_timeout_s=_dur(nodes, "minNodesTimeout", default.min_nodes_timeout_s, "nodes"),
+    )
+
+
+def _heartbeat(hb: Mapping[str, Any]) -> HeartbeatSettings:
+    default = HeartbeatSettings()
+    return HeartbeatSettings(
+        interval_s=_dur(hb, "interval", default.interval_s, "heartbeat"),
+        timeout_s=_dur(hb, "timeout", default.timeout_s, "heartbeat"),
+    )
+
+
+def _hang(hg: Mapping[str, Any]) -> HangSettings:
+    default = HangSettings()
+    return HangSettings(
+        enabled=bool(hg.get("enabled", default.enabled)),
+        floor_s=_dur(hg, "floor", default.floor_s, "hang"),
+        idle_floor_s=_dur(hg, "idleFloor", default.idle_floor_s, "hang"),
+        factor=_factor(hg.get("factor", default.factor)),
+        startup_s=_dur(hg, "startup", default.startup_s, "hang"),
+    )
+
+
+def _restart(rs: Mapping[str, Any]) -> RestartSettings:
+    default = RestartSettings()
+    return RestartSettings(
+        max_restarts=_count(
+            rs, "maxRestarts", default.max_restarts, where="restart", maximum=MAX_RESTART_BUDGET
+        ),
+        max_evictions=_count(
+            rs, "maxEvictions", default.max_evictions, where="restart", maximum=MAX_RESTART_BUDGET
+        ),
+        grace_period_s=_dur(rs, "gracePeriod", default.grace_period_s, "restart"),
+    )
+
+
+def _checkpoint(ck: Mapping[str, Any]) -> CheckpointSettings:
+    default = CheckpointSettings()
+    steps = MAX_INTERVAL_STEPS
+    return CheckpointSettings(
+        memory_interval_steps=_count(
+            ck, "memoryIntervalSteps", default.memory_interval_steps, where="checkpoint", maximum=steps
+        ),
+        persist_interval_steps=_count(
+            ck, "persistIntervalSteps", default.persist_interval_steps, where="checkpoint", maximum=steps
+        ),
+        storage_path=str(ck.get("storagePath", default.storage_path)),
+        keep_last=_count(ck, "keepLast", default.keep_last, where="checkpoint", maximum=MAX_KEEP_LAST),
+    )
+
+
+def _clean_pod_policy(spec: Mapping[str, Any]) -> str:
     policy = str(spec.get("cleanPodPolicy", "Running"))
     if policy not in CLEAN_POD_POLICIES:
         raise ConfigError(
             f"must be one of {', '.join(CLEAN_POD_POLICIES)}, got {policy!r}", field="cleanPodPolicy"
         )
+    return policy
+
+
+def _suspend(spec: Mapping[str, Any]) -> bool:
     suspend = spec.get("suspend", False)
     if not isinstance(suspend, bool):  # bool("false") would suspend the job
         raise ConfigError(f"expected true or false, got {suspend!r}", field="spec.suspend")
-    deadline = active_deadline(spec)
-    ttl = ttl_after_finished(spec)
-    gang = _gang_min_nodes(spec, rendezvous)
+    return suspend
+
+
+def _first_container(spec: Mapping[str, Any]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """(the worker template, its first container: the one that runs phalanx-run)."""
     template = spec.get("template") or {}
     containers = (template.get("spec") or {}).get("containers") or []
     if not containers:
         raise ConfigError("the worker template needs at least one container", field="spec.template")
+    return template, containers[0]
+
+
+def _nproc(spec: Mapping[str, Any], container: Mapping[str, Any]) -> int:
     where = "spec.template.spec.containers[0]"
-    nproc = resources.nproc_per_node(spec.get("nprocPerNode", 1), containers[0], field=where)
+    nproc = resources.nproc_per_node(spec.get("nprocPerNode", 1), container, field=where)
     if nproc > MAX_NPROC_PER_NODE:
         raise ConfigError(f"must be at most {MAX_NPROC_PER_NODE}, got {nproc}", field="spec.nprocPerNode")
+    return nproc
+
+
+def _parallelism(par: Mapping[str, Any], *, nproc: int, unit: int) -> tuple[int, int]:
+    """(tensor, pipeline) degrees; their product divides the ranks of one unit of nodes."""
     tensor = _count(par, "tensor", 1, where="parallelism", maximum=MAX_PARALLEL_DEGREE)
     pipeline = _count(par, "pipeline", 1, where="parallelism", maximum=MAX_PARALLEL_DEGREE)
     if tensor < 1 or pipeline < 1:
         raise ConfigError(f"degrees must be at least 1, got {tensor} x {pipeline}", field="spec.parallelism")
-    if (nproc * rendezvous.unit) % (tensor * pipeline):
+    if (nproc * unit) % (tensor * pipeline):
         raise ConfigError(
             f"parallelism.tensor x parallelism.pipeline ({tensor} x {pipeline}) must divide nprocPerNode x "
-            f"nodes.unit ({nproc} x {rendezvous.unit}), so that every model replica fits in one unit of "
+            f"nodes.unit ({nproc} x {unit}), so that every model replica fits in one unit of "
             "nodes",
             field="spec.parallelism",
         )
+    return tensor, pipeline
+
+
+def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
+    """Builds a :class:`JobSpec` from an ElasticJob's ``spec``; raises ConfigError naming the field. The
+    checks run in a fixed order, so a spec with several mistakes always names the same one first."""
+    nodes = _group(spec, "nodes")
+    try:
+        rendezvous = _rendezvous(nodes)
+        heartbeat = _heartbeat(_group(spec, "heartbeat"))
+        hang = _hang(_group(spec, "hang"))
+        restart = _restart(_group(spec, "restart"))
+        checkpoint = _checkpoint(_group(spec, "checkpoint"))
+        probes = _probes(_group(spec, "healthChecks"))
+    except ConfigError as exc:
+        raise ConfigError(f"invalid ElasticJob spec: {exc}") from exc
+    par = _group(spec, "parallelism")
+    policy = _clean_pod_policy(spec)
+    suspend = _suspend(spec)
+    deadline = active_deadline(spec)
+    ttl = ttl_after_finished(spec)
+    gang = _gang_min_nodes(spec, rendezvous)
+    template, container = _first_container(spec)
+    nproc = _nproc(spec, container)
+    tensor, pipeline = _parallelism(par, nproc=nproc, unit=rendezvous.unit)
     master = _group(spec, "master")
     return JobSpec(
         rendezvous=rendezvous,
@@ -412,7 +453,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         status_progress_interval_s=_dur(
             master, "statusProgressInterval", DEFAULT_STATUS_PROGRESS_INTERVAL_S, "master"
         ),
-        shared_memory=_shared_memory(spec, nproc, containers[0]),
+        shared_memory=_shared_memory(spec, nproc, container),
         termination_grace_s=_termination_grace(spec, restart),
         create_refused_timeout_s=_create_refused_timeout(spec),
         active_deadline_s=deadline,

@@ -21,7 +21,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-PHASES = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+from phalanx.api.elasticjob import Phase
+
+PHASES = tuple(phase.value for phase in Phase if phase is not Phase.PENDING)
 
 
 class OperatorMetrics:

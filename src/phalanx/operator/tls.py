@@ -19,6 +19,8 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
+from phalanx.api import elasticjob
+
 __all__ = ["SCRAPE_NAME", "Authority", "master_certificate", "master_dns_names", "new_authority"]
 
 SCRAPE_NAME = "phalanx-master"
@@ -84,7 +86,7 @@ def new_authority(*, common_name: str, now: dt.datetime) -> Authority:
 def master_dns_names(job: str, namespace: str) -> list[str]:
     """The names a job's master answers to: its Service's, in every form a client may use, and
     :data:`SCRAPE_NAME`."""
-    service = f"{job}-master"
+    service = elasticjob.master(job)
     return [
         service,
         f"{service}.{namespace}",

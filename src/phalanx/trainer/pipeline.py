@@ -6,6 +6,11 @@ are in flight per stage, instead of all of them (GPipe). Activations and their g
 stages point to point; every exchange posts its sends and receives together (``batch_isend_irecv``) so
 neighbouring stages can never wait on each other in a cycle.
 
+Every send and receive is recorded by the interval recorder (:mod:`phalanx.intervals`) as ``send`` or
+``recv`` in the group of its channel, ``pp:SRC>DST`` (global ranks), numbered per channel: the n-th send
+from SRC to DST and the n-th receive of DST from SRC carry the same number, so a stage stuck in ``recv #7 of
+pp:2>3`` names its peer, and rank 2, which never entered #7 of that channel, is the suspect.
+
 Backwards run in micro-batch order on every stage, so the last backward is the last micro-batch: the
 data-parallel gradient sync is switched on just before it (``before_last_backward``), which lets its
 bucketed all-reduces overlap with that backward.
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from phalanx import intervals
+from phalanx.api.intervals import channel_name
 from phalanx.trainer.mesh import Mesh
 from phalanx.trainer.model import GPTStage
 
@@ -63,8 +70,17 @@ class _Exchange:
             from_next = torch.empty(self.shape(batch), device=self.device)
             ops.append(dist.P2POp(dist.irecv, from_next, self.mesh.next_stage_rank()))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
+            me = dist.get_rank()
+            # Each op is an interval of its own: the one that never completes names the stuck direction.
+            tokens = [
+                intervals.begin("send", group=channel_name(me, op.peer))
+                if op.op is dist.isend
+                else intervals.begin("recv", group=channel_name(op.peer, me))
+                for op in ops
+            ]
+            for work, token in zip(dist.batch_isend_irecv(ops), tokens, strict=True):
                 work.wait()
+                intervals.end(token)
         return from_prev, from_next
 
 

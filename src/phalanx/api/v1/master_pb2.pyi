@@ -3,8 +3,9 @@
 isort:skip_file
 The contract between a job's master and its node agents (`phalanx-run`).
 
-Rules: one request/response pair per RPC; enums start at *_UNSPECIFIED = 0; typed fields only (no
-pickled or eval'd payloads). Every call carries the job's bearer token in the `authorization`
+Rules: one request/response pair per RPC (a stream carries the pair of the call it streams, one response
+per request, in order); enums start at *_UNSPECIFIED = 0; typed fields only (no pickled or eval'd
+payloads). Every call carries the job's bearer token in the `authorization`
 metadata ("Bearer <token>"); a wrong or missing token is refused with UNAUTHENTICATED.
 
 Times on the wire are Unix nanoseconds (`*_unix_ns`) or seconds as doubles (`*_s`).
@@ -949,6 +950,7 @@ class HangEvidence(_message.Message):
     AGE_S_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     ACTIVITY_FIELD_NUMBER: _builtins.int
+    NCCL_TRACE_FIELD_NUMBER: _builtins.int
     side: _builtins.str
     """"device": work recorded on the GPU did not complete (a kernel or a collective is stuck);
     "host": the process recorded nothing new (a Python, data-loader or host-side stall);
@@ -957,6 +959,10 @@ class HangEvidence(_message.Message):
     age_s: _builtins.float
     """How long the rank had shown no progress, and the adaptive timeout that was exceeded."""
     timeout_s: _builtins.float
+    nccl_trace: _builtins.str
+    """The rank's NCCL flight recorder (torch's _dump_nccl_trace_json) when it ran the interval recorder on a
+    GPU and answered within a second: JSON, at most MAX_NCCL_TRACE_BYTES (api/limits.py); "" otherwise.
+    """
     @_builtins.property
     def activity(self) -> Global___RankActivity: ...
     def __init__(
@@ -966,10 +972,11 @@ class HangEvidence(_message.Message):
         age_s: _builtins.float = ...,
         timeout_s: _builtins.float = ...,
         activity: Global___RankActivity | None = ...,
+        nccl_trace: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "age_s", b"age_s", "side", b"side", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "age_s", b"age_s", "nccl_trace", b"nccl_trace", "side", b"side", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -45,6 +45,11 @@ class MasterStub:
                 request_serializer=phalanx_dot_v1_dot_master__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=phalanx_dot_v1_dot_master__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.HeartbeatStream = channel.stream_stream(
+                '/phalanx.v1.Master/HeartbeatStream',
+                request_serializer=phalanx_dot_v1_dot_master__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=phalanx_dot_v1_dot_master__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.JoinRendezvous = channel.unary_unary(
                 '/phalanx.v1.Master/JoinRendezvous',
                 request_serializer=phalanx_dot_v1_dot_master__pb2.JoinRendezvousRequest.SerializeToString,
@@ -101,6 +106,17 @@ class MasterServicer:
 
     def Heartbeat(self, request, context):
         """Periodic liveness plus per-rank progress; the response carries the master's actions for the node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatStream(self, request_iterator, context):
+        """The same heartbeats on one long-lived stream per agent: the token is checked once, when the stream
+        opens, and each beat costs one message each way instead of a call. The master answers every beat
+        in order, holding the answer as Heartbeat does (`wait_s`). The stream ending, cut or cancelled, after
+        a beat that was not NODE_STATE_LEAVING tells the master the agent is gone, even between beats. An
+        agent against a master without it (UNIMPLEMENTED) uses Heartbeat.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -172,6 +188,11 @@ def add_MasterServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=phalanx_dot_v1_dot_master__pb2.HeartbeatRequest.FromString,
+                    response_serializer=phalanx_dot_v1_dot_master__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'HeartbeatStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.HeartbeatStream,
                     request_deserializer=phalanx_dot_v1_dot_master__pb2.HeartbeatRequest.FromString,
                     response_serializer=phalanx_dot_v1_dot_master__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -269,6 +290,33 @@ class Master:
             request,
             target,
             '/phalanx.v1.Master/Heartbeat',
+            phalanx_dot_v1_dot_master__pb2.HeartbeatRequest.SerializeToString,
+            phalanx_dot_v1_dot_master__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/phalanx.v1.Master/HeartbeatStream',
             phalanx_dot_v1_dot_master__pb2.HeartbeatRequest.SerializeToString,
             phalanx_dot_v1_dot_master__pb2.HeartbeatResponse.FromString,
             options,

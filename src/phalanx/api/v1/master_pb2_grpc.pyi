@@ -3,8 +3,9 @@
 isort:skip_file
 The contract between a job's master and its node agents (`phalanx-run`).
 
-Rules: one request/response pair per RPC; enums start at *_UNSPECIFIED = 0; typed fields only (no
-pickled or eval'd payloads). Every call carries the job's bearer token in the `authorization`
+Rules: one request/response pair per RPC (a stream carries the pair of the call it streams, one response
+per request, in order); enums start at *_UNSPECIFIED = 0; typed fields only (no pickled or eval'd
+payloads). Every call carries the job's bearer token in the `authorization`
 metadata ("Bearer <token>"); a wrong or missing token is refused with UNAUTHENTICATED.
 
 Times on the wire are Unix nanoseconds (`*_unix_ns`) or seconds as doubles (`*_s`).
@@ -46,6 +47,13 @@ class MasterStub:
     """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]
     """Periodic liveness plus per-rank progress; the response carries the master's actions for the node."""
+    HeartbeatStream: _grpc.StreamStreamMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]
+    """The same heartbeats on one long-lived stream per agent: the token is checked once, when the stream
+    opens, and each beat costs one message each way instead of a call. The master answers every beat
+    in order, holding the answer as Heartbeat does (`wait_s`). The stream ending, cut or cancelled, after
+    a beat that was not NODE_STATE_LEAVING tells the master the agent is gone, even between beats. An
+    agent against a master without it (UNIMPLEMENTED) uses Heartbeat.
+    """
     JoinRendezvous: _grpc.UnaryUnaryMultiCallable[_master_pb2.JoinRendezvousRequest, _master_pb2.JoinRendezvousResponse]
     """Ask to be a member of the next rendezvous round."""
     GetRendezvous: _grpc.UnaryUnaryMultiCallable[_master_pb2.GetRendezvousRequest, _master_pb2.GetRendezvousResponse]
@@ -74,6 +82,13 @@ class MasterAsyncStub(MasterStub):
     """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Periodic liveness plus per-rank progress; the response carries the master's actions for the node."""
+    HeartbeatStream: _aio.StreamStreamMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]  # type: ignore[assignment]
+    """The same heartbeats on one long-lived stream per agent: the token is checked once, when the stream
+    opens, and each beat costs one message each way instead of a call. The master answers every beat
+    in order, holding the answer as Heartbeat does (`wait_s`). The stream ending, cut or cancelled, after
+    a beat that was not NODE_STATE_LEAVING tells the master the agent is gone, even between beats. An
+    agent against a master without it (UNIMPLEMENTED) uses Heartbeat.
+    """
     JoinRendezvous: _aio.UnaryUnaryMultiCallable[_master_pb2.JoinRendezvousRequest, _master_pb2.JoinRendezvousResponse]  # type: ignore[assignment]
     """Ask to be a member of the next rendezvous round."""
     GetRendezvous: _aio.UnaryUnaryMultiCallable[_master_pb2.GetRendezvousRequest, _master_pb2.GetRendezvousResponse]  # type: ignore[assignment]
@@ -111,6 +126,19 @@ class MasterServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_master_pb2.HeartbeatResponse, _abc.Awaitable[_master_pb2.HeartbeatResponse]]:
         """Periodic liveness plus per-rank progress; the response carries the master's actions for the node."""
+
+    @_abc_1.abstractmethod
+    def HeartbeatStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_master_pb2.HeartbeatRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_master_pb2.HeartbeatResponse], _abc.AsyncIterator[_master_pb2.HeartbeatResponse]]:
+        """The same heartbeats on one long-lived stream per agent: the token is checked once, when the stream
+        opens, and each beat costs one message each way instead of a call. The master answers every beat
+        in order, holding the answer as Heartbeat does (`wait_s`). The stream ending, cut or cancelled, after
+        a beat that was not NODE_STATE_LEAVING tells the master the agent is gone, even between beats. An
+        agent against a master without it (UNIMPLEMENTED) uses Heartbeat.
+        """
 
     @_abc_1.abstractmethod
     def JoinRendezvous(

@@ -1,0 +1,115 @@
+"""What a reconciliation pass sees (:class:`Observed`, :class:`PodView`) and what it decides (the actions).
+
+:func:`phalanx.operator.reconcile.reconcile` turns the one into a list of the other; the executor
+(:mod:`phalanx.operator.executor`) observes and carries the actions out. Plain frozen records, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from phalanx.api import elasticjob
+
+LIVE_PHASES = ("Pending", "Running", "Unknown")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PodView:
+    """What the decision needs to know about one Pod of the job."""
+
+    name: str
+    role: str
+    phase: str
+    node_name: str = ""
+    terminating: bool = False
+    exit_code: int | None = None
+    reason: str = ""
+    nodes: str = ""
+    """For the master Pod: the MIN:MAX it runs with (its phalanx.dev/nodes annotation)."""
+
+    @property
+    def slot(self) -> int | None:
+        parsed = elasticjob.parse_worker(self.name)
+        return parsed[0] if parsed else None
+
+    @property
+    def incarnation(self) -> int:
+        parsed = elasticjob.parse_worker(self.name)
+        return parsed[1] if parsed else 0
+
+    @property
+    def live(self) -> bool:
+        return not self.terminating and self.phase in LIVE_PHASES
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observed:
+    """A job as the operator sees it at one moment."""
+
+    job: Mapping[str, Any]
+    pods: Sequence[PodView] = ()
+    existing: frozenset[tuple[str, str]] = frozenset()
+    """(kind, name) of the supporting objects that exist and are the job's (ownerReference with its uid)."""
+    foreign: frozenset[tuple[str, str]] = frozenset()
+    """(kind, name) of objects with the names of the job's supporting objects that are not the job's."""
+    pod_group: Mapping[str, Any] | None = None
+    """The job's PodGroup as read (``spec.gangScheduling`` only); None when it does not exist."""
+    pod_group_api: bool = True
+    """Whether the API server serves PodGroups (read only for jobs that ask for gang scheduling)."""
+
+
+# ------------------------------------------------------------------------------------------------------
+# Actions
+
+
+@dataclass(frozen=True)
+class Create:
+    obj: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    name: str
+    grace_period_s: int | None = None
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    status: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PatchPodGroup:
+    """Sets the gang's minCount of the job's PodGroup (it follows nodes.min unless the spec fixes it)."""
+
+    name: str
+    min_count: int
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+    about: str = ""
+    """The name of the object whose creation this Event reports: the executor drops it if the API server
+    refused that create (the ReplicaFailure condition and a FailedCreate Event tell that story)."""
+
+
+@dataclass(frozen=True)
+class CordonNode:
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    """Deletes the ElasticJob itself; what it owns (Pods, Secret, ConfigMap, master RBAC, Service) goes with
+    it. ``message`` says why; the executor logs it (an Event on a deleted object would be lost with it)."""
+
+    message: str
+
+
+Action = Create | DeletePod | PatchStatus | PatchPodGroup | Event | CordonNode | DeleteJob

@@ -1,0 +1,83 @@
+"""The decision's view of what the API server holds (:class:`phalanx.operator.actions.PodView`), and reading
+an object's metadata without its data (a Secret's never reaches the operator)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from phalanx.api.errors import KubernetesError
+from phalanx.operator import names
+from phalanx.operator.actions import PodView
+
+
+def pod_view(pod: Any) -> PodView:
+    """The decision's view of a kubernetes.client V1Pod."""
+    labels = pod.metadata.labels or {}
+    exit_code: int | None = None
+    reason = ""
+    for cs in (pod.status.container_statuses or []) if pod.status else []:
+        term = cs.state.terminated if cs.state else None
+        if term is not None:
+            exit_code, reason = term.exit_code, term.reason or ""
+            break
+    return PodView(
+        name=pod.metadata.name,
+        role=labels.get(names.ROLE_LABEL, ""),
+        phase=(pod.status.phase if pod.status else None) or "Pending",
+        node_name=pod.spec.node_name or "",
+        terminating=pod.metadata.deletion_timestamp is not None,
+        exit_code=exit_code,
+        reason=reason,
+        nodes=(pod.metadata.annotations or {}).get(names.NODES_ANNOTATION, ""),
+    )
+
+
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+"""The Accept header that makes the API server send an object's metadata without its data or spec."""
+
+
+def read_metadata(read: Callable[..., Any], name: str, namespace: str) -> Mapping[str, Any] | None:
+    """The metadata of one object through a kubernetes.client ``read_namespaced_*`` method (None: it does
+    not exist). A Secret's data never reaches the operator: it only needs to know whose the object is."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        response = read(name, namespace, _preload_content=False, _headers={"Accept": METADATA_ONLY})
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    body = json.loads(response.data or b"{}")
+    meta = body.get("metadata") if isinstance(body, Mapping) else None
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def owned_by(refs: Sequence[Any] | None, uid: str) -> bool:
+    return any(r.uid == uid for r in refs or [])
+
+
+def ownership(
+    reads: Mapping[str, Callable[..., Any]], wanted: Sequence[tuple[str, str]], *, namespace: str, uid: str
+) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+    """Of the (kind, name) objects ``wanted``: (those that exist and are the job's, those that exist but are
+    not: no ownerReference with the job's ``uid``). ``reads``: the kubernetes.client ``read_namespaced_*``
+    method of each kind. Read as metadata only: the operator never holds a Secret's data, and a foreign
+    object is never adopted."""
+    from kubernetes.client.exceptions import ApiException
+
+    found, foreign = set(), set()
+    for kind, obj_name in wanted:
+        try:
+            meta = read_metadata(reads[kind], obj_name, namespace)
+        except ApiException as exc:
+            raise KubernetesError(f"cannot read {kind} {namespace}/{obj_name}: {exc.reason}") from exc
+        if meta is None:
+            continue
+        refs = meta.get("ownerReferences") or []
+        if uid and not any(isinstance(r, Mapping) and r.get("uid") == uid for r in refs):
+            foreign.add((kind, obj_name))
+        else:
+            found.add((kind, obj_name))
+    return found, foreign
