@@ -191,9 +191,9 @@ def test_with_the_policy_on_a_confirmed_slow_node_is_evicted_without_a_probe_rou
     before = sim.job.round_number
     _run(sim, seconds=12, step_s={"a": 0.1, "b": 0.1, "c": 0.25})
     [eviction] = sim.job.evictions
-    assert eviction["node_id"] == "c"
-    assert eviction["kind"] == "straggler"
-    assert eviction["reason"].startswith("step times: c's median step interval"), eviction["reason"]
+    assert eviction.node_id == "c"
+    assert eviction.kind == "straggler"
+    assert eviction.reason.startswith("step times: c's median step interval"), eviction.reason
     assert sim.job.stats.evictions == {"straggler": 1}
     assert sim.job.probe is None, "no probe round was needed"
     assert sim.job.round_open
@@ -211,8 +211,8 @@ def test_with_recorders_the_compute_time_finds_the_node_that_synchronous_steps_h
         collective_s={"a": 0.12, "b": 0.12, "c": 0.02},
     )
     [eviction] = sim.job.evictions
-    assert eviction["node_id"] == "c"
-    assert "compute time per step" in eviction["reason"], eviction["reason"]
+    assert eviction.node_id == "c"
+    assert "compute time per step" in eviction.reason, eviction.reason
 
 
 def test_equal_nodes_flag_nothing_and_the_budget_bounds_evictions() -> None:
