@@ -30,6 +30,7 @@ PLOTS = DOCS / "benchmarks"
 # A figure is a headline when its key names a median, a ratio, a rate or a share; raw samples are not.
 HEADLINE = re.compile(r"median|ratio|per_s|per_core|effective|goodput|overhead$|blocking_s$|p50|p99")
 MAX_FIGURES = 24
+DATE = re.compile(r"^\d{4}-\d{2}-\d{2}")
 
 
 def module_purpose(result_name: str) -> str:
@@ -57,17 +58,28 @@ def machine_of(result: dict[str, Any]) -> str:
     return f"{cpus} cores, no GPU" if cpus else "the 2-core development machine, no GPU"
 
 
-def committed_on(path: Path) -> str:
-    """The date the result was committed (a result not yet committed is dated by its file)."""
-    out = subprocess.run(
+def dated(path: Path, result: dict[str, Any]) -> str:
+    """The date of a result: the one it records, else the day it was committed; one not committed yet (new,
+    or changed since) is dated by its file, which is the day it will be committed on."""
+    for key in ("date", "date_utc"):
+        if isinstance(result.get(key), str) and DATE.match(result[key]):
+            return str(result[key])[:10]
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    committed = subprocess.run(
         ["git", "log", "-1", "--format=%cs", "--", str(path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
     ).stdout.strip()
-    if out:
-        return out
+    if committed and not changed:
+        return committed
     return datetime.fromtimestamp(path.stat().st_mtime, tz=UTC).date().isoformat()
 
 
@@ -98,7 +110,7 @@ def section(path: Path) -> str:
     if purpose:
         lines += [purpose, ""]
     lines += [
-        f"*Machine:* {machine_of(result)}. *Date:* {committed_on(path)}."
+        f"*Machine:* {machine_of(result)}. *Date:* {dated(path, result)}."
         f" *Source:* `benchmarks/results/{path.name}`.",
         "",
     ]
