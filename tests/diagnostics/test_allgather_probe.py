@@ -152,11 +152,11 @@ def test_peer_that_dies_or_hangs_after_joining_fails_its_pairs_not_a_hang(fault:
         victim.wait()
     by_peer = {(r, m.peer_node_id): m for r, ms in results.items() for m in ms}
     assert by_peer[(0, "b")].ok, by_peer[(0, "b")].error
-    # A killed peer's sockets close, so the all-gather itself fails. A stopped peer keeps them open: gloo's
-    # timeout or the probe's watchdog, whichever fires first on a loaded machine, fails the pair.
-    verdicts = ("all-gather failed: ",)
-    if fault is signal.SIGSTOP:
-        verdicts += ("pair with c did not finish in time",)
+    # A killed peer's sockets close, so the all-gather itself fails, unless the peer died before its pair's
+    # connection was made: then, as for a stopped peer, which keeps its sockets open, gloo's timeout or the
+    # probe's watchdog fails the pair, whichever fires first (the watchdog, on a loaded machine: seen once
+    # for a kill in a full suite run). Either way the pair fails and the probe does not hang.
+    verdicts = ("all-gather failed: ", "pair with c did not finish in time")
     for rank in (0, 1):
         m = by_peer[(rank, "c")]
         assert not m.ok
