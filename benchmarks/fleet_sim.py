@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.master.sim import failure_report
+
 from phalanx.api.settings import MasterSettings, from_mapping
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.job import Job
@@ -66,7 +68,8 @@ class Kind:
     """``hardware``: the agent reports a hardware failure (Xid, ECC): the node is evicted and replaced.
     ``crash``: one rank dies (a software bug): the round restarts in place.
     ``hang``: a collective never completes (a link or switch down): the agent's hang detector reports it;
-    the round restarts in place (a node that hangs twice is evicted).
+    the round restarts in place (a node is evicted at its second hang counted against it; a simulated hang
+    carries no evidence that singles out a node, so it counts against none).
     ``silent``: the host dies without closing its connections (power, kernel): its heartbeat timeout."""
 
 
@@ -220,20 +223,15 @@ class Fleet:
         message: str,
         rank: int,
     ) -> pb.Action:
-        req = pb.ReportFailureRequest(
-            node_id=node,
-            incarnation=self.inc[node],
-            round=self.job.round_number,
+        req = failure_report(
+            node,
+            self.inc[node],
+            self.job.round_number,
             kind=kind,
-            failures=[
-                pb.WorkerFailure(
-                    rank=rank,
-                    exit_code=1,
-                    failure_class=cls,
-                    error_message=message,
-                    observed_unix_ns=int(self.now * 1e9),
-                )
-            ],
+            cls=cls,
+            message=message,
+            rank=rank,
+            now=self.now,
         )
         return self.job.report_failure(req, now=self.now)
 

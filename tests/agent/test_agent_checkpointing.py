@@ -23,6 +23,7 @@ from phalanx.agent import config as agent_config
 from phalanx.agent.breakpoints import Breakpoints
 from phalanx.agent.client import MasterClient, RetiredError
 from phalanx.api.errors import ConfigError
+from phalanx.api.settings import CheckpointSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.checkpoint import protocol, shm
 from phalanx.checkpoint.host import process_running
@@ -126,7 +127,7 @@ def started_host(
     storage, shm_root = tmp_path / "ckpt", tmp_path / "shm"
     shm_root.mkdir()
     assert host.start(
-        settings=agent_config.CheckpointSettings(storage_path=str(storage)),
+        settings=CheckpointSettings(storage_path=str(storage)),
         shm_root=shm_root,
         job_id=job,
         node_id=node_id,
@@ -169,7 +170,7 @@ def test_host_that_cannot_start_is_logged_and_skipped(tmp_path: Path) -> None:
     blocker.write_text("")  # the shared-memory root is a file: the node's directory cannot be made
     host = checkpointing.NodeCheckpointHost(said.append)
     started = host.start(
-        settings=agent_config.CheckpointSettings(),
+        settings=CheckpointSettings(),
         shm_root=blocker,
         job_id="j",
         node_id="n",

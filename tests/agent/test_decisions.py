@@ -385,3 +385,41 @@ def test_client_deadlines_stretch_on_late_calls_and_shrink_on_fast_ones() -> Non
         assert client.stretch == 1.0
     finally:
         client.close()
+
+
+def test_every_agent_setting_is_read_from_its_variable_and_a_flag_wins() -> None:
+    """One table (``AgentSettings``): its variables give what flags do not, and a flag wins."""
+    env = {
+        "PHALANX_MASTER_ADDR": "m:1",
+        "PHALANX_NPROC_PER_NODE": "3",
+        "PHALANX_MAX_RESTARTS": "2",
+        "PHALANX_GRACE_PERIOD_S": "7s",
+        "PHALANX_HANG_IDLE_FLOOR_S": "20s",
+        "PHALANX_WARM_SPARES": "false",
+    }
+
+    def picked(cfg: config.AgentConfig) -> tuple[object, ...]:
+        return (
+            cfg.master_addr, cfg.nproc_per_node, cfg.max_restarts, cfg.grace_period_s, cfg.hang.idle_floor_s,
+            cfg.warm_spares,
+        )  # fmt: skip
+
+    assert picked(config.parse(["t.py"], env)) == ("m:1", 3, 2, 7.0, 20.0, False)
+    flags = ["--rdzv-endpoint", "o:2", "--nproc-per-node", "1", "--max-restarts", "0", "--grace-period", "1s"]
+    assert picked(config.parse([*flags, "--hang-idle-floor", "5s", "t.py"], env)) == (
+        "o:2",
+        1,
+        0,
+        1.0,
+        5.0,
+        False,
+    )
+    assert picked(config.parse(["--standalone", "t.py"], {})) == ("", 1, 0, 5.0, 60.0, True)
+    with pytest.raises(ConfigError, match="warm_spares: expected true or false"):
+        config.parse(["t.py"], {**env, "PHALANX_WARM_SPARES": "maybe"})
+
+
+def test_a_flags_help_is_its_settings_fields_doc() -> None:
+    text = " ".join(config.build_parser().format_help().split())
+    for name in ("master_addr", "grace_period_s", "hang.floor_s", "checkpoint.keep_last"):
+        assert " ".join(config._doc(name).split()) in text, name

@@ -239,22 +239,33 @@ def test_status_shows_the_job_its_nodes_and_the_failure(
 
 
 def test_status_watch_redraws_until_interrupted(job: dict[str, Any]) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "phalanx.cli.main", "status", "--master", job["url"], "--token-file",
-         str(job["tmp"] / "token"), "--watch", "--interval", "0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-    )  # fmt: skip
-    # Interrupted once it has redrawn twice (not after a fixed time: a loaded machine starts it slowly).
-    assert proc.stdout is not None
-    seen: list[str] = []
-    deadline = time.monotonic() + 30
-    while sum("Ctrl-C to stop" in line for line in seen) < 2 and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=10)
+    # Ctrl-C as in a terminal, even when this suite runs as a background job: a shell starts those with SIGINT
+    # ignored, a child inherits that, and Python then never raises KeyboardInterrupt. A handled signal is
+    # reset to its default in the child.
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "phalanx.cli.main", "status", "--master", job["url"], "--token-file",
+             str(job["tmp"] / "token"), "--watch", "--interval", "0.2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    try:
+        # Interrupted once it has redrawn twice (not after a fixed time: a loaded machine starts it slowly).
+        assert proc.stdout is not None
+        seen: list[str] = []
+        deadline = time.monotonic() + 30
+        while sum("Ctrl-C to stop" in line for line in seen) < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+        proc.communicate()  # closes the pipes: an open one would be reported by a later test
     out = "".join(seen) + out
     assert proc.returncode == 0, err
     assert out.count("job test-job: ") >= 2

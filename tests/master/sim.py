@@ -15,6 +15,27 @@ def settings(**groups: Any) -> MasterSettings:
     return from_mapping(MasterSettings, values)
 
 
+def failure_report(
+    node: str, incarnation: str, round: int, *, kind: int, cls: int, message: str, rank: int, now: float
+) -> pb.ReportFailureRequest:
+    """What an agent sends when one of its workers (``rank``) failed, as seen at ``now``."""
+    return pb.ReportFailureRequest(
+        node_id=node,
+        incarnation=incarnation,
+        round=round,
+        kind=kind,  # type: ignore[arg-type]
+        failures=[
+            pb.WorkerFailure(
+                rank=rank,
+                exit_code=1,
+                failure_class=cls,  # type: ignore[arg-type]
+                error_message=message,
+                observed_unix_ns=int(now * 1e9),
+            )
+        ],
+    )
+
+
 class Sim:
     def __init__(self, job: Job | None = None, **groups: Any) -> None:
         self.now = 1000.0
@@ -81,20 +102,15 @@ class Sim:
     def fail(
         self, node: str, *, rank: int = 0, cls: int = pb.FAILURE_CLASS_KILLED, msg: str = "", kind: int = 1
     ) -> pb.Action:
-        req = pb.ReportFailureRequest(
-            node_id=node,
-            incarnation=self.inc[node],
-            round=self.job.round_number,
+        req = failure_report(
+            node,
+            self.inc[node],
+            self.job.round_number,
             kind=kind,
-            failures=[
-                pb.WorkerFailure(
-                    rank=rank,
-                    exit_code=1,
-                    failure_class=cls,
-                    error_message=msg,
-                    observed_unix_ns=int(self.now * 1e9),
-                )
-            ],
+            cls=cls,
+            message=msg,
+            rank=rank,
+            now=self.now,
         )
         return self.job.report_failure(req, now=self.now)
 

@@ -16,6 +16,8 @@ import pytest
 
 from tests.trainer._procs import free_port, worker_env
 
+FIRST_WORLD_FAILED = "first-world-failed"
+
 SURVIVOR = """
 import sys
 from datetime import timedelta
@@ -29,7 +31,7 @@ try:
     dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=2))
     sys.exit("the first world formed without its second rank")
 except (RuntimeError, dist.DistError):
-    pass
+    print("first-world-failed", flush=True)
 leave_world()
 store = TCPStore("127.0.0.1", fresh, 2, is_master=True, timeout=timedelta(seconds=20), wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=20))
@@ -61,9 +63,7 @@ print("sum", t.item())
 """
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(90)
-def test_a_survivor_of_a_failed_formation_forms_the_next_world_with_a_fresh_peer() -> None:
+def _run_pair() -> tuple[subprocess.CompletedProcess[str], str, str]:
     lost, fresh = free_port(), free_port()
     env = worker_env()
     newcomer = subprocess.Popen(
@@ -82,6 +82,17 @@ def test_a_survivor_of_a_failed_formation_forms_the_next_world_with_a_fresh_peer
     finally:
         newcomer.kill()
         newcomer.wait()
+    return survivor, out.decode(), err.decode()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_a_survivor_of_a_failed_formation_forms_the_next_world_with_a_fresh_peer() -> None:
+    survivor, out, err = _run_pair()
+    if FIRST_WORLD_FAILED not in survivor.stdout and survivor.returncode < 0:
+        # The set-up, not the claim: on a loaded machine torch can abort ("terminate called without an active
+        # exception") inside the first world's timeout instead of raising. Once more, then it counts.
+        survivor, out, err = _run_pair()
     assert survivor.returncode == 0, survivor.stderr[-3000:]
-    assert survivor.stdout.split() == ["sum", "2.0"]
-    assert out.decode().split() == ["sum", "2.0"], err.decode()[-3000:]
+    assert survivor.stdout.split() == [FIRST_WORLD_FAILED, "sum", "2.0"]
+    assert out.split() == ["sum", "2.0"], err[-3000:]

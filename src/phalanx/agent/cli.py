@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import signal
@@ -93,14 +94,12 @@ def run_agent(argv: list[str]) -> int:
             if cfg.standalone:
                 job_id = _job_id_for_standalone(cfg.job_id)
                 master = StandaloneMaster(job_id=job_id, workdir=workdir, max_restarts=cfg.max_restarts)
-                cfg = agent_config.AgentConfig(
-                    **{
-                        **cfg.__dict__,
-                        "job_id": job_id,
-                        "master_addr": master.grpc_addr,
-                        # the checkpoint host reads the token from this file to report checkpoints
-                        "token_file": str(master.token_file),
-                    }
+                cfg = dataclasses.replace(
+                    cfg,
+                    job_id=job_id,
+                    master_addr=master.grpc_addr,
+                    # the checkpoint host reads the token from this file to report checkpoints
+                    token_file=str(master.token_file),
                 )
                 token = master.token
             else:

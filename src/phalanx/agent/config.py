@@ -1,5 +1,9 @@
 """``phalanx-run`` command line: torchrun's flags plus phalanx's own, parsed into an :class:`AgentConfig`.
 
+Every value the agent can be given is a field of :class:`~phalanx.api.settings.AgentSettings`, the one table:
+a flag wins over its ``PHALANX_*`` variable, a variable over the table's default, and a flag's help is the
+field's doc. What is left here is what one launch runs (the script, its arguments, the node range).
+
 torchrun flags that have no meaning here (``--rdzv-backend``, ``--node-rank``, ``--master-addr``,
 ``--master-port``, ``--start-method``) are accepted so existing launch lines keep working; the ones that
 could surprise a user are noted on stderr.
@@ -14,47 +18,34 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from phalanx.api.errors import ConfigError
-from phalanx.api.settings import (
-    CheckpointSettings,
-    HangSettings,
-    LogSettings,
-    from_env,
-    parse_duration,
-    parse_node_range,
-)
+from phalanx.api.settings import AgentSettings, describe, from_env, parse_duration, parse_node_range
 
 
 @dataclass(frozen=True, kw_only=True)
-class AgentConfig:
-    """Everything the agent needs, resolved from flags and environment."""
+class AgentConfig(AgentSettings):
+    """The agent's settings, resolved from flags and environment, and what this launch runs."""
 
     min_nodes: int
     max_nodes: int
-    nproc_per_node: int
-    max_restarts: int
-    monitor_interval_s: float
-    master_addr: str
     standalone: bool
-    job_id: str
-    node_id: str
-    host: str
-    token_file: str
-    log_dir: str
     role: str
     module: bool
     no_python: bool
     script: str
     script_args: list[str]
-    grace_period_s: float
-    warm_spares: bool
-    warm_probes: bool = True
-    checkpoint_host: bool = True
-    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
-    hang: HangSettings = field(default_factory=HangSettings)
-    logs: LogSettings = field(default_factory=LogSettings)
     notes: list[str] = field(default_factory=list)
+
+
+def _doc(path: str) -> str:
+    """The help text of a flag: the doc line of its settings field (``hang.floor_s``: a nested one)."""
+    cls: Any = AgentSettings
+    *groups, name = path.split(".")
+    for group in groups:
+        cls = next(f.default_factory for f in dataclasses.fields(cls) if f.name == group)
+    return describe(next(f for f in dataclasses.fields(cls) if f.name == name))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,16 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     add = p.add_argument
+    # Flags of settings fields default to None: unset, the field's PHALANX_* variable or default applies.
     add("--nnodes", default="1:1", help="Number of nodes, N or MIN:MAX.")
-    add("--nproc-per-node", "--nproc_per_node", default="1", help="Processes per node (int, cpu or auto).")
-    add("--max-restarts", "--max_restarts", type=int, default=0, help="Worker restarts before failing.")
-    add("--monitor-interval", "--monitor_interval", default="0.1", help="Worker check interval, seconds.")
-    add("--rdzv-endpoint", "--rdzv_endpoint", default="", help="host:port of the phalanx master (gRPC).")
-    add("--rdzv-id", "--rdzv_id", default="", help="Job id.")
+    add("--nproc-per-node", "--nproc_per_node", help=_doc("nproc_per_node") + "; also cpu or auto.")
+    add("--max-restarts", "--max_restarts", type=int, help=_doc("max_restarts"))
+    add("--monitor-interval", "--monitor_interval", help=_doc("monitor_interval_s"))
+    add("--rdzv-endpoint", "--rdzv_endpoint", help=_doc("master_addr"))
+    add("--rdzv-id", "--rdzv_id", help=_doc("job_id"))
     add("--rdzv-backend", "--rdzv_backend", default="phalanx", help="Accepted for torchrun compatibility.")
     add("--rdzv-conf", "--rdzv_conf", default="", help="Accepted for torchrun compatibility.")
     add("--standalone", action="store_true", help="Start a master for a single-node job.")
-    add("--log-dir", "--log_dir", default="", help="Directory for per-rank logs and error files.")
+    add("--log-dir", "--log_dir", help=_doc("log_dir"))
     add("--redirects", "-r", default="0", help="Accepted; output is always captured per rank.")
     add("--tee", "-t", default="0", help="Accepted; output is always echoed with a [rankN]: prefix.")
     add("--node-rank", "--node_rank", default=None, help="Ignored: group ranks come from the rendezvous.")
@@ -81,27 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--master-port", "--master_port", default=None, help="Ignored: each round picks a fresh port.")
     add("--role", default="default", help="Worker role name.")
     add("--start-method", "--start_method", default="spawn", help="Accepted for torchrun compatibility.")
-    add("--local-addr", "--local_addr", default=None, help="Address other nodes reach this node at.")
+    add("--local-addr", "--local_addr", help=_doc("host"))
     add("-m", "--module", action="store_true", help="Run the script as a Python module (python -m).")
     add("--no-python", "--no_python", action="store_true", help="Run the script as an executable.")
-    add("--node-id", default=None, help="Node id (default: $PHALANX_NODE_ID or the host name).")
-    add("--token-file", default=None, help="Job token file (default: $PHALANX_TOKEN_FILE).")
-    add("--grace-period", default="5", help="Time between SIGTERM and SIGKILL when stopping workers.")
-    add(
-        "--hang-floor",
-        default=None,
-        help="Shortest wait in a recorded collective or on GPU work that counts as a hang (default 10s).",
-    )
-    add(
-        "--hang-idle-floor",
-        default=None,
-        help="Shortest silence outside any recorded collective, or of a beacon alone, that counts as a hang "
-        "(default 60s).",
-    )
-    add(
-        "--hang-factor", default=None, help="Multiple of the p99 step interval after which a beacon is stale."
-    )
-    add("--hang-startup", default=None, help="Time allowed before the first reported step.")
+    add("--node-id", help=_doc("node_id"))
+    add("--token-file", help=_doc("token_file"))
+    add("--grace-period", help=_doc("grace_period_s"))
+    add("--hang-floor", help=_doc("hang.floor_s"))
+    add("--hang-idle-floor", help=_doc("hang.idle_floor_s"))
+    add("--hang-factor", help=_doc("hang.factor"))
+    add("--hang-startup", help=_doc("hang.startup_s"))
     add("--no-hang-detection", action="store_true", help="Do not detect hung workers.")
     add("--no-warm-spares", action="store_true", help="Start workers cold instead of from pre-warmed spares.")
     add(
@@ -109,12 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Start each health probe cold, not forked from a probe server that has imported torch.",
     )
-    add(
-        "--checkpoint-dir",
-        default=None,
-        help="Where the node's checkpoint host persists flash checkpoints: a directory or s3://BUCKET/PREFIX.",
-    )
-    add("--checkpoint-keep-last", type=int, default=None, help="Committed checkpoint steps kept on storage.")
+    add("--checkpoint-dir", help=_doc("checkpoint.storage_path"))
+    add("--checkpoint-keep-last", type=int, help=_doc("checkpoint.keep_last"))
     add("--no-checkpoint-host", action="store_true", help="Do not run a flash-checkpoint host on this node.")
     add("training_script", help="Script (or module with -m, executable with --no-python) to run.")
     add("training_script_args", nargs=argparse.REMAINDER)
@@ -142,9 +119,63 @@ def _default_host() -> str:
         return "127.0.0.1"
 
 
+def _given(**values: Any) -> dict[str, Any]:
+    """The flags that were given (argparse leaves the others None)."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def _from_flags(args: argparse.Namespace, env: Mapping[str, str]) -> AgentSettings:
+    """The table's values: flags over ``PHALANX_*`` variables over defaults."""
+    base = from_env(AgentSettings, env)
+    duration = {
+        name: parse_duration(text, name=flag) if text is not None else None
+        for name, flag, text in (
+            ("floor_s", "hang-floor", args.hang_floor),
+            ("idle_floor_s", "hang-idle-floor", args.hang_idle_floor),
+            ("startup_s", "hang-startup", args.hang_startup),
+        )
+    }
+    hang = dataclasses.replace(
+        base.hang,
+        **_given(
+            enabled=False if args.no_hang_detection else None,
+            factor=float(args.hang_factor) if args.hang_factor is not None else None,
+            **duration,
+        ),
+    )
+    checkpoint = dataclasses.replace(
+        base.checkpoint, **_given(storage_path=args.checkpoint_dir, keep_last=args.checkpoint_keep_last)
+    )
+    return dataclasses.replace(
+        base,
+        hang=hang,
+        checkpoint=checkpoint,
+        **_given(
+            job_id=args.rdzv_id or None,
+            node_id=args.node_id,
+            master_addr=args.rdzv_endpoint,
+            token_file=args.token_file,
+            host=args.local_addr,
+            nproc_per_node=_nproc(str(args.nproc_per_node)) if args.nproc_per_node is not None else None,
+            max_restarts=args.max_restarts,
+            monitor_interval_s=parse_duration(args.monitor_interval, name="monitor-interval")
+            if args.monitor_interval is not None
+            else None,
+            grace_period_s=parse_duration(args.grace_period, name="grace-period")
+            if args.grace_period is not None
+            else None,
+            log_dir=args.log_dir,
+            warm_spares=False if args.no_warm_spares else None,
+            warm_probes=False if args.no_warm_probes else None,
+            checkpoint_host=False if args.no_checkpoint_host else None,
+        ),
+    )
+
+
 def parse(argv: Sequence[str], env: Mapping[str, str]) -> AgentConfig:
-    """Parses a ``phalanx-run`` command line; ``env`` supplies PHALANX_* defaults."""
+    """Parses a ``phalanx-run`` command line; ``env`` supplies the ``PHALANX_*`` values flags do not give."""
     args = build_parser().parse_args(list(argv))
+    settings = _from_flags(args, env)
     notes: list[str] = []
     min_nodes, max_nodes = parse_node_range(args.nnodes, name="nnodes")
     if args.node_rank is not None:
@@ -152,67 +183,32 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> AgentConfig:
     if args.master_addr is not None or args.master_port is not None:
         notes.append("--master-addr/--master-port are ignored: each round gets a fresh store address")
     if args.standalone:
-        if args.rdzv_endpoint:
+        if settings.master_addr:
             notes.append("--standalone starts its own master; --rdzv-endpoint is ignored")
         min_nodes = max_nodes = 1
-    elif not args.rdzv_endpoint:
+    elif not settings.master_addr:
         raise ConfigError(
             "give the master's host:port with --rdzv-endpoint, or use --standalone", field="rdzv-endpoint"
         )
-    hang_values = HangSettings()
-    hang = HangSettings(
-        enabled=not args.no_hang_detection,
-        floor_s=parse_duration(args.hang_floor, name="hang-floor")
-        if args.hang_floor
-        else hang_values.floor_s,
-        idle_floor_s=parse_duration(args.hang_idle_floor, name="hang-idle-floor")
-        if args.hang_idle_floor
-        else hang_values.idle_floor_s,
-        factor=float(args.hang_factor) if args.hang_factor else hang_values.factor,
-        startup_s=parse_duration(args.hang_startup, name="hang-startup")
-        if args.hang_startup
-        else hang_values.startup_s,
-    )
-    if args.max_restarts < 0:
-        raise ConfigError(f"cannot be negative, got {args.max_restarts}", field="max-restarts")
-    job_id = args.rdzv_id or env.get("PHALANX_JOB_ID", "")
-    if not job_id:
-        job_id = "standalone" if args.standalone else "none"
-    # PHALANX_CHECKPOINT_STORAGE_PATH / _KEEP_LAST give the defaults; flags win.
-    ckpt = from_env(CheckpointSettings, env, prefix="PHALANX_CHECKPOINT_")
-    overrides: dict[str, object] = {}
-    if args.checkpoint_dir is not None:
-        overrides["storage_path"] = args.checkpoint_dir
-    if args.checkpoint_keep_last is not None:
-        overrides["keep_last"] = args.checkpoint_keep_last
-    ckpt = dataclasses.replace(ckpt, **overrides)  # type: ignore[arg-type]
     script_args = list(args.training_script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
+    resolved = {f.name: getattr(settings, f.name) for f in dataclasses.fields(AgentSettings)}
     return AgentConfig(
+        **{
+            **resolved,
+            "job_id": settings.job_id or ("standalone" if args.standalone else "none"),
+            "node_id": settings.node_id or socket.gethostname(),
+            "host": settings.host or _default_host(),
+        },
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        nproc_per_node=_nproc(str(args.nproc_per_node)),
-        max_restarts=args.max_restarts,
-        monitor_interval_s=parse_duration(args.monitor_interval, name="monitor-interval"),
-        master_addr=args.rdzv_endpoint,
         standalone=args.standalone,
-        job_id=job_id,
-        node_id=args.node_id or env.get("PHALANX_NODE_ID") or socket.gethostname(),
-        host=args.local_addr or env.get("PHALANX_HOST") or _default_host(),
-        token_file=args.token_file or env.get("PHALANX_TOKEN_FILE", ""),
-        log_dir=args.log_dir,
         role=args.role,
         module=args.module,
         no_python=args.no_python,
         script=args.training_script,
         script_args=script_args,
-        grace_period_s=parse_duration(args.grace_period, name="grace-period"),
-        warm_spares=not args.no_warm_spares and env.get("PHALANX_WARM_SPARES", "1") != "0",
-        warm_probes=not args.no_warm_probes and env.get("PHALANX_WARM_PROBES", "1") != "0",
-        checkpoint_host=not args.no_checkpoint_host and env.get("PHALANX_CHECKPOINT_HOST", "1") != "0",
-        checkpoint=ckpt,
-        hang=hang,
         notes=notes,
     )
 

@@ -597,24 +597,42 @@ class MasterSettings:
 @_checked
 @dataclass(frozen=True, kw_only=True)
 class AgentSettings:
-    """Everything a node agent (`phalanx-run`) needs."""
+    """Everything a node agent (`phalanx-run`) reads from its flags and ``PHALANX_*`` variables: a flag wins
+    over its variable, a variable over the default here (:mod:`phalanx.agent.config`)."""
 
     job_id: str = setting("", doc="Name of the job (torchrun's --rdzv-id).")
     node_id: str = setting("", doc="Stable name of this node within the job; empty: the host name.")
     master_addr: str = setting("", doc="host:port of the master's gRPC service (torchrun's --rdzv-endpoint).")
     token_file: str = setting("", doc="File holding the job's bearer token.")
+    host: str = setting("", doc="Address the other nodes reach this node at; empty: the host name's address.")
     nproc_per_node: int = setting(1, doc="Training processes this node runs.")
+    max_restarts: int = setting(
+        0,
+        doc="Restarts of this node's workers the agent carries out before it exits (torchrun's meaning); the "
+        "job's own budget is the master's.",
+    )
     monitor_interval_s: float = setting(0.1, doc="How often the agent checks its workers.", unit="s")
+    grace_period_s: float = setting(
+        5.0, doc="Time workers get between SIGTERM and SIGKILL when they are stopped.", unit="s"
+    )
     log_dir: str = setting("", doc="Directory for per-rank log and error files; empty: a temporary one.")
+    warm_spares: bool = setting(True, doc="Start workers from spares that imported torch beforehand.")
+    warm_probes: bool = setting(
+        True, doc="Fork each health probe from a probe server that imported torch beforehand."
+    )
+    checkpoint_host: bool = setting(True, doc="Run the node's flash-checkpoint host.")
     hang: HangSettings = group(HangSettings, doc="Hang detection.")
-    restart: RestartSettings = group(RestartSettings, doc="Restart budget and stop grace period.")
     logs: LogSettings = group(LogSettings, doc="Log shipping limits.")
     checkpoint: CheckpointSettings = group(CheckpointSettings, doc="Flash checkpoint.")
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise ConfigError(f"must be at least 1, got {self.nproc_per_node}", field="nproc_per_node")
+        if self.max_restarts < 0:
+            raise ConfigError(f"cannot be negative, got {self.max_restarts}", field="max_restarts")
         _positive(self.monitor_interval_s, "monitor_interval_s")
+        if self.grace_period_s < 0:
+            raise ConfigError(f"cannot be negative, got {self.grace_period_s}", field="grace_period_s")
 
 
 @_checked
