@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -130,6 +131,22 @@ def in_training(
     return out
 
 
+def training_step(
+    model: torch.nn.Sequential, opt: torch.optim.Optimizer, *, batch: int
+) -> Callable[[], None]:
+    """One iteration of :func:`in_training`'s loop without a save, on torch's current threads."""
+    x = torch.randn(batch, model[0].in_features, device=model[0].weight.device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        opt.step()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+
+    return step
+
+
 def tensors_of(state: Any) -> list[torch.Tensor]:
     if isinstance(state, torch.Tensor):
         return [state]
@@ -209,16 +226,25 @@ def d2h_limit(state: Any, repeats: int) -> dict[str, float]:
 
 
 def bench_phalanx(
-    state: Any, repeats: int, workdir: Path, *, first_runs: int, storage: str = ""
+    state: Any,
+    repeats: int,
+    workdir: Path,
+    *,
+    first_runs: int,
+    train_step: Callable[[], None],
+    storage: str = "",
 ) -> dict[str, Any]:
     """phalanx's saves, persists and loads; ``storage``: where to persist (default: a directory in
-    ``workdir``; e.g. ``s3://bucket/prefix`` with the AWS_* variables set), one location per job."""
+    ``workdir``; e.g. ``s3://bucket/prefix`` with the AWS_* variables set), one location per job.
+    ``train_step``: one training iteration that updates ``state`` (for
+    :func:`first_saves_of_an_incarnation`)."""
     from phalanx.checkpoint import Checkpointer
     from phalanx.checkpoint import host as host_mod
     from phalanx.checkpoint.storage import open_storage
 
     results: dict[str, Any] = {}
     firsts: dict[bool, list[float]] = {False: [], True: []}
+    beside: dict[bool, list[float]] = {False: [], True: []}
     # A first save happens once per job: its median needs a fresh job (host, memory) per sample. The last
     # prepared job goes on to the steady-state saves, persistence and loads.
     for prepared in [False] * first_runs + [True] * first_runs:
@@ -235,17 +261,26 @@ def bench_phalanx(
             started = time.perf_counter()
             ckpt.save(1, state)
             firsts[prepared].append(time.perf_counter() - started)
+            # A steady save right after, on the same loaded or quiet machine: each first save's ratio to it.
+            ckpt.wait_prepared()
+            started = time.perf_counter()
+            ckpt.save(2, state)
+            beside[prepared].append(time.perf_counter() - started)
             if len(firsts[prepared]) < first_runs:
                 ckpt.close()
                 continue
             if not prepared:
                 results["first_unprepared_blocking_s"] = statistics.median(firsts[False])
                 results["first_unprepared_samples_s"] = firsts[False]
+                results["first_unprepared_steady_beside_s"] = beside[False]
+                results["first_unprepared_ratio_median"] = ratio_median(firsts[False], beside[False])
                 ckpt.close()
                 continue
             results["first_blocking_s"] = statistics.median(firsts[True])
             results["first_samples_s"] = firsts[True]
-            steps = iter(range(2, 2 + 10 * repeats))
+            results["first_steady_beside_s"] = beside[True]
+            results["first_ratio_median"] = ratio_median(firsts[True], beside[True])
+            steps = itertools.count(3)
             saves = []
             for _ in range(max(repeats, 5)):
                 started = time.perf_counter()
@@ -269,16 +304,96 @@ def bench_phalanx(
             ckpt.load(into=state)  # a restarted process whose model and optimizer exist already
             results["load_from_memory_in_place_s"] = time.perf_counter() - started
             ckpt.close()
-            handle.stop()  # the node goes, with its memory: a new one loads the newest step from storage
-            fresh = Checkpointer(job_id=job, storage=store, shm_dir=str(workdir), rank=0, world_size=1)
-            started = time.perf_counter()
-            fresh.load(into=state)
-            results["load_from_storage_s"] = time.perf_counter() - started
-            assert fresh.last_load["source"] == "storage", fresh.last_load
+            results.update(
+                first_saves_of_an_incarnation(job, store, handle, state, steps, first_runs, train_step)
+            )
         finally:
             handle.stop()
             open_storage(store).remove_dir("")
     return results
+
+
+def ratio_median(firsts: list[float], steadies: list[float]) -> float:
+    """The median over samples of a first save's time over the steady save right after it."""
+    return statistics.median(f / s for f, s in zip(firsts, steadies, strict=True))
+
+
+def first_saves_of_an_incarnation(
+    job: str,
+    store: str,
+    handle: Any,
+    state: Any,
+    steps: Any,
+    runs: int,
+    train_step: Callable[[], None],
+) -> dict[str, Any]:
+    """The first save of a new incarnation, whose sizes are known before it: a restarted process (the host
+    kept its slots: mapped from the Checkpointer's construction on) and a replacement node (its memory is
+    gone: the load from storage readies the slots). Each first save comes as in a training script: after the
+    load and one training step (whose time, beside the background work, is reported next to a plain step's),
+    and also at once after the construction or the load (the worst case: nothing had time to run). Each
+    first save after a step is followed by a steady save of the same process: their ratio is taken per
+    sample, so that a machine whose load drifts during the run skews both alike."""
+    from phalanx.checkpoint import Checkpointer
+    from phalanx.checkpoint import host as host_mod
+
+    def timed(fn: Callable[[], Any]) -> float:
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+
+    plain_step = statistics.median(timed(train_step) for _ in range(3))
+    out: dict[str, Any] = {"train_step_s": plain_step}
+    at_once, restarted, restarted_steps, restarted_beside = [], [], [], []
+    for _ in range(runs):
+        again = Checkpointer(
+            job_id=job, storage=store, host_socket=str(handle.socket_path), rank=0, world_size=1
+        )
+        at_once.append(timed(lambda again=again: again.save(next(steps), state)))
+        again.close()
+        again = Checkpointer(
+            job_id=job, storage=store, host_socket=str(handle.socket_path), rank=0, world_size=1
+        )
+        again.load(into=state)  # a restarted script loads its snapshot in place, then trains
+        restarted_steps.append(timed(train_step))
+        restarted.append(timed(lambda again=again: again.save(next(steps), state)))
+        again.wait_prepared()
+        restarted_beside.append(timed(lambda again=again: again.save(next(steps), state)))
+        again.close()
+    out["first_restarted_blocking_s"] = statistics.median(restarted)
+    out["first_restarted_samples_s"] = restarted
+    out["first_restarted_step_s"] = statistics.median(restarted_steps)
+    out["first_restarted_steady_beside_s"] = restarted_beside
+    out["first_restarted_ratio_median"] = ratio_median(restarted, restarted_beside)
+    out["first_restarted_at_once_blocking_s"] = statistics.median(at_once)
+    out["first_restarted_at_once_samples_s"] = at_once
+    loads, replaced, replaced_at_once, replaced_steps, replaced_beside = [], [], [], [], []
+    for sample in range(2 * runs):
+        handle.stop()  # the node goes, with its memory: a new one loads the newest step from storage
+        handle = host_mod.start(job_id=job, storage=store, socket_path=handle.socket_path)
+        fresh = Checkpointer(
+            job_id=job, storage=store, host_socket=str(handle.socket_path), rank=0, world_size=1
+        )
+        loads.append(timed(lambda fresh=fresh: fresh.load(into=state)))
+        assert fresh.last_load["source"] == "storage", fresh.last_load
+        if sample % 2:  # every other node saves at once after its load, the others after a training step
+            replaced_at_once.append(timed(lambda fresh=fresh: fresh.save(next(steps), state)))
+        else:
+            replaced_steps.append(timed(train_step))
+            replaced.append(timed(lambda fresh=fresh: fresh.save(next(steps), state)))
+            fresh.wait_prepared()
+            replaced_beside.append(timed(lambda fresh=fresh: fresh.save(next(steps), state)))
+        fresh.close()
+    out["load_from_storage_s"] = statistics.median(loads)
+    out["first_after_storage_load_blocking_s"] = statistics.median(replaced)
+    out["first_after_storage_load_samples_s"] = replaced
+    out["first_after_storage_load_step_s"] = statistics.median(replaced_steps)
+    out["first_after_storage_load_steady_beside_s"] = replaced_beside
+    out["first_after_storage_load_ratio_median"] = ratio_median(replaced, replaced_beside)
+    out["first_after_storage_load_at_once_blocking_s"] = statistics.median(replaced_at_once)
+    out["first_after_storage_load_at_once_samples_s"] = replaced_at_once
+    handle.stop()
+    return out
 
 
 def bench_phalanx_training(
@@ -595,7 +710,12 @@ def main() -> int:
             out["memcpy"] = limits
         if "phalanx" in only:
             results["phalanx"] = bench_phalanx(
-                state, args.repeats, workdir, first_runs=args.first_runs, storage=args.storage
+                state,
+                args.repeats,
+                workdir,
+                first_runs=args.first_runs,
+                train_step=training_step(model, opt, batch=train.batch),
+                storage=args.storage,
             )
         if "training" in only:
             results["phalanx"] = {

@@ -12,11 +12,15 @@ With ``--state-mb N`` every rank carries N MiB more state: torchrun's script tor
 its restart also saves the last in-memory step at the breakpoint. A kill right after a step's log line then
 lands in the save that follows it; ``--kill-delay`` moves it past the save, into the next step.
 
+With ``--extra-imports a,b`` the script imports those libraries first: torchrun's restarted worker imports
+them again, phalanx-run's warm spare imported them beforehand because the first incarnation recorded them
+(``imports_recorded_before_kill``: how many names the killed rank had recorded when it was killed).
+
     .venv/bin/python benchmarks/recovery.py --runs 5
     .venv/bin/python benchmarks/recovery.py --runs 5 --optimizer adam \
         --out benchmarks/results/recovery-adam.json
     .venv/bin/python benchmarks/recovery.py --state-mb 512 --steps 40 --kill-step 20 --step-time 0.6 \
-        --kill-delay 0.45 --out benchmarks/results/recovery-512mb.json
+        --kill-delay 0.45 --timeout 300 --out benchmarks/results/recovery-512mb.json
 """
 
 from __future__ import annotations
@@ -35,15 +39,32 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "ddp_mlp.py"
+WRAPPER = """import importlib, runpy, sys
+for name in {names!r}:
+    importlib.import_module(name)
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+"""With ``--extra-imports``: the script both launchers run; it imports those libraries, then runs the example
+(whose start log then begins after them)."""
 
 
-def launcher(name: str, *, checkpoint_dir: Path | None) -> list[str]:
+def launcher(name: str, *, checkpoint_dir: Path | None, log_dir: Path) -> list[str]:
     common = ["--max-restarts", "3", "--nproc-per-node", "2", "--standalone"]
     if name == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *common]
     if checkpoint_dir is not None:
         common += ["--checkpoint-dir", str(checkpoint_dir)]
-    return [sys.executable, "-m", "phalanx.cli.run", *common]
+    return [sys.executable, "-m", "phalanx.cli.run", *common, "--log-dir", str(log_dir)]
+
+
+def recorded_imports(log_dir: Path, local_rank: int) -> int | None:
+    """How many module names the killed rank's first incarnation recorded for its next spare to import
+    (phalanx.agent.script_imports); None when it recorded nothing (or the launcher is not phalanx-run)."""
+    try:
+        return len((log_dir / "imports" / f"{local_rank}.txt").read_text().split())
+    except OSError:
+        return None
 
 
 def read_steps(path: Path) -> list[dict[str, Any]]:
@@ -65,6 +86,7 @@ def one_run(
     state_mb: int,
     persist_every: int,
     optimizer: str,
+    extra_imports: list[str],
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         d = Path(tmp)
@@ -78,9 +100,17 @@ def one_run(
         if flash:
             args += ["--flash", "--persist-every", str(persist_every)]
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        script = SCRIPT
+        if extra_imports:
+            script = d / "train.py"
+            script.write_text(WRAPPER.format(names=extra_imports, script=str(SCRIPT)))
         out = (d / "launcher.log").open("w")
         proc = subprocess.Popen(
-            [*launcher(name, checkpoint_dir=d / "flash" if flash else None), str(SCRIPT), *args],
+            [
+                *launcher(name, checkpoint_dir=d / "flash" if flash else None, log_dir=d / "logs"),
+                str(script),
+                *args,
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -100,6 +130,7 @@ def one_run(
                     t_kill = time.time()
                     os.kill(victim, signal.SIGKILL)
                     result["killed_after_step"] = killed_after
+                    result["imports_recorded_before_kill"] = recorded_imports(d / "logs", local_rank=1)
                 time.sleep(0.005)
             code = proc.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -142,6 +173,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "steps_lost": [r["steps_lost"] for r in ok],
         "median_kill_to_script_start_s": _median(r.get("kill_to_script_start_s") for r in ok),
         "median_kill_to_ready_s": _median(r.get("kill_to_ready_s") for r in ok),
+        "imports_recorded_before_kill": [r.get("imports_recorded_before_kill") for r in ok],
         "failed_runs": [r for r in runs if not r["ok"]],
     }
 
@@ -169,6 +201,13 @@ def main() -> None:
     )
     p.add_argument("--persist-every", type=int, default=10)
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="the script's optimizer")
+    p.add_argument(
+        "--extra-imports",
+        type=lambda text: [n for n in text.split(",") if n],
+        default=[],
+        help="libraries the script imports before it runs the example (comma-separated), e.g. "
+        "matplotlib.pyplot: what a restart imports again under torchrun, and a warm spare beforehand",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     report: dict[str, Any] = {
@@ -184,6 +223,7 @@ def main() -> None:
             "state_mb": args.state_mb,
             "persist_every": args.persist_every if args.state_mb else None,
             "optimizer": args.optimizer,
+            "extra_imports": args.extra_imports,
             "cpus": os.cpu_count(),
             "load_average_before": round(os.getloadavg()[0], 2),
         }
@@ -202,6 +242,7 @@ def main() -> None:
                 state_mb=args.state_mb,
                 persist_every=args.persist_every,
                 optimizer=args.optimizer,
+                extra_imports=args.extra_imports,
             )
             runs[name].append(r)
             print(

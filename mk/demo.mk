@@ -6,7 +6,7 @@
 # 10th step (and the last one before a failure: save at breakpoint) is persisted to $work/ckpt.
 .PHONY: demo
 
-DEMO_STEPS ?= 160
+DEMO_STEPS ?= 260
 DEMO_NPROC ?= $(shell n=$$(nproc); echo $$(( n >= 6 ? 2 : 1 )))
 DEMO_ARGS ?=
 

@@ -105,6 +105,30 @@ def test_node_sigkill_survivors_shrink_then_replacement_joins(tmp_path: Path) ->
     assert min(grown) > min(small)
     assert {e["world"] for e in lines if e["round"] == min(small)} == {4}
     assert max(e["step"] for e in lines) == 109
+    # One fault, one row: the replacement's fold-in is reported with it. The workload checkpoints every
+    # step on its own (the master is not told), so the master had no boundary to wait for, and the
+    # survivors' last step before the fold-in is the one before the job's first step with node-3.
+    fold = f["fold_in"]
+    assert (fold["node"], fold["round"], fold["reformed_world"], fold["world"]) == (
+        "node-3",
+        min(grown),
+        4,
+        6,
+    )
+    assert (
+        fold["reason"]
+        == "scale up: 1 node(s) waiting; the job reports no checkpoints: there is no boundary to wait for"
+    )
+    first_with_node_3 = min(e["step"] for e in lines if e["round"] == min(grown))
+    last_before: dict[int, int] = {}  # each survivor's worker: its last step before the fold-in
+    for e in lines:
+        if e["round"] == max(small):
+            last_before[e["pid"]] = max(last_before.get(e["pid"], -1), e["step"])
+    # Ranks step on timers of their own: rank 0's checkpoint may be a step ahead of the slowest rank's.
+    assert fold["step"] == first_with_node_3 >= min(last_before.values()) + 1  # no step trained twice
+    assert fold["steps_lost"] == 0
+    assert 0 < fold["cost_s"] < fold["folded_at"] - f["injected_at"]
+    assert f"node-3 folded in at step {first_with_node_3} (round {min(grown)})" in f["action"]
     # The killed agent could not remove its workers' beacons and interval rings; the run did.
     assert not list(Path("/dev/shm").glob(f"phalanx-{s['job_id']}-*")), "shared-memory files left behind"
 

@@ -242,9 +242,18 @@ def test_hang_asks_for_stacks_and_evicts_the_odd_node_on_second_hang() -> None:
     stacks("b", {2: waiting, 3: loader})
     analysis = sim.job.status()["hang_analysis"]
     assert analysis["odd_nodes"] == ["b"]
-    assert sim.job.hang_counts == {"a": 0, "b": 1}  # blame moved to the odd node
+    assert sim.job.hang_counts == {"b": 1}  # counted against the odd node, never against the reporter
     sim.join("a")
     sim.join("b")
+    # b's agent sends its stacks before its report, as a real one does: its rank 3 is stopped, so the hang
+    # counts against b at once, its second.
+    ranks = [
+        pb.RankStacks(rank=2, stacks=waiting, process_state="S"),
+        pb.RankStacks(rank=3, process_state="T"),
+    ]
+    sim.job.report_stacks(
+        pb.ReportStacksRequest(node_id="b", incarnation=sim.inc["b"], round=2, ranks=ranks), now=sim.now
+    )
     evict = sim.fail("b", kind=pb.FAILURE_KIND_HANG, cls=pb.FAILURE_CLASS_HANG)
     assert (kinds([evict]), evict.round) == (["EXIT"], 0)
     assert sim.job.evictions[-1].node_id == "b"

@@ -113,10 +113,16 @@ def test_hardware_evicts_within_budget() -> None:
 
 
 def test_hang_restarts_with_stacks_then_evicts_on_second() -> None:
-    first = decide_failure(inp([rec("a", 0, kind="hang", cls="hang")]), now=1.0)
-    assert (first.verdict, first.dump_stacks) == (Verdict.RESTART, True)
-    second = decide_failure(inp([rec("a", 0, kind="hang", cls="hang")], hang_count=1), now=1.0)
+    hung = [rec("a", 0, kind="hang", cls="hang")]
+    first = decide_failure(inp(hung, hang_suspect="a", hang_blame_why="rank 0 stopped"), now=1.0)
+    assert (first.verdict, first.dump_stacks, first.blamed) == (Verdict.RESTART, True, "a")
+    second = decide_failure(inp(hung, hang_suspect="a", suspect_hang_count=1), now=1.0)
     assert (second.verdict, second.evict_kind) == (Verdict.EVICT, "hang")
+    # Nothing singles out a node: a restart with stacks, counted against nobody, even for a reporter that
+    # hung before (it may be its peer's victim both times).
+    unknown = decide_failure(inp(hung, hang_blame_why="no evidence singles out a node"), now=1.0)
+    assert (unknown.verdict, unknown.dump_stacks, unknown.blamed) == (Verdict.RESTART, True, "")
+    assert "counted against no node" in unknown.reason
 
 
 def test_message_falls_back_to_the_exception_line_of_the_log_tail() -> None:

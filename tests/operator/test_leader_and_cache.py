@@ -1,14 +1,18 @@
 """The pure parts of leader election (what a candidate does with the Lease as read) and of the watch caches
-(which copy of an object wins). The I/O around them runs against the real control plane in
-tests/k8s/test_operator_ha.py."""
+(which copy of an object wins), and when a new leader may run its first pass. The I/O around them runs against
+the real control plane in tests/k8s/test_operator_ha.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from kubernetes import client
 
+from phalanx.api.settings import OperatorSettings
 from phalanx.operator.cache import WatchCache, newer
+from phalanx.operator.executor import Executor
+from phalanx.operator.handlers import Reconciler
 from phalanx.operator.leader import LeaseTiming, Observation, decide
 
 TIMING = LeaseTiming(lease_s=8, renew_deadline_s=5, retry_s=1)
@@ -77,3 +81,38 @@ def test_the_cache_indexes_by_job_and_ignores_older_copies() -> None:
     cache.remove("n", "p1")
     assert [p["metadata"]["name"] for p in cache.by_index(("n", "a"))] == ["p0"]
     assert cache.by_index(("n", "c")) == []
+
+
+def _passes(executor: Executor) -> float:
+    return sum(executor.metrics.passes.labels(result=r)._value.get() for r in ("ok", "error"))
+
+
+def test_no_pass_runs_before_the_jobs_and_the_pods_are_both_listed() -> None:
+    """A new leader's jobs watch delivers changes (the master's status patches) while its Pods may still be
+    being listed: a pass then would see the job without its Pods and replace every one of them, on any
+    machine (a replacement landed on the machine it was evicted from in tests/k8s/test_operator_ha.py).
+    Such triggers run no pass; the first periodic round, once both caches are synced, passes every job.
+    Nothing listens at the API address: a pass that ran fails on its first read and is counted."""
+    settings = OperatorSettings()
+    nowhere = client.Configuration(host="http://127.0.0.1:9")
+    nowhere.retries = 0  # fail at the first refused connection
+    api = client.ApiClient(nowhere)
+    job = {
+        "apiVersion": "phalanx.dev/v1alpha1",
+        "kind": "ElasticJob",
+        "metadata": {"name": "j", "namespace": "ns", "uid": "u", "resourceVersion": "7", "generation": 1},
+        "spec": {},
+        "status": {"evictions": [{"nodeId": "j-worker-0-0"}]},
+    }
+    early = Reconciler(executor=Executor(api=api, settings=settings), settings=settings)
+    early.jobs.put(job)  # the jobs are listed; the Pods' LIST has not come back
+    early._changed(("ns", "j"), job)  # what the jobs watch calls on a change
+    early._pool.shutdown(wait=True)
+    assert _passes(early.executor) == 0
+
+    synced = Reconciler(executor=Executor(api=api, settings=settings), settings=settings)
+    synced.jobs.put(job)
+    synced._synced.set()  # as start() does once both caches listed everything
+    synced._changed(("ns", "j"), job)
+    synced._pool.shutdown(wait=True)
+    assert _passes(synced.executor) == 1, "once synced, a change runs a pass"

@@ -58,7 +58,9 @@ class FakeCluster:
     """Pods deleted with a grace period stay, terminating, until :meth:`gone` (as their agents persist)."""
     now: float = 1000.0
 
-    def step(self) -> list[Action]:
+    def step(self, *, dies_before_closing_patch: bool = False) -> list[Action]:
+        """One pass, its actions carried out; ``dies_before_closing_patch``: the operator died after every
+        other action of the pass, before the status patch that ends it."""
         observed = Observed(
             job=copy.deepcopy(self.job),
             pods=list(self.pods.values()),
@@ -68,7 +70,10 @@ class FakeCluster:
             foreign=frozenset(self.foreign),
         )
         actions = reconcile(observed, now=self.now, settings=self.settings, new_token="tok")
-        for a in actions:
+        carried_out = actions
+        if dies_before_closing_patch and actions and isinstance(actions[-1], PatchStatus):
+            carried_out = actions[:-1]
+        for a in carried_out:
             if isinstance(a, Create):
                 kind, name = a.obj["kind"], a.obj["metadata"]["name"]
                 if kind == "Pod":
@@ -238,6 +243,71 @@ def test_eviction_replaces_off_the_machine_and_cordons() -> None:
     c.step()
     assert c.cordoned == ["bad"], "a machine is cordoned once"
     assert [a for a in c.step() if isinstance(a, Create)] == []
+
+
+def kept_off(pod: dict[str, Any]) -> list[str]:
+    """The machines a Pod's required node affinity keeps it off ([] when it has none)."""
+    affinity = pod["spec"].get("affinity", {}).get("nodeAffinity", {})
+    terms = affinity.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+    return sorted(
+        {
+            value
+            for term in terms
+            for expr in term.get("matchExpressions", [])
+            if expr["key"] == "kubernetes.io/hostname" and expr["operator"] == "NotIn"
+            for value in expr["values"]
+        }
+    )
+
+
+def evicted_on_bad() -> FakeCluster:
+    """A running job whose workers run on machine "bad"; the master evicts j-worker-0-0 now."""
+    c = FakeCluster(job_obj(), graceful=True)
+    c.step()
+    c.run_all(node="bad")
+    c.master_says()
+    c.step()
+    c.job["status"]["evictions"] = [{"nodeId": "j-worker-0-0", "machine": "x", "reason": "hardware"}]
+    return c
+
+
+def test_an_evicted_pod_that_stopped_before_any_pass_saw_the_eviction_still_marks_its_machine() -> None:
+    """The decision must not depend on which the operator saw first, the eviction or the evicted Pod's end:
+    its agent exits on the master's word (the Pod Failed), or the Pod was deleted while no operator led (it
+    is terminating). Its node is the same: the replacement keeps off it and the status records it."""
+    failed = evicted_on_bad()
+    failed.pods["j-worker-0-0"] = PodView(
+        name="j-worker-0-0", role="worker", phase="Failed", node_name="bad", exit_code=1
+    )
+    stopping = evicted_on_bad()
+    stopping.pods["j-worker-0-0"] = dataclasses.replace(stopping.pods["j-worker-0-0"], terminating=True)
+    for c in (failed, stopping):
+        actions = c.step()
+        (replacement,) = [a.obj for a in actions if isinstance(a, Create)]
+        assert replacement["metadata"]["name"] == "j-worker-0-1"
+        assert kept_off(replacement) == ["bad"]
+        assert c.job["status"]["excludedMachines"] == ["bad"]
+
+
+def test_the_machine_is_recorded_before_any_pod_is_touched_so_any_later_leader_keeps_off_it() -> None:
+    """The operator dies after carrying out the eviction (replacement created, evicted Pod deleted) but
+    before its pass's closing status patch; the evicted Pod is gone when the next leader looks. The machine
+    was written first: the next replacement of the slot still keeps off it."""
+    c = evicted_on_bad()
+    c.graceful = False  # the deleted Pod vanishes at once: no later pass sees it
+    actions = c.step(dies_before_closing_patch=True)
+    assert "j-worker-0-0" not in c.pods
+    c.run_all(node="good")
+    c.pods["j-worker-0-1"] = PodView(name="j-worker-0-1", role="worker", phase="Failed", node_name="good")
+    (replacement,) = [a.obj for a in c.step() if isinstance(a, Create)]
+    assert replacement["metadata"]["name"] == "j-worker-0-2"
+    assert kept_off(replacement) == ["bad"]
+    assert c.job["status"].get("excludedMachines") == ["bad"]
+    first_pod_action = next(i for i, a in enumerate(actions) if isinstance(a, Create | DeletePod))
+    records = (
+        i for i, a in enumerate(actions) if isinstance(a, PatchStatus) and "excludedMachines" in a.status
+    )
+    assert next(records, len(actions)) < first_pod_action, [type(a).__name__ for a in actions]
 
 
 def test_the_machine_an_agent_reports_is_never_cordoned_nor_excluded() -> None:

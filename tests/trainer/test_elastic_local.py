@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,15 @@ def test_node_loss_through_phalanx_local_keeps_survivor_processes(tmp_path: Path
     [failure] = summary["failures"]
     assert failure["kind"] == "kill-node"
     assert failure["steps_lost"] == 0
+    # The replacement is part of the same fault: folded in at a checkpoint boundary (a trainer that regroups
+    # in process saves nothing at breakpoint, so the master waits for the next committed step), or, when it
+    # registered early, taken into the survivors' own round.
+    fold = failure["fold_in"]
+    assert (fold["node"], fold["world"], fold["steps_lost"]) == ("node-3", 3, 0), fold
+    if fold["reformed_world"]:
+        assert re.fullmatch(
+            r"scale up: 1 node\(s\) waiting; at a checkpoint boundary: step \d+0 committed", fold["reason"]
+        )
 
     logs = _logs(tmp_path)
     formed = {pid: [r for r in recs if r["event"] == "formed"] for pid, recs in logs.items()}

@@ -6,6 +6,10 @@ installs a faulthandler on SIGUSR1 that dumps all threads' stacks to the stack f
 exactly as ``python script.py args`` (or ``python -m module args``) would. This lets the agent keep warm
 spares that have already paid for ``import torch`` when a round completes. End of input without a line
 means the spare is not needed: exit 0 quietly.
+
+With ``PHALANX_BOOTSTRAP_IMPORTS_FILE`` (warm spares under an agent) the spare also imports, once ready and
+at idle priority, what the previous incarnation of the script recorded there, and the worker records what
+its script imported for the next one (:mod:`phalanx.agent.script_imports`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import os
 import runpy
 import signal
 import sys
+from pathlib import Path
 from typing import Any
+
+from phalanx.agent import script_imports
 
 _PR_SET_PDEATHSIG = 1
 READY_ENV_VAR = "PHALANX_BOOTSTRAP_READY_FILE"
@@ -65,13 +72,24 @@ def main(argv: list[str]) -> None:
     mode, target, args = argv[0], argv[1], argv[2:]
     _die_with_parent()
     _preimport(preimport)
+    own_set = frozenset(sys.modules)  # what every spare has: a worker records only what its script added
+    imports_file = os.environ.pop(script_imports.ENV_VAR, "")
     ready = os.environ.pop(READY_ENV_VAR, "")
     if ready:  # tells the agent this spare paid for its imports and can start at once
         with open(ready, "w") as f:
             f.write(str(os.getpid()))
+    replayer = None
+    if imports_file and mode != "--exec":
+        # After the ready file: the agent never waits for these imports; only a spare still waiting gains.
+        # With the script's own path (not the agent's working directory) first, as the script will have it:
+        # a name resolves to the module the script would get.
+        sys.path[0] = _path_entry(mode, target)
+        replayer = script_imports.Replayer(Path(imports_file)).start()
     handover = _receive()
     if handover is None:
         os._exit(0)
+    if replayer is not None:
+        replayer.stop()
     os.environ.update({str(k): str(v) for k, v in handover["env"].items()})
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # the hand-over pipe is done; the script reads stdin like under torchrun (nothing)
@@ -82,12 +100,34 @@ def main(argv: list[str]) -> None:
         os.execvp(target, [target, *args])  # noqa: S606 - the user asked for --no-python
     if mode == "--module":
         sys.argv = [target, *args]
-        sys.path[0] = os.getcwd()
+        sys.path[0] = _path_entry(mode, target)
+        _record(imports_file, own_set, own_names=[target])
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return
     sys.argv = [target, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(target))
+    sys.path[0] = _path_entry(mode, target)
+    _record(imports_file, own_set)
     runpy.run_path(target, run_name="__main__")
+
+
+def _path_entry(mode: str, target: str) -> str:
+    """``sys.path[0]`` as ``python script.py`` (the script's directory) or ``python -m`` (the working
+    directory) sets it."""
+    return os.getcwd() if mode == "--module" else os.path.dirname(os.path.abspath(target))
+
+
+def _record(imports_file: str, own_set: frozenset[str], own_names: list[str] | None = None) -> None:
+    """Records, from a thread that waits for the script's first step, what the script imports; the script's
+    own directory (``sys.path[0]``) and module are left out."""
+    if not imports_file:
+        return
+    script_imports.Recorder(
+        Path(imports_file),
+        baseline=own_set,
+        own_dirs=[sys.path[0]],
+        own_names=own_names or [],
+        beacon_path=os.environ.get("PHALANX_BEACON_FILE", ""),
+    ).start()
 
 
 if __name__ == "__main__":

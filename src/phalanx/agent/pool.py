@@ -71,6 +71,13 @@ class WorkerPool:
         self.rings: dict[int, tuple[interval_ring.RingReader, interval_ring.Tracker]] = {}
         """Per local rank: the reader of its interval ring and what it has read so far."""
         self._spawned = 0
+        self.imports_dir: Path | None = None
+        """Where each local rank's script imports are recorded for its next spares; None: no warm spares."""
+        if config.warm_spares and not config.no_python:
+            self.imports_dir = log_dir / "imports"
+            # Only this run's incarnations count: a reused log dir may hold another script's list.
+            for stale in self.imports_dir.glob("*.txt"):
+                stale.unlink(missing_ok=True)
 
     def paths(self, info: RoundInfo, local_rank: int) -> worker_env.WorkerPaths:
         d = self.log_dir / f"round{info.round}" / str(local_rank)
@@ -107,6 +114,7 @@ class WorkerPool:
             cwd=None,
             max_line_bytes=self.config.logs.max_line_bytes,
             ready_file=self.log_dir / "spares" / f"{local_rank}-{self._spawned}.ready",
+            imports_file=self.imports_dir / f"{local_rank}.txt" if self.imports_dir else None,
         )
 
     def fill_spares(self) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from phalanx.agent import script_imports
 from phalanx.agent.env import WorkerPaths
 
 TAIL_LINES = 40
@@ -151,13 +152,19 @@ def spawn(
     cwd: str | None,
     max_line_bytes: int,
     ready_file: Path | None = None,
+    imports_file: Path | None = None,
 ) -> Worker:
-    """Starts a bootstrap that imports the heavy modules and waits for its round."""
+    """Starts a bootstrap that imports the heavy modules and waits for its round. With ``imports_file`` it
+    also imports, once ready, what the previous incarnation recorded there, and records its own script's
+    imports there for the next (:mod:`phalanx.agent.script_imports`)."""
     env = {**env, AGENT_PID_ENV_VAR: str(os.getpid())}
     if ready_file is not None:
         ready_file.parent.mkdir(parents=True, exist_ok=True)
         ready_file.unlink(missing_ok=True)
         env[READY_ENV_VAR] = str(ready_file)
+    if imports_file is not None:
+        imports_file.parent.mkdir(parents=True, exist_ok=True)
+        env[script_imports.ENV_VAR] = str(imports_file)
     proc = subprocess.Popen(
         spec.command(),
         stdin=subprocess.PIPE,

@@ -44,6 +44,8 @@ class HangAnalysis:
     odd_ranks: list[int]
     nodes_reported: list[str]
     reason: str
+    blamed: str = ""
+    """The node the hang counts against after the analysis ("": none, the evidence singled out no node)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

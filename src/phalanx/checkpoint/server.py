@@ -151,9 +151,11 @@ class HostServer:
             return Reply.failed(f"cannot allocate {size} bytes of shared memory in {self.shm_dir}: {exc}")
         with self._cond:
             old = self._ranks.get(rank)
-            if old is not None:
+            if old is not None and not old.pending:
                 for seg in old.segments:
                     seg.close()
+            # else a persist in flight still reads the old mappings (a restarted rank sizes its slots while
+            # its save at breakpoint is written): they are unmapped when the persister lets go of them.
             entry = _Rank(paths=paths, segments=[shm.Segment(p) for p in paths])
             if old is not None:
                 entry.pending, entry.results = old.pending, old.results
@@ -176,16 +178,18 @@ class HostServer:
     def _wait(self, rank: int, step: int | None, timeout: float | None) -> messages.Waited:
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         with self._cond:
-            entry = self._ranks.get(rank)
-            if entry is None:
-                return messages.Waited(ok=True)
-            while entry.pending:
+            # The entry is looked up again after every wake-up: an allocation (a restarted rank sizing its
+            # slots) replaces it, and the persister counts down the new one; waiting on the old one would
+            # wait forever.
+            while (entry := self._ranks.get(rank)) is not None and entry.pending:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return messages.Waited(
                         ok=False, error=f"persisting rank {rank} did not finish in {timeout}s"
                     )
                 self._cond.wait(left)
+            if entry is None:
+                return messages.Waited(ok=True)
             results = [r for r in entry.results if step is None or r["step"] == step]
             entry.results = []
         errors = [r["error"] for r in results if r.get("error")]

@@ -23,12 +23,18 @@ With the recorder (:mod:`phalanx.intervals`) the verdict says where the rank is 
 
 Across ranks (:func:`find_suspects`): the ranks that wait in collective N of group G (entered, not complete)
 wait for the members of G that never entered N; those are the suspects, not the ranks that reported.
+
+Which node a hang counts against (:func:`blame`): the one the evidence singles out, or none. A beacon-only
+hang of two nodes looks the same from both sides (both beacons stale within a step of each other, two
+stacks that tie), so the node that happened to report first must not be charged: a victim would be evicted
+as "hung twice" at the next hang of its peer.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from phalanx.api import intervals
@@ -200,3 +206,74 @@ def find_suspects(activities: dict[int, pb.RankActivity]) -> Suspects | None:
         if best is None or (len(absent), len(waiting)) > (len(best.ranks), len(best.waiting)):
             best = found
     return best
+
+
+STOPPED_STATES = frozenset({"T", "t"})
+"""``/proc/<pid>/stat`` states of a process that cannot run until someone resumes it: stopped by a signal
+(SIGSTOP, SIGTSTP) or by a tracer. Its peers, blocked in a collective, sleep (``S``): the state tells the
+stopped rank from its victims even with two ranks, where stacks and beacon ages cannot."""
+
+
+@dataclass(frozen=True)
+class Blame:
+    """The node a hang counts against (its second hang evicts it), and the evidence that singles it out."""
+
+    node: str
+    """"": no node is singled out; the hang restarts the round and counts against none."""
+    why: str
+
+
+def stopped_ranks(states: Mapping[str, Mapping[int, str]]) -> dict[str, list[int]]:
+    """Node -> its ranks whose process was stopped when the agent dumped their stacks (``states``: node ->
+    global rank -> process state letter, as ``RankStacks.process_state`` carries it)."""
+    out = {n: sorted(r for r, st in ranks.items() if st in STOPPED_STATES) for n, ranks in states.items()}
+    return {n: ranks for n, ranks in sorted(out.items()) if ranks}
+
+
+def blame(
+    *,
+    members: Sequence[str],
+    stopped: Mapping[str, Sequence[int]],
+    suspect_nodes: Sequence[str] = (),
+    odd_nodes: Sequence[str] = (),
+) -> Blame:
+    """The node a hang of a round with ``members`` counts against, from the evidence at hand, strongest
+    first; each must name exactly one member node:
+
+    1. ``stopped``: the nodes whose ranks' processes are stopped (:func:`stopped_ranks`): such a rank cannot
+       run, so it holds up its peers, whatever they look like;
+    2. ``suspect_nodes``: the nodes whose ranks never entered the collective the others wait in
+       (:func:`find_suspects`, needs the interval recorder);
+    3. ``odd_nodes``: the nodes whose stacks differ from a majority of ranks (``compare_stacks`` without a
+       fallback: a tie names nobody).
+
+    Otherwise nobody: the node that reported first is not charged, it may be the victim (see the module
+    docstring). Nor is the only node of a round for being the only one: a hang without evidence may be the
+    script's own (a teardown slower than the idle floor, a deadlock), which a replacement would not fix."""
+    member = set(members)
+
+    def one(nodes: Sequence[str]) -> str:
+        found = sorted({n for n in nodes if n in member})
+        return found[0] if len(found) == 1 else ""
+
+    node = one([n for n, ranks in stopped.items() if ranks])
+    if node:
+        ranks = ", ".join(str(r) for r in stopped[node])
+        return Blame(node, f"rank(s) {ranks} on {node} stopped (SIGSTOP or a tracer)")
+    node = one(suspect_nodes)
+    if node:
+        return Blame(node, f"rank(s) on {node} never entered the collective the others wait in")
+    node = one(odd_nodes)
+    if node:
+        return Blame(node, f"the stacks of {node} differ from the majority")
+    several = [n for n, ranks in stopped.items() if ranks and n in member]
+    return Blame(
+        "",
+        "no evidence singles out a node ("
+        + (f"ranks stopped on {', '.join(sorted(several))}" if several else "no rank found stopped")
+        + ", "
+        + (f"suspects on {', '.join(sorted(set(suspect_nodes)))}" if suspect_nodes else "no suspect")
+        + ", "
+        + (f"odd stacks on {', '.join(sorted(set(odd_nodes)))}" if odd_nodes else "no odd stack")
+        + ")",
+    )

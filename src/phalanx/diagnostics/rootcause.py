@@ -61,11 +61,13 @@ F = TypeVar("F", bound=FailureLike)
 
 
 def is_echo(failure_class: str, message: str) -> bool:
-    """Whether a failure is the echo of another's: the ``comm`` class, or a user exception or unexplained
-    exit whose message is a peer-lost error (classified by an agent older than these markers)."""
+    """Whether a failure is the echo of another's: the ``comm`` class, or a user exception, an unexplained
+    exit or a hang verdict whose message is a peer-lost error (an older agent's class; a rank its agent found
+    hung that had raised on its peer's loss by the time the report was written: its error file's time, whole
+    seconds in torch's format, would otherwise put it before the peer that hung first)."""
     if failure_class == "comm":
         return True
-    return failure_class not in REAL_CAUSES - {"user"} and bool(ECHO.search(message))
+    return failure_class not in REAL_CAUSES - {"user", "hang"} and bool(ECHO.search(message))
 
 
 def tier(failure_class: str, message: str) -> int:

@@ -90,7 +90,8 @@ def compare_stacks(stacks: Mapping[str, Mapping[int, str]], *, hung_node: str = 
         fallback = [hung_node] if hung_node else []
         return StackVerdict(
             odd_nodes=fallback,
-            reason=f"{len(counts)} stacks tie among {len(sigs)} ranks; blaming the hung node",
+            reason=f"{len(counts)} stacks tie among {len(sigs)} ranks"
+            + ("; blaming the hung node" if hung_node else ""),
         )
     odd_ranks = {rank: node for rank, (node, sig) in sorted(sigs.items()) if sig != majority}
     odd_nodes = sorted(set(odd_ranks.values()))
@@ -99,7 +100,8 @@ def compare_stacks(stacks: Mapping[str, Mapping[int, str]], *, hung_node: str = 
         return StackVerdict(
             odd_nodes=[hung_node] if hung_node else [],
             majority=majority,
-            reason=f"all {len(sigs)} ranks share one stack (innermost frame {where}); blaming the hung node",
+            reason=f"all {len(sigs)} ranks share one stack (innermost frame {where})"
+            + ("; blaming the hung node" if hung_node else ""),
         )
     return StackVerdict(
         odd_nodes=odd_nodes,

@@ -29,7 +29,7 @@ from phalanx.agent.env import beacon_path
 from phalanx.agent.pool import SHM_DIR
 from phalanx.api.errors import CheckpointError
 from phalanx.checkpoint.protocol import HostClient
-from phalanx.local import cpulimit, fabric, procs
+from phalanx.local import cpulimit, fabric, foldin, procs
 from phalanx.local.cpulimit import CpuGroup
 from phalanx.local.inject import HOST_KINDS, NETWORK_KINDS, SLOW_KINDS, UNNOTICED_KINDS, Injection
 from phalanx.local.relay import Relay
@@ -248,6 +248,10 @@ class LocalCluster:
                 f.detected_at = ev["at"]
                 if kind == "eviction_requested":
                     f.action = f"evicted {node}"
+        if kind == "round_open":
+            for f in self.summary.failures:
+                if f.fold_in is not None:
+                    foldin.round_opened(f.fold_in, at=ev["at"], reason=str(ev.get("message", "")))
 
     def _steps(self) -> dict[tuple[str, int], tuple[int, int, int]]:
         """(node id, local rank) -> (step, unix_ns, pid) of every live node's workers."""
@@ -476,6 +480,38 @@ class LocalCluster:
             for f in self.summary.failures:
                 if f.node == node_id and "replaced" not in f.action:
                     f.action += f", replaced by {new.node_id}"
+                    f.fold_in = foldin.started(
+                        node=new.node_id,
+                        lost=node_id,
+                        round_=int(self.job.get("round", 0) or 0),
+                        members=self.job.get("members") or [],
+                        world=int(self.job.get("world_size", 0) or 0),
+                    )
+
+    def _track_fold_ins(self, steps: dict[tuple[str, int], tuple[int, int, int]]) -> None:
+        """Follows each fault's replacement until the job's first step with it (:mod:`.foldin`)."""
+        folds = [
+            f.fold_in for f in self.summary.failures if f.fold_in is not None and f.fold_in.folded_at is None
+        ]
+        if not folds:
+            return
+        by_rank = {key: (step, unix_ns) for key, (step, unix_ns, _) in steps.items()}
+        for fold in folds:
+            done = foldin.observe(
+                fold,
+                at=self.elapsed(),
+                now_ns=time.time_ns(),
+                round_=int(self.job.get("round", 0) or 0),
+                members=self.job.get("members") or [],
+                world=int(self.job.get("world_size", 0) or 0),
+                running=self.job.get("phase") == "Running",
+                steps=by_rank,
+            )
+            if done:
+                self.say(
+                    f"folded {fold.node} in: step {fold.resumed_step} completed {fold.cost_s or 0.0:.2f}s "
+                    f"after round {fold.round} opened, {fold.steps_lost} steps lost"
+                )
 
     def _status(self) -> None:
         j = self.job
@@ -541,6 +577,7 @@ class LocalCluster:
             if steps:
                 self.max_step = max(self.max_step, *(s for s, _, _ in steps.values()))
             self._track_recovery(steps)
+            self._track_fold_ins(steps)
             self._track_host_faults()
             self._inject(steps)
             self._heal()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from phalanx.local.foldin import FoldIn
+
 
 @dataclass
 class FailureRecord:
@@ -33,6 +35,8 @@ class FailureRecord:
     survivors: dict[str, int] = field(default_factory=dict)
     """"node/local rank" -> pid of the workers the fault did not hit, as their beacons said when it hit:
     whether they still run at recovery tells an in-process regroup from a restart."""
+    fold_in: FoldIn | None = None
+    """The node's replacement, folded into the job later: part of this fault (:mod:`.foldin`)."""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -43,13 +47,17 @@ class FailureRecord:
             "recovery_round_seen_ns",
             "host_pid",
             "survivors",
+            "fold_in",
         ):
             data.pop(key)
         data["action"] = self.described()
+        if self.fold_in is not None:
+            data["fold_in"] = self.fold_in.to_json()
         return data
 
     def described(self) -> str:
-        return "; ".join(part for part in (self.recovery, self.action) if part)
+        fold = self.fold_in.described(injected_at=self.injected_at) if self.fold_in is not None else ""
+        return "; ".join(part for part in (self.recovery, self.action, fold) if part)
 
 
 HEAL_GRACE_S = 1.0

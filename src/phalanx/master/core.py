@@ -22,6 +22,7 @@ from phalanx.api.elasticjob import FINISHED_PHASES, Phase
 from phalanx.api.settings import MasterSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import Eviction, HangAnalysis
+from phalanx.diagnostics.hang import blame, stopped_ranks
 from phalanx.diagnostics.stacks import compare_stacks
 from phalanx.master import rendezvous as rdzv
 from phalanx.master import snapshot
@@ -61,8 +62,12 @@ class HangInquiry:
     """The node whose agent found the hang."""
     requested_at: float
     members: list[str]
-    stacks: dict[str, dict[int, str]] = field(default_factory=dict)
-    """Node -> rank -> stack dump, as they arrive."""
+    stacks: dict[str, dict[int, pb.RankStacks]] = field(default_factory=dict)
+    """Node -> rank -> stack dump and process state, as they arrive."""
+    charged: str = ""
+    """The node the hang was counted against when it was reported ("": none, nothing singled one out)."""
+    suspect_nodes: list[str] = field(default_factory=list)
+    """The nodes of the interval recorder's suspects when it was reported."""
 
 
 class JobCore:
@@ -98,7 +103,7 @@ class JobCore:
         are the suspects (not durable: a restarted master learns them again within a heartbeat)."""
         self.hang: HangInquiry | None = None
         """The pending hang analysis of a round."""
-        self.early_stacks: tuple[int, dict[str, dict[int, str]]] = (0, {})
+        self.early_stacks: tuple[int, dict[str, dict[int, pb.RankStacks]]] = (0, {})
         """Stacks of the current round that came before any hang analysis asked for them (round, node ->
         rank -> dump): an agent that detects a hang sends its stacks first and then reports the failure
         that starts the analysis, and so may every node whose ranks block in the same collective."""
@@ -337,38 +342,46 @@ class JobCore:
         hang, self.hang = self.hang, None
         if hang is None:
             return
-        hung = hang.node
-        verdict = compare_stacks(hang.stacks, hung_node=hung)
+        texts = {n: {r: s.stacks for r, s in ranks.items()} for n, ranks in hang.stacks.items()}
+        verdict = compare_stacks(texts)  # no fallback to the reporter: two stacks that tie name nobody
+        states = {n: {r: s.process_state for r, s in ranks.items()} for n, ranks in hang.stacks.items()}
+        found = blame(
+            members=hang.members,
+            stopped=stopped_ranks(states),
+            suspect_nodes=hang.suspect_nodes,
+            odd_nodes=verdict.odd_nodes,
+        )
+        counted = f"counted against {found.node}" if found.node else "counted against no node"
+        reason = f"{verdict.reason}; {counted}: {found.why}"
         self.last_hang_analysis = HangAnalysis(
             round=hang.round,
-            hung_node=hung,
+            hung_node=hang.node,
             odd_nodes=list(verdict.odd_nodes),
             odd_ranks=sorted(verdict.odd_ranks),
             nodes_reported=sorted(hang.stacks),
-            reason=verdict.reason,
+            reason=reason,
+            blamed=found.node,
         )
-        self._event(
-            "hang_analysis",
-            now=now,
-            node=",".join(verdict.odd_nodes),
-            round=hang.round,
-            message=verdict.reason,
-        )
-        failure_log.warning("hang analysis: %s", verdict.reason, extra={"node": hung, "round": hang.round})
-        if len(verdict.odd_nodes) == 1 and verdict.odd_nodes[0] != hung:
-            # The stacks put the blame on another node: move the hang from the detector to the culprit.
-            odd = verdict.odd_nodes[0]
-            self.hang_counts[hung] = max(0, self.hang_counts.get(hung, 0) - 1)
-            self.hang_counts[odd] = self.hang_counts.get(odd, 0) + 1
-            culprit = self.nodes.get(odd)
-            if self.hang_counts[odd] >= 2 and culprit is not None and culprit.status == ALIVE:
-                was_member = odd in self.members or odd in self.joiners
-                if (
-                    self._request_eviction(culprit, kind="hang", reason=f"{odd} hung twice", now=now)
-                    and was_member
-                ):
-                    self._open_round(f"evicted {odd}: hung twice", now=now)
+        self._event("hang_analysis", now=now, node=found.node, round=hang.round, message=reason)
+        failure_log.warning("hang analysis: %s", reason, extra={"node": hang.node, "round": hang.round})
+        if found.node != hang.charged:
+            # The evidence of every node's stacks moves the hang to the node it singles out, or off the node
+            # charged when it was reported.
+            if hang.charged:
+                self.hang_counts[hang.charged] = max(0, self.hang_counts.get(hang.charged, 0) - 1)
+            if found.node:
+                self._charge_hang(found.node, why=found.why, now=now)
         self._changed(durable=True)
+
+    def _charge_hang(self, node_id: str, *, why: str, now: float) -> None:
+        """Counts a hang against ``node_id`` after the stack analysis; its second evicts it."""
+        count = self.hang_counts[node_id] = self.hang_counts.get(node_id, 0) + 1
+        culprit = self.nodes.get(node_id)
+        if count >= 2 and culprit is not None and culprit.status == ALIVE:
+            was_member = node_id in self.members or node_id in self.joiners
+            reason = f"{node_id} hung {count} times ({why})"
+            if self._request_eviction(culprit, kind="hang", reason=reason, now=now) and was_member:
+                self._open_round(f"evicted {node_id}: {reason}", now=now)
 
     # ------------------------------------------------------------------------------------------------
     # Time

@@ -35,7 +35,10 @@ rename or remove one.
                                      communication error (an echo) only when nothing else failed;
                                      explanation: one sentence ("rank 1 on node-1 SIGKILLed at
                                      12:00:01.2 UTC; ranks 0, 2, 3 lost their peer after it")
-    hang_analysis: null | {round, hung_node, odd_nodes: [str], odd_ranks: [int], nodes_reported, reason}
+    hang_analysis: null | {round, hung_node, odd_nodes: [str], odd_ranks: [int], nodes_reported, reason,
+                           blamed}
+                                     hung_node: the node that reported; blamed: the node the hang
+                                     counts against ("": none, nothing singled one out)
     started_unix: float
     completed: [node_id]             members that reported completion of `round`
     probe: null | {id, round, trigger, result, members: [node_id], started_unix, finished_unix: float | null,

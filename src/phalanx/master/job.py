@@ -14,15 +14,17 @@ the first), ``Succeeded``, ``Failed``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from phalanx.api.elasticjob import Phase
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import hang, rootcause
+from phalanx.master import foldin
 from phalanx.master import rendezvous as rdzv
 from phalanx.master.breakpoints import Breakpoint
-from phalanx.master.core import FINISHED, HangInquiry, action, failure_log, log
+from phalanx.master.core import FINISHED, HangInquiry, action, failure_log, log, rdzv_log
 from phalanx.master.errors import RequestError
 from phalanx.master.membership import ALIVE, Node, lost_records_to_drop, registration_refusal
 from phalanx.master.policy import (
@@ -79,6 +81,13 @@ class Job(ProbeCore):
     the agents' requests."""
 
     pending_restart: PendingRestart | None = None
+    fold_in_wait: foldin.Waiting | None = None
+    """Nodes wait beside the running round for a checkpoint boundary (:mod:`.foldin`)."""
+    snapshots: foldin.Snapshots | None = None
+    """The job's snapshot cadence, from its newest save at breakpoint (not durable: a restarted master
+    learns it at the next one, and waits for a commit meanwhile)."""
+    commit_times: tuple[float, float] = (0.0, 0.0)
+    """When the last two steps were committed (0: not yet); their difference bounds a wait for a commit."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.recovery = RecoveryTracker()
@@ -248,19 +257,71 @@ class Job(ProbeCore):
         if fresh:
             self._event("node_joined", now=now, node=req.node_id, round=self.next_round)
         if not self.round_open:
-            members = self.members
-            waiting = sum(1 for n in self.joiners if n not in members)
-            if req.node_id in members:
+            if self.is_member(req.node_id):
                 self._open_round(f"{req.node_id} rejoined", now=now)
-            elif not self.completed and rdzv.can_grow(
-                members=len(members), waiting=waiting, settings=self.settings.rendezvous
-            ):
-                # Once a member finished its work the job is ending: a new round would make every worker
-                # train again from its last checkpoint (or from scratch) for nothing. Late joiners wait.
-                self._open_round(f"scale up: {waiting} node(s) waiting", now=now)
+            else:
+                self._maybe_fold_in(now=now)
         joined = self.next_round  # the round may complete right now; the node joined this one
         self._maybe_complete(now=now)
         return pb.JoinRendezvousResponse(round=joined)
+
+    def _maybe_fold_in(self, *, now: float) -> None:
+        """Opens the round that folds nodes waiting beside the running round in, once it would be larger
+        and the job is at a checkpoint boundary (:func:`foldin.decide`); until then the members train on."""
+        if self.round_open or self.finished or self.round is None or not self.joiners:
+            self.fold_in_wait = None
+            return
+        members = self.members
+        waiting = sum(1 for n in self.joiners if not self.is_member(n))
+        # Once a member finished its work the job is ending: a new round would make every worker train
+        # again from its last checkpoint (or from scratch) for nothing. Late joiners wait.
+        if self.completed or not rdzv.can_grow(
+            members=len(members), waiting=waiting, settings=self.settings.rendezvous
+        ):
+            self.fold_in_wait = None
+            return
+        step = self._round_step()
+        wait = self.fold_in_wait
+        fresh = wait is None or wait.round != self.round_number
+        if wait is None or wait.round != self.round_number:
+            wait = self.fold_in_wait = foldin.Waiting(
+                round=self.round_number, since=now, step=step, committed=self.checkpoints.committed
+            )
+        elif wait.step < 0 <= step:
+            # They joined before the round's first step was heard of: the wait is for the boundary after it.
+            wait = self.fold_in_wait = dataclasses.replace(wait, step=step)
+        before, last = self.commit_times
+        decision = foldin.decide(
+            waiting=wait,
+            now=now,
+            step=step,
+            committed=self.checkpoints.committed,
+            snapshots=self.snapshots,
+            commit_period_s=last - before if before > 0 else None,
+        )
+        if fresh and not decision.now:
+            rdzv_log.info(
+                "%d node(s) wait beside round %d for a checkpoint boundary (step %d, snapshots %s)",
+                waiting,
+                self.round_number,
+                step,
+                f"every {self.snapshots.every} steps" if self.snapshots else "unknown",
+                extra={"round": self.round_number},
+            )
+        if decision.now:
+            self.fold_in_wait = None
+            self._open_round(f"scale up: {waiting} node(s) waiting; {decision.reason}", now=now)
+
+    def _round_step(self) -> int:
+        """The newest step a rank of the running round reported (-1: none yet). Not :attr:`max_step`: after
+        a restore from an older step, the job is behind it until the lost steps are trained again."""
+        top = -1
+        for node_id in self.members:
+            node = self.nodes.get(node_id)
+            if node is not None and node.hb_round == self.round_number:
+                for r in node.ranks:
+                    top = max(top, r.step)
+        return top
 
     def get_rendezvous(self, req: pb.GetRendezvousRequest, *, now: float) -> RendezvousAnswer:
         node = self._node(req.node_id, req.incarnation)
@@ -368,9 +429,11 @@ class Job(ProbeCore):
         suspects: tuple[hang.Suspects, list[str]] | None = None,
     ) -> pb.Action:
         self.round_failures.extend(records)
-        # A hang is blamed on the node whose rank never entered the collective the others wait in (one
-        # suspect node), not on the node that noticed it.
-        suspect = suspects[1][0] if suspects is not None and len(suspects[1]) == 1 else ""
+        # A hang counts against the node the evidence at hand singles out (a stopped rank in the stacks sent
+        # so far, the recorder's suspects), never merely the node that noticed it: it may be the victim.
+        hung = any(r.kind == "hang" or r.failure_class == "hang" for r in records)
+        blame = self._hang_blame(suspects) if hung else None
+        suspect = blame.node if blame is not None else ""
         decision = decide_failure(
             PolicyInput(
                 node_id=node.node_id,
@@ -382,8 +445,8 @@ class Job(ProbeCore):
                 max_restarts=self.settings.restart.max_restarts,
                 eviction_count=len(self.evictions),
                 max_evictions=self.settings.restart.max_evictions,
-                hang_count=self.hang_counts.get(node.node_id, 0),
                 hang_suspect=suspect,
+                hang_blame_why=blame.why if blame is not None else "",
                 suspect_hang_count=self.hang_counts.get(suspect, 0),
                 already_restarting=self.round_open,
                 user_error_window_s=self.settings.user_error_window_s,
@@ -457,7 +520,12 @@ class Job(ProbeCore):
                 # A hang's event names its suspects already; it goes out at once.
                 self._event("restart", now=now, node=node.node_id, message=decision.reason)
                 if decision.dump_stacks:
-                    self._start_hang_analysis(decision.blamed or node.node_id, now=now)
+                    self._start_hang_analysis(
+                        node.node_id,
+                        charged=decision.blamed,
+                        suspect_nodes=suspects[1] if suspects is not None else [],
+                        now=now,
+                    )
             else:
                 self._emit_restart()  # one still waiting from an earlier round goes first
                 root = decision.root
@@ -475,6 +543,9 @@ class Job(ProbeCore):
     def tick(self, *, now: float) -> None:
         super().tick(now=now)
         self._settle_restart_event(now=now)
+        if not self.round_open and (self.joiners or self.fold_in_wait is not None):
+            # Steps arrive with heartbeats and the maximum wait ends with time: a boundary is seen here.
+            self._maybe_fold_in(now=now)
 
     def _event(
         self, kind: str, *, now: float, node: str = "", rank: int = -1, round: int = -1, message: str = ""
@@ -546,26 +617,49 @@ class Job(ProbeCore):
         self._revise_cause(previous, root, now=now)
         self._changed(durable=True)
 
-    def _start_hang_analysis(self, node_id: str, *, now: float) -> None:
-        self.hang_counts[node_id] = self.hang_counts.get(node_id, 0) + 1
+    def _hang_blame(self, suspects: tuple[hang.Suspects, list[str]] | None) -> hang.Blame:
+        """The node a hang reported now counts against, from the evidence already in: the recorder's
+        suspects and the stacks (with process states) sent before the report, the reporter's among them."""
+        early_round, early = self.early_stacks
+        states = (
+            {n: {r: s.process_state for r, s in ranks.items()} for n, ranks in early.items()}
+            if early_round == self.round_number
+            else {}
+        )
+        return hang.blame(
+            members=self.members,
+            stopped=hang.stopped_ranks(states),
+            suspect_nodes=suspects[1] if suspects is not None else [],
+        )
+
+    def _start_hang_analysis(
+        self, node_id: str, *, charged: str, suspect_nodes: list[str], now: float
+    ) -> None:
+        """Asks the members of the round ``node_id`` found hung for their stacks; ``charged``: the node the
+        hang was counted against at once ("": none yet, the analysis may charge one)."""
+        if charged:
+            self.hang_counts[charged] = self.hang_counts.get(charged, 0) + 1
         early_round, early = self.early_stacks
         stacks = (
             {n: s for n, s in early.items() if n in self.members} if early_round == self.round_number else {}
         )
         self.early_stacks = (0, {})
         self.hang = HangInquiry(
-            round=self.round_number, node=node_id, requested_at=now, members=self.members, stacks=stacks
+            round=self.round_number,
+            node=node_id,
+            requested_at=now,
+            members=self.members,
+            stacks=stacks,
+            charged=charged,
+            suspect_nodes=list(suspect_nodes),
         )
         dump = action(pb.ACTION_KIND_DUMP_STACKS, round=self.round_number, reason=f"hang on {node_id}")
         missing = [m for m in self.members if m not in stacks and m != node_id and m in self.nodes]
         for member in missing:
             self._push(self.nodes[member], [dump])
-        self._event(
-            "hang",
-            now=now,
-            node=node_id,
-            message=f"asked {len(missing)} member(s) for their stacks; {len(stacks)} had sent them",
-        )
+        counted = f"counted against {charged}" if charged else "counted against no node until the stacks say"
+        asked = f"asked {len(missing)} member(s) for their stacks; {len(stacks)} had sent them"
+        self._event("hang", now=now, node=charged or node_id, message=f"{asked}; {counted}")
         if set(self.members) <= set(stacks):
             self._analyze_hang(now=now)
 
@@ -630,6 +724,9 @@ class Job(ProbeCore):
                     extra={"node": req.node_id, "round": self.round_number},
                 )
                 self._changed(durable=True)
+                self.commit_times = (self.commit_times[1], now)
+                if self.fold_in_wait is not None:
+                    self._maybe_fold_in(now=now)  # a checkpoint was just taken: a boundary
         elif req.state == pb.CHECKPOINT_STATE_FAILED:
             self.stats.checkpoint_failures += 1
             self._event(
@@ -650,6 +747,7 @@ class Job(ProbeCore):
                     code="failed_precondition",
                 )
             node.memory_checkpoint_step = max(node.memory_checkpoint_step, req.step)
+            self.snapshots = foldin.cadence([req.held_steps]) or self.snapshots
             self._changed()
             if req.round > 0:
                 persist_step = self._breakpoint_report(req, now=now)
@@ -695,7 +793,7 @@ class Job(ProbeCore):
 
     def report_stacks(self, req: pb.ReportStacksRequest, *, now: float) -> None:
         self._node(req.node_id, req.incarnation)
-        stacks = {r.rank: r.stacks for r in req.ranks}
+        stacks = {r.rank: r for r in req.ranks}
         hang = self.hang
         if hang is None or req.round != hang.round:
             if req.round == self.round_number and req.node_id in self.members:

@@ -8,8 +8,10 @@
    with that message: restarting cannot fix a bug, and burning the restart budget only delays the news.
 2. **Hardware.** A ``FAILURE_CLASS_HARDWARE`` failure evicts the node (it is replaced) while evictions
    are left, else the job fails.
-3. **Hang.** The first hang of a node restarts the round in place and asks every member for its stacks;
-   a node that hangs a second time is evicted.
+3. **Hang.** A hang restarts the round in place and asks every member for its stacks. It counts against
+   the node the evidence singles out (``hang.blame``: a stopped rank, the recorder's suspects, odd stacks),
+   never merely the node that reported it; a node charged a second time is evicted. With no such evidence
+   at report time, the stack analysis may charge a node later.
 4. **Anything else** restarts the round in place (a new round with the same membership) while restarts
    are left, else the job fails.
 
@@ -224,13 +226,13 @@ class PolicyInput:
     max_restarts: int
     eviction_count: int
     max_evictions: int
-    hang_count: int = 0
-    """Hangs blamed on the node before this report."""
     hang_suspect: str = ""
-    """For a hang: the node whose rank never entered the collective the others wait in ("": none found, the
-    reporting node is blamed)."""
+    """For a hang: the node the evidence at hand singles out (``hang.blame``); "": none, the hang counts
+    against no node (the reporter may be the victim)."""
+    hang_blame_why: str = ""
+    """The evidence behind ``hang_suspect`` (or why there is none), for the reason."""
     suspect_hang_count: int = 0
-    """Hangs blamed on ``hang_suspect`` before this report."""
+    """Hangs counted against ``hang_suspect`` before this report."""
     already_restarting: bool = False
     user_error_window_s: float = 10.0
 
@@ -244,7 +246,7 @@ class Decision:
     """Bounded label of the eviction reason: hardware or hang."""
     dump_stacks: bool = False
     blamed: str = ""
-    """For a hang: the node it is blamed on (counted, and evicted on its second hang); "": the reporter."""
+    """For a hang: the node it counts against (evicted on its second hang); "": none."""
 
 
 def decide_failure(inp: PolicyInput, *, now: float) -> Decision:
@@ -275,10 +277,11 @@ def decide_failure(inp: PolicyInput, *, now: float) -> Decision:
             verdict=Verdict.NONE, root=root, reason=f"round already restarting; root cause: {cause}"
         )
     hang = any(r.kind == "hang" or r.failure_class == "hang" for r in inp.report)
-    blamed = (inp.hang_suspect or inp.node_id) if hang else ""
-    hangs = inp.suspect_hang_count if inp.hang_suspect else inp.hang_count
-    if hang and hangs + 1 >= 2:
-        decision = evict("hang", f"{blamed} hung {hangs + 1} times")
+    blamed = inp.hang_suspect if hang else ""
+    hangs = inp.suspect_hang_count
+    if blamed and hangs + 1 >= 2:
+        why = f" ({inp.hang_blame_why})" if inp.hang_blame_why else ""
+        decision = evict("hang", f"{blamed} hung {hangs + 1} times{why}")
         return Decision(
             verdict=decision.verdict,
             root=root,
@@ -293,8 +296,11 @@ def decide_failure(inp: PolicyInput, *, now: float) -> Decision:
             reason=f"restart budget ({inp.max_restarts}) spent; root cause: {cause}",
         )
     why = f"worker failure: {cause}"
-    if hang:
+    if hang and blamed:
         why = f"hang on {inp.node_id}" + (f", blamed on {blamed}" if blamed != inp.node_id else "")
+        why += f": {inp.hang_blame_why}" if inp.hang_blame_why else ""
+    elif hang:
+        why = f"hang on {inp.node_id}, counted against no node for now: {inp.hang_blame_why or 'no evidence'}"
     return Decision(verdict=Verdict.RESTART, root=root, reason=why, dump_stacks=hang, blamed=blamed)
 
 

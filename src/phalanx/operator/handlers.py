@@ -73,6 +73,8 @@ class Reconciler:
         executor.use_caches(jobs=self.jobs, pods=self.pods)
         self._pool = ThreadPoolExecutor(max_workers=PASS_WORKERS, thread_name_prefix="pass")
         self._stop = threading.Event()
+        self._synced = threading.Event()
+        """Set once both caches listed everything: no pass runs before (see :meth:`trigger`)."""
         self._last_tick = time.monotonic()
 
     def start(self) -> Reconciler:
@@ -81,6 +83,7 @@ class Reconciler:
         for cache in (self.jobs, self.pods):
             if not cache.wait_synced(SYNC_TIMEOUT_S):
                 raise TimeoutError(f"could not list {cache.kind} within {SYNC_TIMEOUT_S}s")
+        self._synced.set()
         threading.Thread(target=self._resync, name="resync", daemon=True).start()
         return self
 
@@ -99,7 +102,12 @@ class Reconciler:
         self.trigger(namespace, name)
 
     def trigger(self, namespace: str, name: str) -> None:
-        if not self._stop.is_set():
+        """Asks for a pass of the job, unless the caches have not both listed everything yet. The jobs'
+        watch starts delivering changes while the Pods are still being listed (a large cluster's LIST takes
+        seconds): a pass then would see a job without its Pods and replace every one of them, none kept off
+        an evicted machine. Nothing is lost by dropping those triggers: the first periodic round, which
+        starts once both caches are synced, passes every job."""
+        if self._synced.is_set() and not self._stop.is_set():
             self._pool.submit(self._pass, namespace, name)
 
     def _resync(self) -> None:

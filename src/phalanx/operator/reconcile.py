@@ -17,8 +17,10 @@ Rules, per pass:
   node affinity keeping it off the evicted machine, then the evicted Pod is deleted (in this order, so a
   crash between the two steps loses nothing). The machine kept off and, with ``cordonBadNodes`` and the
   operator's ``cordon_nodes`` switch, cordoned and tainted is the ``spec.nodeName`` of the evicted Pod as
-  the operator observed it, never the machine name the master reports (a training script can read the
-  job token and report any name);
+  the operator observed it (running, or already Failed or terminating), never the machine name the master
+  reports (a training script can read the job token and report any name). It goes into
+  ``status.excludedMachines`` before any Pod is created or deleted, so every later replacement, by any
+  leader, keeps off it;
 * a supporting object of the job's name that exists but is not the job's (no ownerReference with its uid)
   is neither used, overwritten nor deleted: the job waits with Created False (reason ForeignObject) and
   creates no Pod until it is gone;

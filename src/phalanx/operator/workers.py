@@ -14,7 +14,7 @@ from typing import Any
 
 from phalanx.api import elasticjob
 from phalanx.operator import builders
-from phalanx.operator.actions import CordonNode, Create, DeletePod, Event, PodView
+from phalanx.operator.actions import CordonNode, Create, DeletePod, Event, PatchStatus, PodView
 from phalanx.operator.context import Pass
 from phalanx.operator.spec import JobSpec
 
@@ -53,13 +53,21 @@ def _exclude_evicted_machines(
     ctx: Pass, spec: JobSpec, evictions: Iterable[Mapping[str, Any]], workers: Sequence[PodView]
 ) -> list[str]:
     """``status.excludedMachines`` with the machines of this pass's evictions added (replacements are kept
-    off them), cordoning each new one where the job asks for it and the operator allows it."""
+    off them), cordoning each new one where the job asks for it and the operator allows it.
+
+    A machine new to the list is written to the status at once, before any Pod is created or deleted: an
+    operator that dies before the pass's closing status patch leaves it recorded, so whichever replica
+    leads next keeps every later replacement off it, even once the evicted Pod is gone."""
     excluded = list(ctx.status.get("excludedMachines") or [])
+    new: list[tuple[str, Mapping[str, Any]]] = []
     for e in evictions:
         machine = evicted_machine(e, workers)
-        if not machine or machine in excluded:
-            continue
-        excluded.append(machine)
+        if machine and machine not in excluded:
+            excluded.append(machine)
+            new.append((machine, e))
+    if new:
+        ctx.actions.append(PatchStatus({"excludedMachines": list(excluded)}))
+    for machine, e in new:
         if spec.cordon_bad_nodes and ctx.settings.cordon_nodes:
             reason = str(e.get(elasticjob.EVICTION_REASON) or "evicted by phalanx")
             ctx.actions.append(CordonNode(machine, reason=reason))
@@ -172,12 +180,17 @@ def pod_exit(pod: PodView) -> str:
 
 
 def evicted_machine(eviction: Mapping[str, Any], workers: Sequence[PodView]) -> str:
-    """The Kubernetes node of an eviction the master asked for: the ``spec.nodeName`` of the live worker Pod
-    it names, as the operator observed it; "" when no such Pod is seen (already gone, or not the job's).
+    """The Kubernetes node of an eviction the master asked for: the ``spec.nodeName`` of the worker Pod it
+    names, as the operator observed it; "" when no such Pod is seen (gone, or not the job's).
+
+    Live or not: the agent of an evicted node exits on the master's word, and a previous leader may have
+    deleted the Pod and died before recording its machine, so the first pass that sees the eviction may
+    see that Pod Failed or terminating. Its node is the same, and the decision must not depend on which
+    of those events the operator saw first.
     The ``machine`` the master reports is never used: it is what an agent said, and a training script can
     register a node under any name with the job token."""
     node_id = str(eviction.get(elasticjob.EVICTION_NODE_ID) or "")
-    pod = next((w for w in workers if w.name == node_id and w.live), None)
+    pod = next((w for w in workers if w.name == node_id), None)
     return pod.node_name if pod else ""
 
 

@@ -1346,12 +1346,18 @@ class RankStacks(_message.Message):
     STACKS_FIELD_NUMBER: _builtins.int
     LAST_STEP_FIELD_NUMBER: _builtins.int
     BEACON_AGE_S_FIELD_NUMBER: _builtins.int
+    PROCESS_STATE_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     local_rank: _builtins.int
     stacks: _builtins.str
     """Python stacks of all threads, innermost frame last, as text."""
     last_step: _builtins.int
     beacon_age_s: _builtins.float
+    process_state: _builtins.str
+    """The process's state as the agent read it from /proc/<pid>/stat when it dumped the stacks: "R" running,
+    "S" sleeping (a rank blocked in a collective), "D" in uninterruptible I/O, "T" stopped (SIGSTOP), "t"
+    stopped by a tracer; "" when unknown. A stopped rank cannot make progress: the master blames its node.
+    """
     def __init__(
         self,
         *,
@@ -1360,10 +1366,11 @@ class RankStacks(_message.Message):
         stacks: _builtins.str = ...,
         last_step: _builtins.int = ...,
         beacon_age_s: _builtins.float = ...,
+        process_state: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["beacon_age_s", b"beacon_age_s", "last_step", b"last_step", "local_rank", b"local_rank", "rank", b"rank", "stacks", b"stacks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["beacon_age_s", b"beacon_age_s", "last_step", b"last_step", "local_rank", b"local_rank", "process_state", b"process_state", "rank", b"rank", "stacks", b"stacks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
