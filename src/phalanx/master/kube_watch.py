@@ -5,6 +5,7 @@ the master within a second, and an idle job costs no reads."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import threading
@@ -117,10 +118,19 @@ class JobWatch:
 
         self._watch = w = watch.Watch()  # type: ignore[no-untyped-call]
         self.watches += 1
-        self.connected = True
         started = time.monotonic()
+        list_objects = self._custom.list_namespaced_custom_object
+
+        @functools.wraps(list_objects)  # the watch reads the signature and docstring of what it calls
+        def open_watch(*args: Any, **kwargs: Any) -> Any:
+            response = list_objects(*args, **kwargs)
+            # Connected once the API server answered, not when the request was sent: a connection lost
+            # before the answer is retried inside the HTTP client, unseen here.
+            self.connected = True
+            return response
+
         for event in w.stream(  # type: ignore[no-untyped-call]
-            self._custom.list_namespaced_custom_object,
+            open_watch,
             GROUP, VERSION, self.namespace, PLURAL,
             field_selector=self._selector(),
             resource_version=self.resource_version,
