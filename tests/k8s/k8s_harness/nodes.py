@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from k8s_harness import certs
+from k8s_harness import certs, layers
 from k8s_harness.controlplane import ControlPlane, free_port, write_kubeconfig
 
 BRIDGE = "phx0"
@@ -449,7 +449,7 @@ disabled_plugins = [{cri_plugin if not cri else ""}]
                     continue
                 if self.nodes and node is not self.nodes[0]:
                     _share_blobs(self.nodes[0].root, node.root)
-                node.ctr("images", "import", str(tarball))
+                _import(node, tarball, names=wanted)
             for alias, ref in self.aliases.items():  # a node that boots again still knows them
                 if ref in current:
                     node.ctr("images", "tag", "--force", ref, alias, timeout=60)
@@ -637,6 +637,20 @@ def _share_blobs(source_root: Path, root: Path) -> None:
     for blob in source.iterdir():
         with contextlib.suppress(FileExistsError):
             os.link(blob, target / blob.name)
+
+
+def _import(node: Node, tarball: Path, *, names: set[str]) -> None:
+    """Imports a docker-archive into the node, sending only the layers it lacks when that is a small part of
+    the image (k8s_harness/layers.py): after a source change, seconds instead of 90 s a node."""
+    delta = node.state / "import-delta.tar"
+    try:
+        stored = set(node.ctr("content", "ls", "-q").split())
+        if names and layers.write_delta(tarball, stored, delta, names=names):
+            node.ctr("images", "import", str(delta))
+            return
+    finally:
+        delta.unlink(missing_ok=True)
+    node.ctr("images", "import", str(tarball))
 
 
 def _archive_refs(tarball: Path) -> set[str]:
