@@ -3,6 +3,7 @@ suspect node: pure functions with injected clocks and activities."""
 
 from __future__ import annotations
 
+from phalanx.api.failures import FailureClass
 from phalanx.api.settings import HangSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import hang
@@ -140,7 +141,9 @@ def test_a_rank_that_never_used_the_group_is_a_suspect() -> None:
 
 
 def _decide(*, suspect: str, hangs: dict[str, int]) -> object:
-    rec = FailureRecord(node_id="node-0", round=1, rank=0, failure_class="hang", kind="hang", message="hung")
+    rec = FailureRecord(
+        node_id="node-0", round=1, rank=0, failure_class=FailureClass.HANG, kind="hang", message="hung"
+    )
     return decide_failure(
         PolicyInput(
             node_id="node-0",

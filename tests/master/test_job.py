@@ -200,7 +200,7 @@ def test_action_seqs_keep_growing_across_a_master_restart() -> None:
     assert saved["action_seq"] == before
     resumed = Job(settings=settings(restart={"max_restarts": 5}, **TWO), now=sim.now, saved=saved)
     node = resumed.nodes["b"]
-    resumed._push(node, [pb.Action(kind=pb.ACTION_KIND_DUMP_STACKS, round=1)])
+    resumed.core.push(node, [pb.Action(kind=pb.ACTION_KIND_DUMP_STACKS, round=1)])
     # An agent that acknowledged `before` must not take the new action for a repeat of an old one.
     assert node.pending[0].seq > before
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from phalanx.api.failures import FailureClass
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.policy import (
     FailureRecord,
@@ -16,7 +17,15 @@ from phalanx.master.policy import (
 def rec(
     node: str, rank: int, *, cls: str = "unknown", msg: str = "", at: float = 0.0, kind: str = "worker_exit"
 ):
-    return FailureRecord(node_id=node, round=1, rank=rank, failure_class=cls, message=msg, unix=at, kind=kind)
+    return FailureRecord(
+        node_id=node,
+        round=1,
+        rank=rank,
+        failure_class=FailureClass.from_label(cls),
+        message=msg,
+        unix=at,
+        kind=kind,
+    )
 
 
 def inp(report, round_records=None, **kw) -> PolicyInput:
@@ -56,13 +65,18 @@ def test_root_cause_is_first_by_error_time_then_observed_time() -> None:
     records = records_from_request(req, now=100.0)
     root = root_cause(records)
     assert root is not None
-    assert (root.rank, root.unix, root.failure_class, root.message) == (2, 4.0, "user", "ValueError: bad")
+    assert (root.rank, root.unix, root.failure_class, root.message) == (
+        2,
+        4.0,
+        FailureClass.USER,
+        "ValueError: bad",
+    )
     assert root.log_tail == ("x", "y")
     # a report without worker entries still yields one record, stamped with now
     bare = records_from_request(
         pb.ReportFailureRequest(node_id="a", round=1, kind=pb.FAILURE_KIND_HANG), now=7.0
     )
-    assert (bare[0].kind, bare[0].failure_class, bare[0].unix) == ("hang", "hang", 7.0)
+    assert (bare[0].kind, bare[0].failure_class, bare[0].unix) == ("hang", FailureClass.HANG, 7.0)
 
 
 def test_ordinary_failure_restarts_until_budget_spent() -> None:
@@ -148,3 +162,21 @@ def test_message_falls_back_to_the_exception_line_of_the_log_tail() -> None:
     # one rank of two on a one-node round: no evidence that every rank hits it
     d = decide_failure(inp(records[:1], members=["a"], world_size=2), now=1.0)
     assert d.verdict is Verdict.RESTART
+
+
+def test_the_failure_class_is_an_enum_that_prints_its_lowercase_label() -> None:
+    req = pb.ReportFailureRequest(
+        node_id="a",
+        round=1,
+        failures=[
+            pb.WorkerFailure(
+                rank=0, failure_class=99, error_message="x"
+            ),  # a class this master does not know
+            pb.WorkerFailure(rank=1, failure_class=pb.FAILURE_CLASS_OOM),
+        ],
+    )
+    unknown, oom = records_from_request(req, now=1.0)
+    assert (unknown.failure_class, oom.failure_class) == (FailureClass.UNKNOWN, FailureClass.OOM)
+    assert unknown.to_json()["failure_class"] == "unknown"
+    assert oom.summary() == "rank 1 on a (oom): exit code 0"
+    assert FailureClass.from_label("hardware") is FailureClass.HARDWARE

@@ -8,23 +8,13 @@ surface as, and a plain traceback is the user's own error.
 
 from __future__ import annotations
 
-import enum
 import re
 import signal
 from collections.abc import Sequence
 
+from phalanx.api.failures import FailureClass
 
-class FailureClass(enum.IntEnum):
-    """Mirrors ``phalanx.v1.FailureClass`` value for value, so it converts with ``int()``."""
-
-    UNSPECIFIED = 0
-    USER = 1
-    KILLED = 2
-    OOM = 3
-    COMM = 4
-    HARDWARE = 5
-    HANG = 6
-    UNKNOWN = 7
+__all__ = ["ECHO", "ECHO_MARKERS", "FailureClass", "classify"]
 
 
 _HARDWARE = re.compile(

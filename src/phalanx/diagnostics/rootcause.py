@@ -21,6 +21,7 @@ from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
+from phalanx.api.failures import FailureClass
 from phalanx.diagnostics.classify import ECHO
 
 __all__ = ["SETTLE_S", "FailureLike", "explain", "is_echo", "pick", "settled", "sort_key", "tier"]
@@ -48,7 +49,10 @@ class FailureLike(Protocol):
     @property
     def exit_code(self) -> int: ...
     @property
-    def failure_class(self) -> str: ...
+    def failure_class(self) -> FailureClass | str:
+        """The class, or its label (:attr:`FailureClass.label`)."""
+        ...
+
     @property
     def message(self) -> str: ...
     @property
@@ -60,18 +64,24 @@ class FailureLike(Protocol):
 F = TypeVar("F", bound=FailureLike)
 
 
-def is_echo(failure_class: str, message: str) -> bool:
+def _label(failure_class: FailureClass | str) -> str:
+    return failure_class.label if isinstance(failure_class, FailureClass) else failure_class
+
+
+def is_echo(failure_class: FailureClass | str, message: str) -> bool:
     """Whether a failure is the echo of another's: the ``comm`` class, or a user exception, an unexplained
     exit or a hang verdict whose message is a peer-lost error (an older agent's class; a rank its agent found
     hung that had raised on its peer's loss by the time the report was written: its error file's time, whole
     seconds in torch's format, would otherwise put it before the peer that hung first)."""
+    failure_class = _label(failure_class)
     if failure_class == "comm":
         return True
     return failure_class not in REAL_CAUSES - {"user", "hang"} and bool(ECHO.search(message))
 
 
-def tier(failure_class: str, message: str) -> int:
+def tier(failure_class: FailureClass | str, message: str) -> int:
     """0: a real cause, 1: an unexplained exit, 2: a communication echo (lower ranks first)."""
+    failure_class = _label(failure_class)
     if is_echo(failure_class, message):
         return 2
     return 0 if failure_class in REAL_CAUSES else 1
@@ -102,7 +112,7 @@ def _first_line(message: str) -> str:
 def _what(f: FailureLike) -> str:
     """What happened to the root cause, as a verb phrase."""
     message = _first_line(f.message)
-    cls = f.failure_class
+    cls = _label(f.failure_class)
     if cls == "killed":
         name = _signal_name(f.exit_code)
         what = "SIGKILLed" if name == "SIGKILL" else f"killed by {name}" if name else "was killed"

@@ -5,8 +5,9 @@ the replacement joins a later round (the master opens it at a checkpoint boundar
 :mod:`phalanx.master.foldin`). The summary's row of the fault says both: when the survivors trained
 again (``recovered``), and when, at which step and at what cost the replacement was folded in.
 
-Pure bookkeeping: :class:`phalanx.local.cluster.LocalCluster` feeds it what it observes (replacements
-started, rounds opened, the job's round and members, the workers' beacons) with its own clock.
+Pure bookkeeping: :mod:`phalanx.local.accounting` feeds it what :class:`phalanx.local.cluster.LocalCluster`
+observes (replacements started, rounds opened, the job's round and members, the workers' beacons) with its
+own clock.
 """
 
 from __future__ import annotations

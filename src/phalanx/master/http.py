@@ -57,7 +57,7 @@ beacon_age_s, pid}], agent_restarts, memory_checkpoint_step, probes: {matmul|all
 ok, elapsed_s, rate, error, unix, probe_round}]}, exit_reason, member: bool, group_rank: int (-1 if not a
 member), hang_count, straggler: null | {verdict (ok|suspect|slow), basis (compute|step), step_time_s, value_s,
 relative, reference_s, individual, baseline_s, slow_checks, reason}}]}``: ``straggler`` is the node's
-latest step-time scores (see :meth:`phalanx.master.probing.ProbeCore.straggler_view`)
+latest step-time scores (see :meth:`phalanx.master.slowsteps.StepChecks.straggler_view`)
 
 ``GET /v1/events?since=SEQ&limit=N`` -> ``{"events": [{seq, unix, kind, node, rank, round, message}],
 "next_seq": int}``: events with ``seq > since``, oldest first. ``seq`` increases by one per event and

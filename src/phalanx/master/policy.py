@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from phalanx.api import limits
+from phalanx.api.failures import FailureClass
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import rootcause
 
@@ -59,8 +60,8 @@ class FailureRecord:
     rank: int
     local_rank: int = 0
     exit_code: int = 1
-    failure_class: str = "unknown"
-    """FailureClass name without prefix, lower case: user, killed, oom, comm, hardware, hang, unknown."""
+    failure_class: FailureClass = FailureClass.UNKNOWN
+    """JSON and sentences print its label: user, killed, oom, comm, hardware, hang, unknown."""
     kind: str = "worker_exit"
     """worker_exit, hang or launch."""
     message: str = ""
@@ -72,7 +73,7 @@ class FailureRecord:
 
     def summary(self) -> str:
         what = self.message or f"exit code {self.exit_code}"
-        return f"rank {self.rank} on {self.node_id} ({self.failure_class}): {what}"
+        return f"rank {self.rank} on {self.node_id} ({self.failure_class.label}): {what}"
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -81,7 +82,7 @@ class FailureRecord:
             "rank": self.rank,
             "local_rank": self.local_rank,
             "exit_code": self.exit_code,
-            "failure_class": self.failure_class,
+            "failure_class": self.failure_class.label,
             "kind": self.kind,
             "message": self.message,
             "traceback": self.traceback,
@@ -126,7 +127,7 @@ def records_from_request(request: pb.ReportFailureRequest, *, now: float) -> lis
     records = []
     for f in request.failures:
         stamp_ns = f.error_unix_ns or f.observed_unix_ns
-        cls = _enum_name(pb.FailureClass, f.failure_class, "FAILURE_CLASS_")
+        cls = FailureClass.of(f.failure_class)
         records.append(
             FailureRecord(
                 node_id=request.node_id,
@@ -134,7 +135,9 @@ def records_from_request(request: pb.ReportFailureRequest, *, now: float) -> lis
                 rank=f.rank,
                 local_rank=f.local_rank,
                 exit_code=f.exit_code,
-                failure_class="hang" if kind == "hang" and cls == "unspecified" else cls,
+                failure_class=FailureClass.HANG
+                if kind == "hang" and cls is FailureClass.UNSPECIFIED
+                else cls,
                 kind=kind,
                 message=(f.error_message or exception_line(f.log_tail))[:MAX_MESSAGE_CHARS],
                 traceback=f.error_traceback[-MAX_TRACEBACK_CHARS:],
@@ -149,7 +152,7 @@ def records_from_request(request: pb.ReportFailureRequest, *, now: float) -> lis
                 node_id=request.node_id,
                 round=request.round,
                 rank=-1,
-                failure_class="hang" if kind == "hang" else "unknown",
+                failure_class=FailureClass.HANG if kind == "hang" else FailureClass.UNKNOWN,
                 kind=kind,
                 message=f"{kind.replace('_', ' ')} reported without worker details",
                 unix=now,
@@ -173,7 +176,7 @@ def user_error(
     records: Sequence[FailureRecord], *, members: Sequence[str], world_size: int, window_s: float
 ) -> str | None:
     """The error message when the round's failures are a user error every rank or node agrees on."""
-    user = [r for r in records if r.failure_class == "user" and r.message]
+    user = [r for r in records if r.failure_class is FailureClass.USER and r.message]
     if not user:
         return None
     # Every rank of the round raised the same exception.
@@ -270,13 +273,13 @@ def decide_failure(inp: PolicyInput, *, now: float) -> Decision:
             )
         return Decision(verdict=Verdict.EVICT, root=root, reason=why, evict_kind=kind)
 
-    if any(r.failure_class == "hardware" for r in inp.report):
+    if any(r.failure_class is FailureClass.HARDWARE for r in inp.report):
         return evict("hardware", f"hardware failure on {inp.node_id}: {_first_message(inp.report)}")
     if inp.already_restarting:
         return Decision(
             verdict=Verdict.NONE, root=root, reason=f"round already restarting; root cause: {cause}"
         )
-    hang = any(r.kind == "hang" or r.failure_class == "hang" for r in inp.report)
+    hang = any(r.kind == "hang" or r.failure_class is FailureClass.HANG for r in inp.report)
     blamed = inp.hang_suspect if hang else ""
     hangs = inp.suspect_hang_count
     if blamed and hangs + 1 >= 2:

@@ -10,7 +10,7 @@ version counters and
   newest snapshot in a worker thread, so a burst of changes costs one write, never one per heartbeat,
 * and the publisher task sends the status to the :class:`~phalanx.master.state.StatusSink` at most
   twice a second when it changed (``status_version``), and has the job follow the spec as the sink reads
-  it (:meth:`~phalanx.master.core.JobCore.follow_spec`).
+  it (:meth:`~phalanx.master.liveness.Liveness.follow_spec`).
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@
 Fields: ``version``, ``job_id``, ``phase``, ``reason``, ``started_unix``, ``round`` (number, members with
 group ranks, world size, store address) or null, ``next_round``, ``round_open``, ``restart_count``,
 ``evictions``, ``committed_checkpoint_step``, ``nodes`` (node id -> incarnation, host, machine, nproc,
-status, old incarnations), ``hang_counts``, ``completed``, ``root_cause``, ``event_seq``, ``action_seq`` and
-``suspended``;
-:class:`~phalanx.master.probing.ProbeCore` adds ``next_probe``.
+status, old incarnations), ``hang_counts``, ``completed``, ``root_cause``, ``event_seq``, ``action_seq``,
+``suspended`` and ``next_probe``: the durable fields of :class:`~phalanx.master.jobstate.JobState`.
 
 Not durable, by design: heartbeat times (a restarted master gives every node one heartbeat timeout to
 reappear), the joiners of a round still gathering (their GetRendezvous then answers NOT_MEMBER and they
@@ -15,47 +14,18 @@ join again), log rings, the event log itself and probe rounds (a running one is 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from phalanx.api.errors import StateStoreError
-from phalanx.api.settings import MasterSettings
 from phalanx.api.verdicts import Eviction
 from phalanx.master import rendezvous as rdzv
 from phalanx.master.checkpoints import CheckpointTracker
-from phalanx.master.events import EventLog
+from phalanx.master.jobstate import JobState
 from phalanx.master.membership import Node
 
 __all__ = ["STATE_VERSION", "durable", "restore"]
 
 STATE_VERSION = 1
-
-
-class JobState(Protocol):
-    """What of a job is durable, as this module reads and restores it (the master's :class:`JobCore` is one;
-    named here, not imported, so that the core depends on this module and not the other way round)."""
-
-    job_id: str
-    settings: MasterSettings
-    phase: str
-    reason: str
-    started_unix: float
-    round: rdzv.Round | None
-    next_round: int
-    round_open: bool
-    opened_at: float
-    restart_count: int
-    evictions: list[Eviction]
-    checkpoints: CheckpointTracker
-    nodes: dict[str, Node]
-    hang_counts: dict[str, int]
-    completed: set[str]
-    root_cause: dict[str, Any] | None
-    suspended: bool
-    below_min_since: float | None
-    events: EventLog
-    action_seq: int
-
-    def alive(self) -> list[Node]: ...
 
 
 def durable(job: JobState) -> dict[str, Any]:
@@ -98,6 +68,7 @@ def durable(job: JobState) -> dict[str, Any]:
         "event_seq": job.events.next_seq,
         "action_seq": job.action_seq,
         "suspended": job.suspended,
+        "next_probe": job.next_probe,
     }
 
 
@@ -143,5 +114,7 @@ def restore(job: JobState, saved: Mapping[str, Any], *, now: float) -> None:
         job.suspended = bool(saved.get("suspended", False))
     except (KeyError, TypeError, ValueError) as exc:
         raise StateStoreError(f"the saved master state is incomplete or malformed: {exc!r}") from exc
+    # Probe ids stay unique across master restarts, so a report to the old master stays stale.
+    job.next_probe = int(saved.get("next_probe", 1))
     job.opened_at = now
     job.below_min_since = now if len(job.alive()) < job.settings.rendezvous.min_nodes else None

@@ -1,0 +1,70 @@
+"""The master's modules stay small rooms: none over 500 lines, and no import cycle among them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import phalanx.master
+
+MASTER = Path(phalanx.master.__file__).parent
+MAX_LINES = 500
+
+
+def _imports(path: Path) -> set[str]:
+    """The ``phalanx.master`` modules ``path`` imports (``from phalanx.master import x`` included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "phalanx.master":
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("phalanx.master."):
+            found.add(str(node.module).removeprefix("phalanx.master.").split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {
+                a.name.removeprefix("phalanx.master.").split(".")[0]
+                for a in node.names
+                if a.name.startswith("phalanx.master.")
+            }
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (module -> modules it imports), or [] for none."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == 1:
+                return [*path[path.index(dep) :], dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        path.pop()
+        state[module] = 2
+        return []
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module)):
+            return found
+    return []
+
+
+def test_no_master_module_is_over_500_lines() -> None:
+    sizes = {p.name: len(p.read_text().splitlines()) for p in MASTER.glob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_the_master_modules_import_each_other_without_a_cycle() -> None:
+    graph = {p.stem: _imports(p) for p in MASTER.glob("*.py")}
+    assert graph["job"] >= {"jobstate", "core", "rounds", "probing"}  # the walk sees the imports
+    assert _cycle(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert _cycle({"core": {"snapshot"}, "snapshot": {"core"}, "job": {"core"}}) == [
+        "core",
+        "snapshot",
+        "core",
+    ]
