@@ -16,6 +16,7 @@ from phalanx.master.core import JobCore, action, failure_log
 from phalanx.master.hangs import Hangs
 from phalanx.master.membership import ALIVE, Node
 from phalanx.master.policy import (
+    Decision,
     FailureRecord,
     PolicyInput,
     Verdict,
@@ -94,14 +95,28 @@ class Failures:
         suspects: tuple[hang.Suspects, list[str]] | None = None,
     ) -> pb.Action:
         """Decides what ``records`` (a report of ``node``) lead to and carries it out; the agent's action."""
-        s, core = self.state, self.core
-        s.round_failures.extend(records)
+        self.state.round_failures.extend(records)
+        decision = self._decide(node, records, suspects=suspects, now=now)
+        self._settle_root_cause(decision, now=now)
+        self._announce(node, records, decision, suspects=suspects, now=now)
+        return self._carry_out(node, decision, suspects=suspects, now=now)
+
+    def _decide(
+        self,
+        node: Node,
+        records: list[FailureRecord],
+        *,
+        suspects: tuple[hang.Suspects, list[str]] | None,
+        now: float,
+    ) -> Decision:
+        """The policy's decision on the report, given the round so far and the job's budgets."""
+        s = self.state
         # A hang counts against the node the evidence at hand singles out (a stopped rank in the stacks sent
         # so far, the recorder's suspects), never merely the node that noticed it: it may be the victim.
         hung = any(r.kind == "hang" or r.failure_class is FailureClass.HANG for r in records)
         blame = self.hangs.blame(suspects) if hung else None
         suspect = blame.node if blame is not None else ""
-        decision = decide_failure(
+        return decide_failure(
             PolicyInput(
                 node_id=node.node_id,
                 report=records,
@@ -120,19 +135,37 @@ class Failures:
             ),
             now=now,
         )
+
+    def _settle_root_cause(self, decision: Decision, *, now: float) -> None:
+        """The round's root cause, as the decision names it; the restart event still waiting names it too,
+        else a revision is said."""
+        s = self.state
         previous = s.root_cause
-        if decision.root is not None:
-            s.root_cause = decision.root.to_json()
-            s.root_cause["explanation"] = explain_cause(s.round_failures)
-            pending = self.restarts.pending
-            if pending is not None and pending.round == decision.root.round:
-                # The restart's event, still waiting, names the better cause: no revision needed.
-                pending.node, pending.rank = decision.root.node_id, decision.root.rank
-                pending.message = f"worker failure: {s.root_cause['explanation']}"
-                if s.recovery.current is not None and decision.root.unix > 0:
-                    s.recovery.current.failed = min(decision.root.unix, s.recovery.current.started)
-            else:
-                self._revise_cause(previous, decision.root, now=now)
+        if decision.root is None:
+            return
+        s.root_cause = decision.root.to_json()
+        s.root_cause["explanation"] = explain_cause(s.round_failures)
+        pending = self.restarts.pending
+        if pending is not None and pending.round == decision.root.round:
+            # The restart's event, still waiting, names the better cause: no revision needed.
+            pending.node, pending.rank = decision.root.node_id, decision.root.rank
+            pending.message = f"worker failure: {s.root_cause['explanation']}"
+            if s.recovery.current is not None and decision.root.unix > 0:
+                s.recovery.current.failed = min(decision.root.unix, s.recovery.current.started)
+        else:
+            self._revise_cause(previous, decision.root, now=now)
+
+    def _announce(
+        self,
+        node: Node,
+        records: list[FailureRecord],
+        decision: Decision,
+        *,
+        suspects: tuple[hang.Suspects, list[str]] | None,
+        now: float,
+    ) -> None:
+        """The failure's event (with the suspects a hang report carried) and its log line."""
+        s, core = self.state, self.core
         first = root_cause(records) or records[0]  # the report's own cause, not the echo it also carries
         summary = first.summary()
         if suspects is not None:
@@ -158,6 +191,17 @@ class Failures:
             extra={"node": node.node_id, "round": s.round_number},
         )
         core.changed(durable=True)
+
+    def _carry_out(
+        self,
+        node: Node,
+        decision: Decision,
+        *,
+        suspects: tuple[hang.Suspects, list[str]] | None,
+        now: float,
+    ) -> pb.Action:
+        """Fails the job, evicts the blamed node (or the reporter), or restarts: the reporter's action."""
+        s, core = self.state, self.core
         if decision.verdict is Verdict.FAIL:
             core.finish(Phase.FAILED, decision.reason, now=now)
             return action(pb.ACTION_KIND_EXIT, round=s.round_number, exit_code=1, reason=core.end_reason())
@@ -174,32 +218,40 @@ class Failures:
             core.evict_and_reopen(node, kind=decision.evict_kind, reason=decision.reason, why=why, now=now)
             return action(pb.ACTION_KIND_EXIT, exit_code=1, reason=node.exit_reason or core.end_reason())
         if decision.verdict is Verdict.RESTART:
-            s.restart_count += 1
-            failed_at = decision.root.unix if decision.root is not None else 0.0
-            s.recovery.start(now=now, failed=failed_at, step=s.max_step)
-            if decision.dump_stacks or decision.root is None:
-                # A hang's event names its suspects already; it goes out at once.
-                core.event("restart", now=now, node=node.node_id, message=decision.reason)
-                if decision.dump_stacks:
-                    self.hangs.start_analysis(
-                        node.node_id,
-                        charged=decision.blamed,
-                        suspect_nodes=suspects[1] if suspects is not None else [],
-                        now=now,
-                    )
-            else:
-                self.restarts.emit()  # one still waiting from an earlier round goes first
-                root = decision.root
-                self.restarts.pending = PendingRestart(
-                    round=s.round_number,
-                    at=now,
-                    node=root.node_id,
-                    rank=root.rank,
-                    message=decision.reason,
-                )
-            core.open_round(decision.reason, now=now)
-            self.restarts.settle(now=now)
+            self._restart(node, decision, suspects=suspects, now=now)
         return action(pb.ACTION_KIND_REJOIN, round=s.next_round, reason=decision.reason)
+
+    def _restart(
+        self,
+        node: Node,
+        decision: Decision,
+        *,
+        suspects: tuple[hang.Suspects, list[str]] | None,
+        now: float,
+    ) -> None:
+        """A restart: its recovery timed from the failure, its event out now (a hang's, which names its
+        suspects already) or held until the round's root cause is settled, a new round opened."""
+        s, core = self.state, self.core
+        s.restart_count += 1
+        failed_at = decision.root.unix if decision.root is not None else 0.0
+        s.recovery.start(now=now, failed=failed_at, step=s.max_step)
+        if decision.dump_stacks or decision.root is None:
+            core.event("restart", now=now, node=node.node_id, message=decision.reason)
+            if decision.dump_stacks:
+                self.hangs.start_analysis(
+                    node.node_id,
+                    charged=decision.blamed,
+                    suspect_nodes=suspects[1] if suspects is not None else [],
+                    now=now,
+                )
+        else:
+            self.restarts.emit()  # one still waiting from an earlier round goes first
+            root = decision.root
+            self.restarts.pending = PendingRestart(
+                round=s.round_number, at=now, node=root.node_id, rank=root.rank, message=decision.reason
+            )
+        core.open_round(decision.reason, now=now)
+        self.restarts.settle(now=now)
 
     def _revise_cause(self, previous: dict[str, Any] | None, root: FailureRecord, *, now: float) -> None:
         """Says so when a later report of the round names a better root cause than the one the restart (or
