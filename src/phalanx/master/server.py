@@ -138,42 +138,13 @@ async def run_master(
         max_line_bytes=settings.logs.max_line_bytes,
         path=job_log_path(settings),
     )
-    rt = Runtime(job=job, logs=logs, store=store, sink=sink, resumed=saved is not None)
+    rt = Runtime(job=job, logs=logs, store=store, sink=sink)
 
-    grpc_server = aio.server(
-        interceptors=[AuthInterceptor(token)],
-        options=[
-            ("grpc.max_receive_message_length", settings.max_request_bytes),
-            ("grpc.max_send_message_length", MAX_SEND_BYTES),
-            ("grpc.so_reuseport", 0),
-        ],
-    )
-    add_to_server(grpc_server, rt)
-    tls = _tls_pair(settings)
-    try:
-        address = _addr(settings.host, settings.grpc_port)
-        if tls is None:
-            grpc_port = grpc_server.add_insecure_port(address)
-        else:
-            grpc_port = grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
-    except RuntimeError as exc:
-        raise ConfigError(
-            f"cannot listen on {_addr(settings.host, settings.grpc_port)}", field="grpc_port"
-        ) from exc
+    grpc_server, grpc_port = _grpc_server(settings, rt, token=token)
     sock = _http_socket(settings.host, settings.http_port)
     http_port = sock.getsockname()[1]
     await grpc_server.start()
-    http = _HttpServer(
-        uvicorn.Config(
-            create_app(rt, token=token, metrics_token=metrics_token),
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            log_config=None,
-            ssl_certfile=settings.tls_cert_file or None,
-            ssl_keyfile=settings.tls_key_file or None,
-        )
-    )
+    http = _http_server(settings, rt, token=token, metrics_token=metrics_token)
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     print(f"PHALANX_MASTER_GRPC={_addr(settings.host, grpc_port)}", file=out, flush=True)
     print(f"PHALANX_MASTER_HTTP={_addr(settings.host, http_port)}", file=out, flush=True)
@@ -217,3 +188,44 @@ async def run_master(
             log.exception("final save of the master state failed")
         logs.close()
     return 0
+
+
+def _grpc_server(settings: MasterSettings, rt: Runtime, *, token: str) -> tuple[aio.Server, int]:
+    """The agents' gRPC server, every call checked against the job token; TLS when the settings name a
+    certificate. Bound, not started; returns it and its port."""
+    grpc_server = aio.server(
+        interceptors=[AuthInterceptor(token)],
+        options=[
+            ("grpc.max_receive_message_length", settings.max_request_bytes),
+            ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    add_to_server(grpc_server, rt)
+    tls = _tls_pair(settings)
+    try:
+        address = _addr(settings.host, settings.grpc_port)
+        if tls is None:
+            grpc_port = grpc_server.add_insecure_port(address)
+        else:
+            grpc_port = grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"cannot listen on {_addr(settings.host, settings.grpc_port)}", field="grpc_port"
+        ) from exc
+    return grpc_server, grpc_port
+
+
+def _http_server(settings: MasterSettings, rt: Runtime, *, token: str, metrics_token: str) -> _HttpServer:
+    """The HTTP API for people and Prometheus (TLS with the gRPC server's certificate when it has one)."""
+    return _HttpServer(
+        uvicorn.Config(
+            create_app(rt, token=token, metrics_token=metrics_token),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            log_config=None,
+            ssl_certfile=settings.tls_cert_file or None,
+            ssl_keyfile=settings.tls_key_file or None,
+        )
+    )
