@@ -105,12 +105,26 @@ class JobCore:
         self.changed(durable=True)  # the seq counter is durable
 
     def event(
-        self, kind: str, *, now: float, node: str = "", rank: int = -1, round: int = -1, message: str = ""
+        self,
+        kind: str,
+        *,
+        now: float,
+        node: str = "",
+        rank: int = -1,
+        round: int = -1,
+        message: str = "",
+        log: Callable[..., None] | None = None,
     ) -> None:
-        """Records an event, after :attr:`before_event` had its say."""
+        """Records an event, after :attr:`before_event` had its say. With ``log`` (a logger's method, such
+        as ``failure_log.warning``) the master's log says it too, in the event's words."""
         if self.before_event is not None:
             self.before_event(kind, now)
         self.record_event(kind, now=now, node=node, rank=rank, round=round, message=message)
+        if log is not None:
+            extra: dict[str, Any] = {"round": self.state.round_number if round < 0 else round}
+            if node:
+                extra["node"] = node
+            log("%s: %s", kind.replace("_", " "), message, extra=extra)
 
     def record_event(
         self, kind: str, *, now: float, node: str = "", rank: int = -1, round: int = -1, message: str = ""
@@ -165,10 +179,10 @@ class JobCore:
         s.reason = reason
         s.round_open = False
         s.joiners.clear()
-        self.event("job_succeeded" if phase == Phase.SUCCEEDED else "job_failed", now=now, message=reason)
-        (log.info if phase == Phase.SUCCEEDED else failure_log.error)(
-            "job %s: %s", phase.lower(), reason, extra={"round": s.round_number}
-        )
+        if phase == Phase.SUCCEEDED:
+            self.event("job_succeeded", now=now, message=reason, log=log.info)
+        else:
+            self.event("job_failed", now=now, message=reason, log=failure_log.error)
         s.round_version += 1
         s.action_version += 1
         self.changed(durable=True)
@@ -182,8 +196,7 @@ class JobCore:
         s.opened_at = now
         if s.round is not None:
             s.phase = Phase.RESTARTING
-        self.event("round_open", now=now, round=s.next_round, message=why)
-        rdzv_log.info("round %d open: %s", s.next_round, why, extra={"round": s.next_round})
+        self.event("round_open", now=now, round=s.next_round, message=why, log=rdzv_log.info)
         s.action_version += 1
         self.changed(durable=True)
 
@@ -209,13 +222,7 @@ class JobCore:
             Eviction(node_id=node.node_id, machine=node.machine, reason=reason, kind=kind, requested_at=now)
         )
         s.stats.evictions[kind] = s.stats.evictions.get(kind, 0) + 1
-        self.event("eviction_requested", now=now, node=node.node_id, message=reason)
-        failure_log.warning(
-            "eviction of %s requested: %s",
-            node.node_id,
-            reason,
-            extra={"node": node.node_id, "round": s.round_number},
-        )
+        self.event("eviction_requested", now=now, node=node.node_id, message=reason, log=failure_log.warning)
         self.changed(durable=True)
         return True
 
@@ -235,8 +242,7 @@ class JobCore:
         s.nodes.pop(node.node_id, None)
         s.joiners.pop(node.node_id, None)
         s.completed.discard(node.node_id)
-        self.event("node_left", now=now, node=node.node_id, message=why)
-        log.info("node left the suspended job: %s", why, extra={"node": node.node_id})
+        self.event("node_left", now=now, node=node.node_id, message=why, log=log.info)
         self.settle_breakpoint(now=now)  # whoever still persists no longer waits for it
 
     def settle_breakpoint(self, *, now: float, answered: str = "") -> None:
@@ -256,8 +262,8 @@ class JobCore:
             now=now,
             round=bp.round,
             message=f"step {bp.step}: the newest every node of round {bp.round} holds in memory",
+            log=log.info,
         )
-        log.info("save at breakpoint of round %d: step %d", bp.round, bp.step, extra={"round": bp.round})
         for node_id in ask:
             node = s.nodes.get(node_id)
             if node_id == answered or node is None or node.status != ALIVE:

@@ -108,11 +108,7 @@ class FoldIn:
                     now=now,
                     node=req.node_id,
                     message=f"step {req.step} at {req.path}",
-                )
-                log.info(
-                    "checkpoint step %d committed",
-                    req.step,
-                    extra={"node": req.node_id, "round": s.round_number},
+                    log=log.info,
                 )
                 core.changed(durable=True)
                 self.commit_times = (self.commit_times[1], now)

@@ -153,8 +153,14 @@ class Hangs:
             reason=reason,
             blamed=found.node,
         )
-        self.core.event("hang_analysis", now=now, node=found.node, round=inquiry.round, message=reason)
-        failure_log.warning("hang analysis: %s", reason, extra={"node": inquiry.node, "round": inquiry.round})
+        self.core.event(
+            "hang_analysis",
+            now=now,
+            node=found.node,
+            round=inquiry.round,
+            message=reason,
+            log=failure_log.warning,
+        )
         if found.node != inquiry.charged:
             # The evidence of every node's stacks moves the hang to the node it singles out, or off the node
             # charged when it was reported.

@@ -50,12 +50,15 @@ class Liveness:
         s.suspended = value
         if value:
             self.core.event(
-                "job_suspended", now=now, message="nodes that leave now are forgotten, not evicted"
+                "job_suspended",
+                now=now,
+                message="nodes that leave now are forgotten, not evicted",
+                log=log.info,
             )
-            log.info("job suspended", extra={"round": s.round_number})
         else:
-            self.core.event("job_resumed", now=now, message="waiting for the nodes of the resumed job")
-            log.info("job resumed", extra={"round": s.round_number})
+            self.core.event(
+                "job_resumed", now=now, message="waiting for the nodes of the resumed job", log=log.info
+            )
             if any(m not in s.nodes for m in s.members):
                 self.core.open_round("resumed after a suspension", now=now)
             alive = len(s.alive())
@@ -106,11 +109,12 @@ class Liveness:
     def _lose(self, node: Node, *, now: float) -> None:
         s = self.state
         timeout = s.settings.heartbeat.timeout_s
-        self.core.event("node_lost", now=now, node=node.node_id, message=f"no heartbeat for {timeout:g}s")
-        failure_log.error(
-            "node lost: no heartbeat for %gs",
-            timeout,
-            extra={"node": node.node_id, "round": s.round_number},
+        self.core.event(
+            "node_lost",
+            now=now,
+            node=node.node_id,
+            message=f"no heartbeat for {timeout:g}s",
+            log=failure_log.error,
         )
         reason = f"{node.node_id} sent no heartbeat for {timeout:g}s"
         self.core.evict_and_reopen(
@@ -132,10 +136,7 @@ class Liveness:
             message="its agent is leaving"
             if node.leaving
             else "its connection closed and it was not heard from since",
-        )
-        failure_log.warning(
-            "node disconnected: leaving it out of the rendezvous",
-            extra={"node": node.node_id, "round": s.round_number},
+            log=failure_log.warning,
         )
         s.joiners.pop(node.node_id, None)
         if node.node_id in s.members and not s.finished:

@@ -214,8 +214,7 @@ class ProbeRounds:
         reason = f"probe round {probe.id} ({trigger})"
         for node_id in members:
             self.core.push(s.nodes[node_id], run_probe_actions(probe, store=r, reason=reason))
-        self.core.event("probe_started", now=now, message=f"{reason}: {', '.join(members)}")
-        log.info("%s started on %d nodes", reason, len(members), extra={"round": r.number})
+        self.core.event("probe_started", now=now, message=f"{reason}: {', '.join(members)}", log=log.info)
         return probe
 
     def report_probe(self, req: pb.ReportProbeRequest, *, now: float) -> None:
@@ -336,8 +335,9 @@ class ProbeRounds:
                 ]
         stats = self.state.stats
         stats.probe_rounds[result] = stats.probe_rounds.get(result, 0) + 1
-        self.core.event("probe_finished", now=now, round=probe.rendezvous_round, message=f"{result}: {why}")
-        log.info("probe round %d %s: %s", probe.id, result, why, extra={"round": probe.rendezvous_round})
+        self.core.event(
+            "probe_finished", now=now, round=probe.rendezvous_round, message=f"{result}: {why}", log=log.info
+        )
 
     def _finish_probe(self, *, now: float) -> None:
         probe = self.probe

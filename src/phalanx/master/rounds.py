@@ -242,13 +242,7 @@ class Rounds:
             now=now,
             round=new.number,
             message=f"world size {new.world_size}, members {', '.join(new.node_ids)}",
-        )
-        rdzv_log.info(
-            "round %d complete: %d nodes, world size %d",
-            new.number,
-            len(new.members),
-            new.world_size,
-            extra={"round": new.number},
+            log=rdzv_log.info,
         )
         s.round_version += 1
         self.core.changed(durable=True)

@@ -108,8 +108,9 @@ class StepChecks:
             return
         for node_id in confirmed:
             reason = straggler_reason(scores[node_id], checks=cfg.step_confirm_checks, factor=cfg.step_factor)
-            self.core.event("straggler", now=now, node=node_id, message=f"step times: {reason}")
-            failure_log.warning("straggler: %s", reason, extra={"node": node_id, "round": s.round_number})
+            self.core.event(
+                "straggler", now=now, node=node_id, message=f"step times: {reason}", log=failure_log.warning
+            )
             if cfg.evict_slow_nodes:
                 self._evict_slow_node(node_id, reason=reason, now=now)
 
@@ -170,8 +171,9 @@ class StepChecks:
         for v in new:
             node = self.step_times.node_of.get(v.rank, "")
             s.stats.slow_step_verdicts += 1
-            self.core.event("slow_steps", now=now, node=node, rank=v.rank, message=v.reason)
-            failure_log.warning("slow steps: %s", v.reason, extra={"node": node, "round": s.round_number})
+            self.core.event(
+                "slow_steps", now=now, node=node, rank=v.rank, message=v.reason, log=failure_log.warning
+            )
         if verdicts or new:
             self.core.changed()
         self._score_nodes(now=now)
