@@ -38,7 +38,6 @@ def test_saves_and_publishes_are_coalesced() -> None:
             logs=LogStore(ring_lines=10, max_line_bytes=100, path=None),
             store=store,
             sink=sink,
-            resumed=False,
         )
         tasks = [asyncio.create_task(rt.saver()), asyncio.create_task(rt.publisher())]
         sim = Sim(job)
@@ -69,7 +68,7 @@ def test_the_job_follows_the_spec_the_sink_reads_and_publishes_its_generation() 
         job = Job(settings=settings(rendezvous={"min_nodes": 1, "max_nodes": 2}), now=0.0)
         sink = ListSink()
         rt = Runtime(job=job, logs=LogStore(ring_lines=10, max_line_bytes=100, path=None),
-                     store=MemoryStateStore(), sink=sink, resumed=False)  # fmt: skip
+                     store=MemoryStateStore(), sink=sink)  # fmt: skip
         task = asyncio.create_task(rt.publisher())
         seen = []
         for view in (None, SpecView(suspend=True, generation=2), SpecView(suspend=False, generation=3)):

@@ -52,8 +52,8 @@ class Heartbeats:
                 if top > s.max_step:
                     s.max_step = top
                     self.core.changed()
-                if req.round == s.round_number:
-                    s.recovery.stepped(now=now, step=top)
+                if req.round == s.round_number and s.recovery.stepped(now=now, step=top):
+                    self.core.changed(durable=True)  # a recovery resumed or caught up: its dates are durable
                 self.steps.observe_steps(req.node_id, ranks, round=req.round)
                 s.timeline.observe(req.node_id, ranks, now=now)
                 self.rounds.maybe_succeed(now=now)

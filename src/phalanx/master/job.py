@@ -136,6 +136,8 @@ class Job:
             state.events = EventLog(first_seq=int(saved.get("event_seq", 1)) + EVENT_SEQ_GAP)
             # Likewise an action pushed after the last save must not reuse a seq an agent already acked.
             state.action_seq = int(saved.get("action_seq", 0)) + EVENT_SEQ_GAP
+            # Restored only now, into the new log: master_resumed (a non-holding event) emits it first, once.
+            self.restarts.pending = snapshot.pending_restart(saved)
             core.event(
                 "master_resumed", now=now, round=state.round_number, message=f"resumed in phase {state.phase}"
             )
@@ -196,7 +198,7 @@ class Job:
 
     def durable(self) -> dict[str, Any]:
         """The state a restarted master resumes from (JSON); see :mod:`phalanx.master.snapshot`."""
-        return snapshot.durable(self.state)
+        return snapshot.durable(self.state, pending_restart=self.restarts.pending)
 
     def straggler_view(self, node_id: str) -> dict[str, Any] | None:
         return self.steps.straggler_view(node_id)

@@ -91,8 +91,8 @@ class JobState:
     timeline: Timeline = field(default_factory=Timeline)
     """The ranks' recent intervals and the failures, for ``phalanx timeline`` (not durable)."""
     recovery: RecoveryTracker = field(default_factory=RecoveryTracker)
-    """Where each recovery's time goes (detect, reform, restore, recompute): the master's metrics. Not
-    durable (a restarted master starts with none)."""
+    """Durable: where each recovery's time goes (detect, reform, restore, recompute), the one in progress
+    and the finished ones' totals (the master's metrics)."""
     durable_version: int = 0
     status_version: int = 0
     round_version: int = 0

@@ -14,13 +14,17 @@ recompute   that first step to a rank reaching again the highest step reached be
             steps lost since the restored checkpoint, trained again); 0 when nothing was lost
 ==========  ==========================================================================================
 
-Pure bookkeeping with injected times; the master calls it from its event and heartbeat paths.
+Pure bookkeeping with injected times; the master calls it from its event and heartbeat paths. It is part
+of the master's durable state (:meth:`RecoveryTracker.to_json`): a master restarted mid-recovery finishes
+the recovery with its phases dated from the first failure, and the totals behind the metrics carry on.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 __all__ = ["BUCKETS", "PHASES", "Recovery", "RecoveryTracker"]
 
@@ -86,15 +90,20 @@ class RecoveryTracker:
         if self.current is not None and self.current.reformed == 0:
             self.current.reformed = now
 
-    def stepped(self, *, now: float, step: int) -> None:
-        """A rank of the re-formed round reported ``step`` (at ``now``)."""
+    def stepped(self, *, now: float, step: int) -> bool:
+        """A rank of the re-formed round reported ``step`` (at ``now``); whether the recovery moved (it
+        resumed or caught up): the caller then saves the durable state, so a master restarted after it does
+        not date the move again."""
         cur = self.current
         if cur is None or cur.reformed == 0 or step < 0:
-            return
-        if cur.resumed == 0:
+            return False
+        moved = cur.resumed == 0
+        if moved:
             cur.resumed = now
         if step >= cur.lost_step:
             self._finish(caught_up=now)
+            moved = True
+        return moved
 
     def _finish(self, *, caught_up: float) -> None:
         cur, self.current = self.current, None
@@ -113,3 +122,44 @@ class RecoveryTracker:
             total += n
             out.append((bound, float(total)))
         return out, self.sums[phase]
+
+    def to_json(self) -> dict[str, Any]:
+        """The tracker as plain JSON, for the master's durable state. The bucket bounds go with the counts,
+        so a master with other bounds does not misread them."""
+        return {
+            "current": None if self.current is None else asdict(self.current),
+            "finished": self.finished,
+            "last": dict(self.last),
+            "buckets": list(BUCKETS),
+            "counts": {p: list(self.counts[p]) for p in PHASES},
+            "sums": {p: self.sums[p] for p in PHASES},
+        }
+
+    @classmethod
+    def from_json(cls, saved: Mapping[str, Any] | None) -> RecoveryTracker:
+        """The tracker :meth:`to_json` saved; a fresh one for None (a state saved before it was durable).
+        Raises KeyError, TypeError or ValueError for a malformed one."""
+        if saved is None:
+            return cls()
+        cur = saved.get("current")
+        tracker = cls(
+            current=None
+            if cur is None
+            else Recovery(
+                started=float(cur["started"]),
+                failed=float(cur["failed"]),
+                lost_step=int(cur["lost_step"]),
+                reformed=float(cur.get("reformed", 0.0)),
+                resumed=float(cur.get("resumed", 0.0)),
+            ),
+            finished=int(saved.get("finished", 0)),
+            last={str(p): float(v) for p, v in dict(saved.get("last", {})).items() if p in PHASES},
+        )
+        counts = {p: [int(n) for n in saved.get("counts", {}).get(p, [])] for p in PHASES}
+        if [float(b) for b in saved.get("buckets", [])] == list(BUCKETS) and all(
+            len(c) == len(BUCKETS) + 1 for c in counts.values()
+        ):
+            tracker.counts = counts
+            tracker.sums = {p: float(saved.get("sums", {}).get(p, 0.0)) for p in PHASES}
+        # Other bounds: the histogram starts again (as after a counter reset); the total and the last stay.
+        return tracker

@@ -4,11 +4,22 @@ A restart's event waits (:func:`phalanx.diagnostics.rootcause.settled`) for the 
 reports, so that it names the root cause even when the echo's node reports first; any event that must come
 after it (the next round completing, the job ending) emits it first, so the log stays in order. Every event
 also passes here to date the recoveries (:class:`~phalanx.master.recovery.RecoveryTracker`).
+
+The pending restart is durable (:mod:`phalanx.master.snapshot`): a master killed while one waits leaves it
+in its last saved state, and the restarted master emits it once, into its new log, before its own
+``master_resumed`` (a non-holding event, so the same rule as above). One save holds both the cleared
+pending restart and the event counter past its event, so an event the old master emitted and saved is not
+restored; only one emitted in the milliseconds between the emission and its save is emitted again, with a
+seq past the gap, as the state of that moment is lost too. The restored event does not wait for the round's
+other reports: a later one naming a better cause revises it with a ``root_cause`` event, as after the
+settling window.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from phalanx.diagnostics import rootcause
 from phalanx.master.core import JobCore
@@ -30,6 +41,20 @@ class PendingRestart:
     node: str
     rank: int
     message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, saved: Mapping[str, Any]) -> PendingRestart:
+        """Raises KeyError, TypeError or ValueError for a malformed one."""
+        return cls(
+            round=int(saved["round"]),
+            at=float(saved["at"]),
+            node=str(saved["node"]),
+            rank=int(saved["rank"]),
+            message=str(saved["message"]),
+        )
 
 
 class Restarts:

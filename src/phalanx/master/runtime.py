@@ -70,9 +70,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 class Runtime:
-    def __init__(
-        self, *, job: Job, logs: LogStore, store: StateStore, sink: StatusSink, resumed: bool
-    ) -> None:
+    def __init__(self, *, job: Job, logs: LogStore, store: StateStore, sink: StatusSink) -> None:
         self.job = job
         self.logs = logs
         self.store = store
@@ -85,7 +83,9 @@ class Runtime:
         self._action_wakeup = Wakeup()
         self._seen_actions = job.action_version
         self._dirty = asyncio.Event()
-        self._saved_version = job.durable_version if resumed else -1
+        # Saved at once, a resumed job too: resuming moved the event counter (and may have emitted a restored
+        # restart), and a master killed again before its next change must not reuse those seqs or repeat it.
+        self._saved_version = -1
         self._saved = asyncio.Condition()
         self._published = -1
         self._lags: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)

@@ -4,7 +4,11 @@ Fields: ``version``, ``job_id``, ``phase``, ``reason``, ``started_unix``, ``roun
 group ranks, world size, store address) or null, ``next_round``, ``round_open``, ``restart_count``,
 ``evictions``, ``committed_checkpoint_step``, ``nodes`` (node id -> incarnation, host, machine, nproc,
 status, old incarnations), ``hang_counts``, ``completed``, ``root_cause``, ``event_seq``, ``action_seq``,
-``suspended`` and ``next_probe``: the durable fields of :class:`~phalanx.master.jobstate.JobState`.
+``suspended``, ``next_probe`` and ``recovery`` (the recovery in progress and the finished ones' totals,
+:meth:`~phalanx.master.recovery.RecoveryTracker.to_json`): the durable fields of
+:class:`~phalanx.master.jobstate.JobState`; and ``pending_restart``, the restart event still waiting for the
+round's root cause (:class:`~phalanx.master.restarts.PendingRestart`) or null. A state saved before a key
+was added loads without it (``recovery`` and ``pending_restart`` then start empty).
 
 Not durable, by design: heartbeat times (a restarted master gives every node one heartbeat timeout to
 reappear), the joiners of a round still gathering (their GetRendezvous then answers NOT_MEMBER and they
@@ -22,14 +26,16 @@ from phalanx.master import rendezvous as rdzv
 from phalanx.master.checkpoints import CheckpointTracker
 from phalanx.master.jobstate import JobState
 from phalanx.master.membership import Node
+from phalanx.master.recovery import RecoveryTracker
+from phalanx.master.restarts import PendingRestart
 
-__all__ = ["STATE_VERSION", "durable", "restore"]
+__all__ = ["STATE_VERSION", "durable", "pending_restart", "restore"]
 
 STATE_VERSION = 1
 
 
-def durable(job: JobState) -> dict[str, Any]:
-    """The state a restarted master resumes from (JSON)."""
+def durable(job: JobState, *, pending_restart: PendingRestart | None = None) -> dict[str, Any]:
+    """The state a restarted master resumes from (JSON); ``pending_restart``: the restart room's."""
     r = job.round
     return {
         "version": STATE_VERSION,
@@ -69,6 +75,8 @@ def durable(job: JobState) -> dict[str, Any]:
         "action_seq": job.action_seq,
         "suspended": job.suspended,
         "next_probe": job.next_probe,
+        "recovery": job.recovery.to_json(),
+        "pending_restart": None if pending_restart is None else pending_restart.to_json(),
     }
 
 
@@ -112,9 +120,21 @@ def restore(job: JobState, saved: Mapping[str, Any], *, now: float) -> None:
         job.completed = {str(n) for n in saved.get("completed", [])}
         job.root_cause = saved.get("root_cause")
         job.suspended = bool(saved.get("suspended", False))
+        job.recovery = RecoveryTracker.from_json(saved.get("recovery"))
     except (KeyError, TypeError, ValueError) as exc:
         raise StateStoreError(f"the saved master state is incomplete or malformed: {exc!r}") from exc
     # Probe ids stay unique across master restarts, so a report to the old master stays stale.
     job.next_probe = int(saved.get("next_probe", 1))
     job.opened_at = now
     job.below_min_since = now if len(job.alive()) < job.settings.rendezvous.min_nodes else None
+
+
+def pending_restart(saved: Mapping[str, Any]) -> PendingRestart | None:
+    """The restart event ``saved`` still held back, or None (none, or a state saved before it was durable)."""
+    found = saved.get("pending_restart")
+    if found is None:
+        return None
+    try:
+        return PendingRestart.from_json(found)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StateStoreError(f"the saved master state is incomplete or malformed: {exc!r}") from exc
