@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from phalanx.api import intervals as ring  # noqa: E402
+from phalanx.api.interval_tracker import Tracker  # noqa: E402
 from phalanx.api.settings import HangSettings  # noqa: E402
 from phalanx.diagnostics import hang  # noqa: E402
 from phalanx.intervals import Recorder  # noqa: E402
@@ -110,7 +111,7 @@ def _cycles_per_second() -> float:
 def device_hang(args: argparse.Namespace, path: Path) -> dict[str, object]:
     settings = HangSettings(floor_s=args.floor)
     rec = Recorder(path, cuda=True)
-    reader, tracker = ring.RingReader(path), ring.Tracker()
+    reader, tracker = ring.RingReader(path), Tracker()
     history = hang.RankHistory(started_at=time.monotonic())
     a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
     cycles = _cycles_per_second()

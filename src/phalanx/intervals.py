@@ -14,12 +14,13 @@ Turn it on with one call, then train as before::
         dist.all_reduce(t, group=pg)
 
 Outside ``phalanx-run`` (no ring in the environment) :func:`enable` returns ``None`` and everything is a
-no-op. Records go to a bounded ring in shared memory (:mod:`phalanx.api.intervals`), a few microseconds each
-and no system call. On a GPU a collective's end and each step boundary are CUDA events recorded on the
-current stream (the start is the host's time: when the work was queued): the training thread never
-synchronises; a watcher thread polls ``event.query()`` and writes the completion time, so work that was
-queued on the device and never completed (a kernel or a collective that is stuck) is told apart from a host
-that stopped recording anything.
+no-op. Records go to a bounded ring in shared memory (:mod:`phalanx.api.intervals`): no lock, no system
+call, about half a microsecond a step boundary and two a ``with collective(...)`` block on an idle core
+(more right after a large torch op has evicted the caches). On a GPU a collective's end and each step
+boundary are CUDA events recorded on the current stream (the start is the host's time: when the work was
+queued): the training thread never synchronises; a watcher thread polls ``event.query()`` and writes the
+completion time, so work that was queued on the device and never completed (a kernel or a collective that
+is stuck) is told apart from a host that stopped recording anything.
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import phalanx
 from phalanx.api import intervals as ring
@@ -47,35 +47,29 @@ DEVICE_MARK = "device_step"
 """The name of the device marker recorded at each step boundary on a GPU (an interval without group)."""
 
 
-@dataclass(slots=True)
-class Token:
-    """An interval begun and not yet ended."""
-
-    name: str
-    group: str
-    number: int
-    device: bool = False
-    """Timed on the GPU: its end is a CUDA event the watcher polls."""
-    end_meta: int = 0
-    """Its END record's meta word and texts, encoded once per (op, group) (0: encode when ending)."""
-    texts: bytes = b""
-
-
-_MARK_META = ring.encoded(ring.MARK, False, "", "")[0]
+Token: TypeAlias = ring.Token
+"""An interval begun and not yet ended (its record's slot in the ring): pass it to :func:`end`."""
 
 
 class Recorder:
-    """Writes one process's intervals into its ring. Use :func:`enable`, not this class, in a script."""
+    """Writes one process's intervals into its ring. Use :func:`enable`, not this class, in a script.
+
+    A collective costs one dict lookup (its op and group are encoded once), a ``next`` on the group's
+    sequence counter, two clock reads and the ring's stores (a slot at its start, one word at its end); a
+    step boundary one clock read and a slot. No lock: ``next`` on an ``itertools.count`` is atomic, and each
+    record claims a slot of its own (:mod:`phalanx.api.intervals`)."""
 
     def __init__(self, path: Path, *, cuda: bool = False) -> None:
         self._ring = ring.RingWriter(path)
         self._write = self._ring.write
+        self._end = self._ring.end
+        self._mark_meta = self._ring.meta(ring.MARK, False, "", "")
         self._seq: dict[str, Any] = {}
         """Group -> its sequence numbers (an ``itertools.count``: ``next`` is atomic, no lock needed)."""
         self._seq_lock = threading.Lock()  # only to encode an (op, group) once
-        self._encoded: dict[tuple[str, str], tuple[int, int, bytes, Any]] = {}
-        """(op, group) -> BEGIN meta, END meta, texts, the group's counter: built on first use, then one
-        dict lookup a collective."""
+        self._encoded: dict[tuple[str, str], tuple[int, Any]] = {}
+        """(op, group) -> its records' meta word and the group's counter: built on first use, then one dict
+        lookup a collective."""
         self.cuda = cuda
         self._pending: list[tuple[Token, Any]] = []
         self._cond = threading.Condition()
@@ -83,6 +77,8 @@ class Recorder:
         self._closed = False
         self._free_events: list[Any] = []
         """Completed CUDA events, reused: creating one per record would cost a driver call each time."""
+        self._device_mark = self._ring.meta(ring.BEGIN, True, DEVICE_MARK, "") if cuda else 0
+        """The device marker's meta word (CUDA only)."""
 
     def _record_event(self) -> Any:
         import torch
@@ -98,48 +94,41 @@ class Recorder:
 
     def step(self, step: int) -> None:
         """A step boundary: ``step`` just completed (host time). On a GPU a device marker too."""
-        self._write(_MARK_META, b"", step, time.time_ns())
-        if self.cuda:
-            token = Token(DEVICE_MARK, "", step)
-            self._ring.append(ring.BEGIN, name=DEVICE_MARK, number=step, device=True)
-            self._watch(token, self._record_event())
+        self._write(self._mark_meta, step, time.time_ns())
+        if self._device_mark:
+            self._watch(self._write(self._device_mark, step, time.time_ns()), self._record_event())
 
     # ---- collectives ----------------------------------------------------------------------------------
 
     def begin(self, op: str, group: str) -> Token:
         """A collective ``op`` in ``group`` starts now (its sequence number in the group is the next)."""
-        enc = self._encoded.get((op, group))
-        if enc is None:
-            enc = self._encode(op, group)
-        begin_meta, end_meta, texts, counter = enc
-        seq = next(counter)
-        self._write(begin_meta, texts, seq, time.time_ns())
-        return Token(op, group, seq, self.cuda, end_meta, texts)
+        enc = self._encoded.get((op, group)) or self._encode(op, group)
+        return self._write(enc[0], next(enc[1]), time.time_ns())
 
-    def _encode(self, op: str, group: str) -> tuple[int, int, bytes, Any]:
-        """Encodes ``op`` in ``group`` once: its records' meta words and texts, and the group's counter."""
+    def _encode(self, op: str, group: str) -> tuple[int, Any]:
+        """Encodes ``op`` in ``group`` once: its records' meta word (with the device flag on a GPU, where
+        the watcher ends it), and the group's counter."""
         with self._seq_lock:
-            counter = self._seq.setdefault(group, itertools.count(1))
-            begin_meta, texts = ring.encoded(ring.BEGIN, self.cuda, op, group)
-            # A GPU collective's END is written by the watcher, with the device flag, like its BEGIN.
-            end_meta = ring.encoded(ring.END, self.cuda, op, group)[0]
-            enc = self._encoded[(op, group)] = (begin_meta, end_meta, texts, counter)
+            enc = self._encoded.get((op, group))
+            if enc is None:
+                counter = self._seq.setdefault(group, itertools.count(1))
+                meta = self._ring.meta(ring.BEGIN, self.cuda, op, group)
+                enc = self._encoded[(op, group)] = (meta, counter)
         return enc
 
     def end(self, token: Token) -> None:
         """The collective ends: now on the host; on a GPU, once the device passes an event recorded now on the
         current stream (the watcher writes the end then)."""
-        if not token.device:
-            if token.end_meta:
-                self._write(token.end_meta, token.texts, token.number, time.time_ns())
-            else:
-                self._ring.append(ring.END, name=token.name, group=token.group, number=token.number)
-        else:
+        if self.cuda:
             self._watch(token, self._record_event())
+        else:
+            self._end(token, time.time_ns())
 
     def collective(self, op: str, group: str) -> _Span:
         """``with recorder.collective("all_reduce", "dp:0,1"): ...`` records the block as one collective."""
-        return _Span(self, op, group)
+        span = collective(op, group=group)
+        span._rec = self
+        return span
 
     # ---- the CUDA-event watcher -----------------------------------------------------------------------
 
@@ -167,18 +156,11 @@ class Recorder:
             finished = [(t, e) for t, e in pending if e.query()]
             now = time.time_ns()
             for token, _ in finished:
-                self._ring.append(
-                    ring.END,
-                    name=token.name,
-                    group=token.group,
-                    number=token.number,
-                    device=True,
-                    unix_ns=now,
-                )
+                self._end(token, now)
             if finished:
                 with self._cond:
-                    done = {id(t) for t, _ in finished}
-                    self._pending = [(t, e) for t, e in self._pending if id(t) not in done]
+                    done = {id(e) for _, e in finished}
+                    self._pending = [(t, e) for t, e in self._pending if id(e) not in done]
                 self._free_events.extend(e for _, e in finished)
             time.sleep(_WATCH_POLL_S)
 
@@ -258,21 +240,28 @@ def _cuda_available() -> bool:
     return bool(torch is not None and torch.cuda.is_available())
 
 
-_group_names: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
-"""Process group -> label -> group string. Weak: a strong reference would keep a destroyed group alive until
-the interpreter's teardown, whose late destruction of gloo's threads aborts the process."""
+_group_names: dict[tuple[int, str], tuple[weakref.ref[Any], str]] = {}
+"""(id of a process group, label) -> a weak reference to the group, its group string: one dict lookup a
+collective, and no new weak reference (a ``WeakKeyDictionary`` makes one per lookup). Weak: a strong reference
+would keep a destroyed group alive until the interpreter's teardown, whose late destruction of gloo's threads
+aborts the process; an id reused by a new group is told apart by the dead (or other) referent."""
 
 
 def group_of(process_group: Any = None, label: str = "pg") -> str:
     """The group string of a torch process group (``None``: the default group), the same on every member:
     ``label:ranks``, e.g. ``dp:0,2``."""
+    pg = process_group
+    if pg is None:
+        import torch.distributed as dist
+
+        pg = dist.group.WORLD
+    known = _group_names.get((id(pg), label))
+    if known is not None and known[0]() is pg:
+        return known[1]
     import torch.distributed as dist
 
-    pg = process_group or dist.group.WORLD
-    names = _group_names.setdefault(pg, {})
-    name = names.get(label)
-    if name is None:
-        name = names[label] = ring.group_name(label, list(dist.get_process_group_ranks(pg)))
+    name = ring.group_name(label, list(dist.get_process_group_ranks(pg)))
+    _group_names[(id(pg), label)] = (weakref.ref(pg), name)
     return name
 
 
@@ -292,33 +281,40 @@ def end(token: Token | None) -> None:
         rec.end(token)
 
 
-def collective(op: str, *, group: Any = None, label: str = "pg") -> _Span:
+class collective:  # called like a function; a class, so that entering it costs no extra call
     """``with collective("all_reduce", group=pg): ...`` records one blocking collective (``group`` a torch
-    process group or a group string). A no-op when the recorder is off."""
-    return _Span(_recorder, op, group, label)
+    process group or a group string). A no-op when the recorder is off.
 
-
-class _Span:
-    """The context manager of one collective: a plain class, not ``contextlib.contextmanager``, whose
-    generator would cost several microseconds a collective."""
+    A plain class, not ``contextlib.contextmanager`` (whose generator costs several microseconds a
+    collective); :meth:`Recorder.begin` and :meth:`Recorder.end` are inlined in it, each Python call being a
+    measurable share of what a collective costs on a sub-millisecond step."""
 
     __slots__ = ("_group", "_label", "_op", "_rec", "_token")
 
-    def __init__(self, rec: Recorder | None, op: str, group: Any, label: str = "pg") -> None:
-        self._rec, self._op, self._group, self._label = rec, op, group, label
-        self._token: Token | None = None
+    def __init__(self, op: str, *, group: Any = None, label: str = "pg") -> None:
+        self._rec, self._op, self._group, self._label = _recorder, op, group, label
 
     def __enter__(self) -> Token | None:
         rec = self._rec
-        if rec is not None:
-            group = self._group
-            name = group if isinstance(group, str) else group_of(group, self._label)
-            self._token = rec.begin(self._op, name)
-        return self._token
+        if rec is None:
+            return None
+        op, group = self._op, self._group
+        if group.__class__ is not str:
+            group = group_of(group, self._label)
+        enc = rec._encoded.get((op, group)) or rec._encode(op, group)
+        self._token = token = rec._write(enc[0], next(enc[1]), time.time_ns())
+        return token
 
     def __exit__(self, *exc: object) -> None:
-        if self._token is not None and self._rec is not None:
-            self._rec.end(self._token)
+        rec = self._rec
+        if rec is not None:
+            if rec.cuda:
+                rec.end(self._token)
+            else:
+                rec._end(self._token, time.time_ns())
+
+
+_Span = collective
 
 
 def register_ddp(ddp_model: Any, *, process_group: Any = None, label: str = "dp") -> bool:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import phalanx
 import phalanx.intervals
 from phalanx.api import intervals as ring
+from phalanx.api.interval_tracker import Tracker
 from phalanx.api.settings import HangSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import hang
@@ -28,7 +29,7 @@ STALL_S = 1.5
 
 
 def activity(path: Path) -> pb.RankActivity:
-    tracker = ring.Tracker()
+    tracker = Tracker()
     tracker.feed(ring.RingReader(path).read())
     return tracker.activity()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.api import intervals as ring
+from phalanx.api.interval_tracker import Tracker
 from phalanx.api.settings import HangSettings
 from phalanx.diagnostics import hang
 
@@ -43,7 +44,7 @@ def test_a_spinning_kernel_is_a_device_side_hang_and_completes_later(ring_path: 
     from phalanx.intervals import Recorder
 
     rec = Recorder(ring_path, cuda=True)
-    reader, tracker = ring.RingReader(ring_path), ring.Tracker()
+    reader, tracker = ring.RingReader(ring_path), Tracker()
     history = hang.RankHistory(started_at=0.0)
     settings = HangSettings(floor_s=1.0)
     try:

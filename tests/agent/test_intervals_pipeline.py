@@ -11,6 +11,7 @@ import pytest
 
 from phalanx.api import beacon
 from phalanx.api import intervals as ring
+from phalanx.api.interval_tracker import Tracker
 from tests.trainer._procs import run_world
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -38,7 +39,7 @@ def test_a_stage_waiting_for_a_stalled_neighbour_names_the_recv_and_the_peer(tmp
         results = run_world(script, world=2, args=[], timeout_s=60)
         finished = []
         for path in rings:
-            tracker = ring.Tracker()
+            tracker = Tracker()
             tracker.feed(ring.RingReader(path).read())
             finished.append(tracker.activity())
     finally:

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 
 from phalanx.api import beacon, limits
 from phalanx.api import intervals as ring
+from phalanx.api.interval_tracker import Tracker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,7 +56,7 @@ def test_steps_and_collectives_of_another_process_become_activity(ring_path: Pat
     kinds = [(r.kind, r.name, r.number) for r in batch.records]
     assert kinds[:3] == [(ring.BEGIN, "all_reduce", 1), (ring.END, "all_reduce", 1), (ring.MARK, "", 1)]
     assert kinds[-1] == (ring.BEGIN, "all_gather", 1)
-    tracker = ring.Tracker()
+    tracker = Tracker()
     tracker.feed(batch)
     act = tracker.activity()
     assert (act.current.name, act.current.group, act.current.seq) == ("all_gather", "tp:0-3", 1)
@@ -77,7 +80,7 @@ def test_steps_and_collectives_of_another_process_become_activity(ring_path: Pat
 def test_reader_never_accepts_a_torn_record_while_a_writer_laps_the_ring(tmp_path: Path) -> None:
     path = Path("/dev/shm") / f"phalanx-test-ring-small-{os.getpid()}"
     ring.create(path, capacity=4)  # tiny: the writer laps the reader constantly
-    total = 200_000
+    total = 400_000  # about a second of writing: the reader reads it thousands of times meanwhile
     code = f"""
         from pathlib import Path
         from phalanx.api import intervals as ring
@@ -131,8 +134,8 @@ def test_ring_and_beat_are_bounded(tmp_path: Path) -> None:
     assert [r.number for r in batch.records] == list(range(69, 101))
     assert batch.records[0].name == "é" * (limits.MAX_NAME_CHARS // 2)
 
-    tracker = ring.Tracker()
-    records = []
+    tracker = Tracker()
+    records: list[ring.Record] = []
     for n in range(1, 1001):
         for kind, at in ((ring.BEGIN, 10 * n), (ring.END, 10 * n + 5)):
             records.append(
@@ -175,3 +178,86 @@ def test_enable_outside_phalanx_run_is_off() -> None:
         [sys.executable, "-c", textwrap.dedent(code)], env=env, check=True, capture_output=True, text=True
     )
     assert out.stdout.strip() == "ok"
+
+
+def test_threads_write_without_a_lock_and_every_record_is_read_once(tmp_path: Path) -> None:
+    """The training thread, the CUDA watcher and collective callbacks write one ring at once, with no lock:
+    each record claims its slot atomically, so records of different threads interleave but never share a
+    slot. The reader, reading meanwhile, gets every record once and whole (a record overtaken by a later one
+    is waited for: test_a_record_claimed_and_never_completed_is_skipped_after_a_while)."""
+    path = tmp_path / "ring"
+    per_thread, threads = 20_000, 4
+    ring.create(path, capacity=1 << 17)  # room for every record: nothing may be lost
+    writer = ring.RingWriter(path)
+    reader = ring.RingReader(path)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: claims and completions interleave
+
+    def write(t: int) -> None:
+        for n in range(per_thread):
+            writer.append(ring.MARK, name=f"op{t}", group=f"g:{t}", number=n, unix_ns=n)
+
+    workers = [threading.Thread(target=write, args=(t,)) for t in range(threads)]
+    try:
+        for w in workers:
+            w.start()
+        seen: dict[str, list[int]] = {}
+        lost = 0
+        while True:
+            done = not any(w.is_alive() for w in workers)
+            batch = reader.read()
+            lost += batch.lost
+            for r in batch.records:
+                assert r.group == "g:" + r.name[2:]  # name and group of the same write
+                assert r.unix_ns == r.number
+                seen.setdefault(r.name, []).append(r.number)
+            if done and not batch.records:
+                break
+    finally:
+        sys.setswitchinterval(switch)
+        for w in workers:
+            w.join()
+    assert lost == 0
+    assert reader.cursor == threads * per_thread
+    for t in range(threads):
+        assert sorted(seen[f"op{t}"]) == list(range(per_thread))
+
+
+def test_an_interval_ends_in_its_own_slot_only(tmp_path: Path) -> None:
+    path = tmp_path / "ring"
+    ring.create(path, capacity=8)
+    writer, reader = ring.RingWriter(path), ring.RingReader(path)
+    token = writer.append(ring.BEGIN, name="all_reduce", group="dp:0,1", number=1, unix_ns=100)
+    assert [(r.kind, r.number) for r in reader.read().records] == [(ring.BEGIN, 1)]
+    writer.end(token, 250)
+    (end,) = reader.read().records  # read again until its end is set
+    assert (end.kind, end.name, end.group, end.number) == (ring.END, "all_reduce", "dp:0,1", 1)
+    assert end.unix_ns == 250
+
+    late = writer.append(ring.BEGIN, name="all_gather", group="tp:0,1", number=1, unix_ns=300)
+    for n in range(8):  # the writer laps the ring: the all-gather's slot now holds a step boundary
+        writer.append(ring.MARK, number=n, unix_ns=400 + n)
+    writer.end(late, 999)  # too late: must not end the record that took its slot
+    batch = ring.RingReader(path).read()
+    assert [r.kind for r in batch.records] == [ring.MARK] * 8
+    assert all(r.unix_ns != 999 for r in batch.records)
+
+
+def test_a_record_claimed_and_never_completed_is_skipped_after_a_while(tmp_path: Path) -> None:
+    """A writer that died (or raised) between claiming a slot and completing it: records written after it
+    are read once the reader has waited for it for a while, and it is counted lost."""
+    path = tmp_path / "ring"
+    ring.create(path, capacity=64)
+    writer, reader = ring.RingWriter(path), ring.RingReader(path)
+    writer.append(ring.MARK, number=1)
+    next(writer._claim)  # the fault: a slot claimed by a write that never completes
+    writer.append(ring.MARK, number=3)
+    assert [r.number for r in reader.read().records] == [1]  # waits for the incomplete one first
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        batch = reader.read()
+        if batch.records:
+            break
+        time.sleep(0.05)
+    assert [r.number for r in batch.records] == [3]
+    assert batch.lost == 1

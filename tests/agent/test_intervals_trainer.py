@@ -10,6 +10,7 @@ import pytest
 
 from phalanx.api import beacon
 from phalanx.api import intervals as ring
+from phalanx.api.interval_tracker import Tracker
 from tests.trainer._procs import run_world
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -38,7 +39,7 @@ def test_gradient_sync_and_tensor_regions_are_recorded(tmp_path: Path) -> None:
         run_world(script, world=2, args=[], timeout_s=60)
         seen = []
         for path in rings:
-            tracker = ring.Tracker()
+            tracker = Tracker()
             tracker.feed(ring.RingReader(path).read())
             seen.append(tracker)
     finally:

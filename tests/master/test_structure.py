@@ -1,12 +1,16 @@
-"""The master's modules stay small rooms: none over 500 lines, and no import cycle among them."""
+"""Modules stay small rooms: no source module over 500 lines (generated code aside), and no import cycle
+among the master's modules."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import phalanx
 import phalanx.master
 
+SOURCE = Path(phalanx.__file__).parent
+GENERATED = SOURCE / "api" / "v1"  # protobuf and gRPC stubs
 MASTER = Path(phalanx.master.__file__).parent
 MAX_LINES = 500
 
@@ -51,8 +55,13 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
-def test_no_master_module_is_over_500_lines() -> None:
-    sizes = {p.name: len(p.read_text().splitlines()) for p in MASTER.glob("*.py")}
+def test_no_source_module_is_over_500_lines() -> None:
+    sizes = {
+        str(p.relative_to(SOURCE)): len(p.read_text().splitlines())
+        for p in SOURCE.rglob("*.py")
+        if GENERATED not in p.parents
+    }
+    assert len(sizes) > 100  # the whole package was found
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
 
 

@@ -16,6 +16,7 @@ from phalanx.agent.config import AgentConfig
 from phalanx.api import beacon
 from phalanx.api import intervals as interval_ring
 from phalanx.api import round as round_file
+from phalanx.api.interval_tracker import Tracker
 from phalanx.api.round import RoundInfo
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import hang
@@ -68,7 +69,7 @@ class WorkerPool:
         self.workers: dict[int, workers.Worker] = {}
         self.spares: dict[int, workers.Worker] = {}
         self.histories: dict[int, hang.RankHistory] = {}
-        self.rings: dict[int, tuple[interval_ring.RingReader, interval_ring.Tracker]] = {}
+        self.rings: dict[int, tuple[interval_ring.RingReader, Tracker]] = {}
         """Per local rank: the reader of its interval ring and what it has read so far."""
         self._spawned = 0
         self.imports_dir: Path | None = None
@@ -145,7 +146,7 @@ class WorkerPool:
             beacon.create(paths.beacon)
             if paths.intervals is not None:
                 interval_ring.create(paths.intervals)
-                self.rings[lr] = (interval_ring.RingReader(paths.intervals), interval_ring.Tracker())
+                self.rings[lr] = (interval_ring.RingReader(paths.intervals), Tracker())
             env = worker_env.round_env(
                 info,
                 local_rank=lr,

@@ -2,63 +2,85 @@
 memory beside its progress beacon (:mod:`phalanx.api.beacon`).
 
 The agent creates one ring file per worker (in ``/dev/shm``) and passes its path in
-``PHALANX_INTERVALS_FILE``; :mod:`phalanx.intervals` in the worker appends records, the agent reads them each
+``PHALANX_INTERVALS_FILE``; :mod:`phalanx.intervals` in the worker writes records, the agent reads them each
 monitoring tick and folds them (:class:`Tracker`) into the rank's ``RankActivity`` and the intervals it
 sends the master.
 
-A record is a step boundary (``MARK``), or the ``BEGIN`` or ``END`` of an interval: a collective (op, group,
-its sequence number in the group) or a device marker (a CUDA event the process recorded at a step
-boundary). There is one writing process; its threads (the training thread, a CUDA-event watcher, a
-collective's completion callback) take an in-process lock, so the ring sees one writer at a time. The reader
-takes no lock: every slot carries its own sequence word, ``2n+1`` while record ``n`` is being written into it
-and ``2n+2`` once it is complete. A reader that sees another value before and after copying a slot has read
-a torn or overwritten record and retries (or skips it, once the writer has lapped it). No pickle: fixed
-little-endian words and UTF-8 strings cut to :data:`phalanx.api.limits.MAX_NAME_CHARS` bytes.
+A record is a step boundary (``MARK``) or an interval (``BEGIN``): a collective (op, group, its sequence
+number in the group) or a device marker (a CUDA event the process recorded at a step boundary). Writing
+records is the recorder's cost on the training path, paid several times a step, so it is kept to a few
+word stores, with no lock, no allocation beyond a token and no system call:
 
-Layout: a 64-byte header of 8-byte words ``magic | capacity | head | pid | last_record_ns | dump_asked |
-dump_done | dump_able`` (``head`` counts the records completely written; the last three words are the NCCL
-flight-recorder dump handshake, :func:`request_dump`), then ``capacity`` slots of :data:`SLOT_WORDS` words:
-``seq | kind, device, name length, group length | number | unix_ns | name (8 words) | group (8 words)``.
-As in the beacon, every word is stored through an aligned 8-byte memoryview store, never ``struct.pack_into``
-(which writes byte by byte).
+- **Fixed-size slots, one array per field**: ``seq``, ``meta``, ``number``, ``unix_ns``, ``end_ns``, each an
+  array of ``capacity`` words, record ``n`` at index ``(n + 1) % capacity`` of each (a power of two: no
+  slot arithmetic beyond a mask on the write path). An interval is one slot: its start writes the slot,
+  its end one word of it (``end_ns``, 0 while open); the reader turns a slot whose end is set into a
+  ``BEGIN`` and an ``END`` record.
+- **A text table.** The op and group names are not copied into each record: each distinct string is
+  written once into the ring's text table, and records carry its index in ``meta``
+  (``kind | device << 8 | name index << 16 | group index << 32``).
+- **No lock.** One process writes a ring, from several threads (the training thread, the CUDA-event
+  watcher, a collective's completion callback): each record claims its index from an
+  ``itertools.count``, whose ``next`` is atomic under the GIL, so two threads never share a slot.
+- **Per-slot sequence words.** Record ``n``'s ``seq`` is ``-(n+1)`` while it is being written and ``n+1``
+  once complete. The reader takes no lock and there is no shared head: it reads slots in order for as
+  long as they hold complete records (a smaller magnitude: not written yet; negative: being written; a
+  larger one: the writer has lapped the reader, which skips what was overwritten), copying a slot and
+  checking its ``seq`` again after; it re-reads the ``end_ns`` of the intervals it saw open until they
+  close. An interval's end is stored only if its slot still holds it.
+
+No pickle: fixed little-endian words and UTF-8 strings cut to :data:`phalanx.api.limits.MAX_NAME_CHARS`
+bytes. As in the beacon, every word is stored through an aligned 8-byte memoryview store, never
+``struct.pack_into`` (which zero-fills its target first, then writes byte by byte).
+
+Layout: a 128-byte header of 8-byte words ``magic | capacity | pid | text_capacity | texts | dump_asked |
+dump_done | dump_able`` (``texts`` counts the text-table entries written; the ``dump`` words are the NCCL
+flight-recorder dump handshake, :func:`request_dump`), then the :data:`SLOT_WORDS` field arrays of
+``capacity`` words, then ``text_capacity`` text entries of ``length | UTF-8 bytes (8 words)``; text index
+``i`` is entry ``i - 1``, index 0 the empty string.
 """
 
 from __future__ import annotations
 
-import functools
+import itertools
 import mmap
 import os
-import statistics
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeAlias
 
 from phalanx.api import limits
-from phalanx.api.v1 import master_pb2 as pb
 
 ENV_VAR = "PHALANX_INTERVALS_FILE"
-MAGIC = 0x50484C5849563031  # "PHLXIV01"
+MAGIC = 0x50484C5849563032  # "PHLXIV02": 5-word slots whose intervals end in place, and a text table
 DEFAULT_CAPACITY = 4096
 """Records a ring holds: at 10 records a step and 10 steps a second, four seconds of history, far more than
 the agent's 0.1 s monitoring tick needs."""
+DEFAULT_TEXTS = 1024
+"""Distinct op and group names a ring holds: a job uses a few dozen (ops x its groups and channels)."""
 
 MARK, BEGIN, END = 1, 2, 3
-_HEADER_WORDS = 8
-_H_MAGIC, _H_CAPACITY, _H_HEAD, _H_PID, _H_LAST_NS, _H_DUMP_ASKED, _H_DUMP_DONE, _H_DUMP_ABLE = range(8)
+_HEADER_WORDS = 16
+_H_MAGIC, _H_CAPACITY, _H_PID, _H_TEXT_CAPACITY, _H_TEXTS = range(5)
+_H_DUMP_ASKED, _H_DUMP_DONE, _H_DUMP_ABLE = range(5, 8)
 DUMP_SUFFIX = ".nccl.json"
 """The worker writes its NCCL flight-recorder dump beside its ring: ``<ring>.nccl.json``."""
+SLOT_WORDS = 5
+"""Words a record takes: one in each field array (seq, meta, number, unix_ns, end_ns)."""
 _TEXT_BYTES = limits.MAX_NAME_CHARS
-_TEXT_WORDS = _TEXT_BYTES // 8
-SLOT_WORDS = 4 + 2 * _TEXT_WORDS
-_S_SEQ, _S_META, _S_NUMBER, _S_NS = range(4)
-_S_NAME = 4
-_S_GROUP = 4 + _TEXT_WORDS
+_TEXT_WORDS = 1 + _TEXT_BYTES // 8  # length, then the bytes
+TEXT_FULL = 0xFFFF
+"""The text index of a name written once the table was full: read as :data:`FULL_TEXT`."""
+FULL_TEXT = "?"
+_STUCK_S = 0.5
+"""How long the reader waits for a record that a later one overtook (its writer was preempted, or died,
+between claiming it and completing it) before it counts it lost and reads on."""
 
 
-def size_for(capacity: int) -> int:
-    return 8 * (_HEADER_WORDS + capacity * SLOT_WORDS)
+def size_for(capacity: int, texts: int = DEFAULT_TEXTS) -> int:
+    return 8 * (_HEADER_WORDS + capacity * SLOT_WORDS + texts * _TEXT_WORDS)
 
 
 @dataclass(frozen=True)
@@ -75,13 +97,16 @@ class Record:
     device: bool
 
 
-def create(path: Path, *, capacity: int = DEFAULT_CAPACITY) -> None:
+def create(path: Path, *, capacity: int = DEFAULT_CAPACITY, texts: int = DEFAULT_TEXTS) -> None:
     """Creates (or resets) an empty ring. Called by the agent before it hands a worker its round."""
+    if capacity <= 0 or capacity & (capacity - 1):
+        raise ValueError(f"a ring's capacity is a power of two, not {capacity}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = bytearray(size_for(capacity))
+    header = bytearray(size_for(capacity, texts))
     words = memoryview(header).cast("q")
     words[_H_MAGIC] = MAGIC
     words[_H_CAPACITY] = capacity
+    words[_H_TEXT_CAPACITY] = min(texts, TEXT_FULL - 1)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(bytes(header))
     tmp.replace(path)
@@ -102,32 +127,72 @@ class _Mapped:
             self._map = mmap.mmap(f.fileno(), total, prot=prot)
         self._words = memoryview(self._map).cast("q")
         self._bytes = memoryview(self._map)
+        self._fields: list[memoryview] = []
         if self._words[_H_MAGIC] != MAGIC:
             self.close()
             raise ValueError(f"{path} is not an interval ring")
-        self.capacity = int(self._words[_H_CAPACITY])
-        if size_for(self.capacity) > total or self.capacity <= 0:
+        cap = self.capacity = int(self._words[_H_CAPACITY])
+        self.text_capacity = int(self._words[_H_TEXT_CAPACITY])
+        if cap <= 0 or cap & (cap - 1) or size_for(cap, self.text_capacity) > total:
             self.close()
-            raise ValueError(f"{path}: ring header says {self.capacity} slots, the file is {total} bytes")
-
-    def _slot(self, n: int) -> int:
-        return _HEADER_WORDS + (n % self.capacity) * SLOT_WORDS
+            raise ValueError(f"{path}: ring header says {cap} slots, the file is {total} bytes")
+        self._mask = cap - 1
+        starts = [_HEADER_WORDS + k * cap for k in range(SLOT_WORDS)]
+        self._fields = [self._words[start : start + cap] for start in starts]
+        self._seqs, self._metas, self._numbers, self._stamps, self._ends = self._fields
+        self._texts_base = _HEADER_WORDS + cap * SLOT_WORDS
 
     def close(self) -> None:
+        for view in self._fields:
+            view.release()
         self._words.release()
         self._bytes.release()
         self._map.close()
 
 
+Token: TypeAlias = tuple[int, int]
+"""A record written: its slot and its complete ``seq`` (:meth:`RingWriter.end` ends an interval with it)."""
+
+
 class RingWriter(_Mapped):
-    """The worker side. Thread-safe within one process; one process writes a ring."""
+    """The worker side. Thread-safe within one process, without a lock; one process writes a ring."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, writable=True)
         self.path = str(path)
-        self._lock = threading.Lock()
-        self._head = int(self._words[_H_HEAD])
+        self._claim = itertools.count(1 + max(abs(int(seq)) for seq in self._seqs))
+        """The next record's ``seq`` (its index + 1; a writer attaching to a ring already written goes on
+        after its newest record): ``next`` is one atomic C call, so each thread gets slots of its own."""
+        self._text_ids: dict[str, int] = {"": 0}
+        self._texts_lock = threading.Lock()  # only to add a string to the text table, once per string
         self._words[_H_PID] = os.getpid()
+
+    def meta(self, kind: int, device: bool, name: str, group: str) -> int:
+        """A record's meta word (its texts written into the table the first time): encode it once per
+        (kind, op, group), then :meth:`write` as often as needed."""
+        return kind | int(device) << 8 | self.text_id(name) << 16 | self.text_id(group) << 32
+
+    def text_id(self, text: str) -> int:
+        """The index of ``text`` in the ring's text table, written there on first use."""
+        tid = self._text_ids.get(text)
+        if tid is not None:
+            return tid
+        with self._texts_lock:
+            tid = self._text_ids.get(text)
+            if tid is None:
+                words = self._words
+                count = int(words[_H_TEXTS])
+                if count >= self.text_capacity:
+                    tid = TEXT_FULL
+                else:
+                    raw = _encode(text)
+                    base = self._texts_base + count * _TEXT_WORDS
+                    self._bytes[8 * (base + 1) : 8 * (base + 1) + len(raw)] = raw
+                    words[base] = len(raw)
+                    words[_H_TEXTS] = count + 1  # published after the entry: readers see it whole
+                    tid = count + 1
+                self._text_ids[text] = tid
+        return tid
 
     def append(
         self,
@@ -138,32 +203,34 @@ class RingWriter(_Mapped):
         number: int = 0,
         device: bool = False,
         unix_ns: int | None = None,
-    ) -> int:
-        """Appends one record; returns its time (``time.time_ns()`` unless given)."""
+    ) -> Token:
+        """Writes one record (``MARK`` or ``BEGIN``; an interval ends with :meth:`end`) at ``unix_ns``
+        (default now) and returns its token."""
+        if kind not in (MARK, BEGIN):
+            raise ValueError(f"record kind {kind}: write a MARK or a BEGIN, and end a BEGIN with end()")
         stamp = time.time_ns() if unix_ns is None else unix_ns
-        meta, texts = encoded(kind, device, name, group)
-        self.write(meta, texts, number, stamp)
-        return stamp
+        return self.write(self.meta(kind, device, name, group), number, stamp)
 
-    def write(self, meta: int, texts: bytes, number: int, stamp: int) -> None:
-        """Appends one record already encoded by :func:`encoded`: the recorder's path, a few hundred
-        nanoseconds (positional arguments, three word stores and one copy of the texts; no packing)."""
-        with self._lock:
-            n = self._head
-            base = _HEADER_WORDS + (n % self.capacity) * SLOT_WORDS
-            words = self._words
-            words[base] = 2 * n + 1  # odd: being written (_S_SEQ is the slot's first word)
-            words[base + _S_META] = meta
-            words[base + _S_NUMBER] = number
-            words[base + _S_NS] = stamp
-            if texts:
-                # The texts may be written byte by byte: the odd sequence word guards them.
-                at = 8 * (base + _S_NAME)
-                self._bytes[at : at + len(texts)] = texts
-            words[base] = 2 * n + 2
-            self._head = n + 1
-            words[_H_LAST_NS] = stamp
-            words[_H_HEAD] = n + 1
+    def write(self, meta: int, number: int, stamp: int) -> Token:
+        """Writes one record whose meta word :meth:`meta` encoded, and returns its token (for :meth:`end`):
+        the recorder's path: one claim, a mask and six word stores."""
+        seq = next(self._claim)
+        i = seq & self._mask
+        seqs = self._seqs
+        seqs[i] = -seq  # being written
+        self._metas[i] = meta
+        self._numbers[i] = number
+        self._stamps[i] = stamp
+        self._ends[i] = 0  # open (unused by a MARK)
+        seqs[i] = seq
+        return (i, seq)
+
+    def end(self, token: Token, stamp: int) -> None:
+        """Ends the interval ``token`` names at ``stamp``: one word, stored only if the slot still holds the
+        interval (a writer that lapped the ring meanwhile has made it another record's)."""
+        i, seq = token
+        if self._seqs[i] == seq:
+            self._ends[i] = stamp
 
     # ---- the NCCL flight-recorder dump, answered by the recorder's CUDA watcher thread ----------------
 
@@ -215,24 +282,18 @@ def request_dump(path: Path, *, timeout_s: float = 1.0) -> str:
     return text if len(raw) <= limits.MAX_NCCL_TRACE_BYTES else text + "\n... (cut)"
 
 
-@functools.lru_cache(maxsize=1024)  # a job uses a handful of names and groups: build each slot text once
-def encoded(kind: int, device: bool, name: str, group: str) -> tuple[int, bytes]:
-    """A record's meta word and its name and group as the slot stores them (the name padded to its field;
-    nothing for a record without texts, whose slot keeps stale bytes that the lengths in meta exclude)."""
-    name_b, group_b = _encode(name), _encode(group)
-    meta = kind | int(device) << 8 | len(name_b) << 16 | len(group_b) << 32
-    return meta, (name_b.ljust(_TEXT_BYTES, b"\0") + group_b) if name_b or group_b else b""
-
-
 @dataclass(frozen=True)
 class Batch:
-    """What one read returned: the new records, oldest first, and how many were lost (overwritten before
-    they were read)."""
+    """What one read returned: the new records, oldest first, how many were lost (overwritten before they
+    were read), and the newest record's time (0 when none is new)."""
 
     records: list[Record]
     lost: int
     last_record_ns: int
     pid: int
+
+
+_NOT_YET = -1
 
 
 class RingReader(_Mapped):
@@ -241,141 +302,111 @@ class RingReader(_Mapped):
     def __init__(self, path: Path) -> None:
         super().__init__(path, writable=False)
         self.cursor = 0
+        self._texts: list[str] = [""]
+        """The text table as read so far (entries are written once and never change)."""
+        self._open: dict[int, Record] = {}
+        """Intervals read while open, by record index: their ``end_ns`` is read again each time."""
+        self._stuck: tuple[int, float] | None = None
+        """A record a later one overtook, and when the reader first waited for it."""
 
     def read(self, *, limit: int | None = None) -> Batch:
-        words = self._words
-        head = int(words[_H_HEAD])
+        """The records written since the previous read (at most ``limit`` slots), an interval's ``END``
+        after its ``BEGIN`` once its end is set, all in time order."""
+        out: list[Record] = []
         lost = 0
-        if head - self.cursor > self.capacity:
-            lost = head - self.capacity - self.cursor
-            self.cursor = head - self.capacity
-        if limit is not None and head - self.cursor > limit:
-            head = self.cursor + limit
-        records: list[Record] = []
         n = self.cursor
-        while n < head:
-            record = self._read_slot(n)
-            if record is None:  # the writer lapped this slot while we read it
-                lost += 1
+        budget = limit if limit is not None else self.capacity
+        for _ in range(2 * budget):  # at most ``budget`` slots read, and as many skips after a lapping writer
+            if n - self.cursor - lost >= budget:
+                break
+            got = self._read_slot(n)
+            if isinstance(got, Record):
+                out.append(got)
+                if got.kind == BEGIN:
+                    self._open[n] = got  # _ended() below emits its END once its end is set
+            elif got > n:  # the writer lapped the reader: records up to ``got - capacity`` were overwritten
+                skip_to = got - self.capacity + 1
+                lost += skip_to - n
+                n = skip_to
+                continue
+            elif self._overtaken(n) and self._waited_too_long(n):
+                lost += 1  # claimed and never completed (its writer died, or an exception cut it short)
             else:
-                records.append(record)
+                break  # not written yet, or still being written: read it next time
             n += 1
         self.cursor = n
-        last_ns, pid = int(words[_H_LAST_NS]), int(words[_H_PID])
-        return Batch(records=records, lost=lost, last_record_ns=last_ns, pid=pid)
+        out.extend(self._ended())
+        out.sort(key=_time_order)
+        last_ns = max((r.unix_ns for r in out), default=0)
+        return Batch(records=out, lost=lost, last_record_ns=last_ns, pid=int(self._words[_H_PID]))
 
-    def _read_slot(self, n: int) -> Record | None:
-        base = self._slot(n)
-        words = self._words
-        want = 2 * n + 2
-        deadline = time.monotonic() + 0.5
-        while True:
-            seq1 = words[base + _S_SEQ]
-            meta, number, stamp = words[base + _S_META], words[base + _S_NUMBER], words[base + _S_NS]
-            name_len, group_len = meta >> 16 & 0xFFFF, meta >> 32 & 0xFFFF
-            at = 8 * (base + _S_NAME)
-            name = bytes(self._bytes[at : at + min(name_len, _TEXT_BYTES)])
-            at = 8 * (base + _S_GROUP)
-            group = bytes(self._bytes[at : at + min(group_len, _TEXT_BYTES)])
-            seq2 = words[base + _S_SEQ]
-            if seq1 == seq2 == want:
-                return Record(
-                    index=n,
-                    kind=meta & 0xFF,
-                    name=name.decode("utf-8", "replace"),
-                    group=group.decode("utf-8", "replace"),
-                    number=number,
-                    unix_ns=stamp,
-                    device=bool(meta >> 8 & 1),
-                )
-            if seq1 > want or seq2 > want or time.monotonic() > deadline:
-                return None  # overwritten by a later record (or a writer that died mid-record)
-            os.sched_yield()  # the writer is in the middle of this very slot: let it finish
+    def _ended(self) -> list[Record]:
+        """The END records of the open intervals whose end is now set; forgets those overwritten."""
+        ended: list[Record] = []
+        for n, began in list(self._open.items()):
+            i = (n + 1) & self._mask
+            end_ns = self._ends[i]
+            if self._seqs[i] != n + 1:
+                del self._open[n]  # lapped while open: its end is lost with it
+            elif end_ns:
+                del self._open[n]
+                ended.append(Record(n, END, began.name, began.group, began.number, int(end_ns), began.device))
+        return ended
 
+    def _overtaken(self, n: int) -> bool:
+        """Is the record after ``n`` complete while ``n`` is not (two threads finished out of order, or the
+        writer of ``n`` died or raised between claiming and completing it)? One slot is looked at: this
+        runs at every read that reaches the newest record."""
+        return isinstance(self._read_slot(n + 1), Record)
 
-_RECENT = 64  # recent steps whose durations give the medians
+    def _waited_too_long(self, n: int) -> bool:
+        now = time.monotonic()
+        if self._stuck is None or self._stuck[0] != n:
+            self._stuck = (n, now)
+            return False
+        return now - self._stuck[1] > _STUCK_S
 
-
-@dataclass
-class Tracker:
-    """Folds a rank's records into its current ``RankActivity`` and the intervals not yet sent. Pure: feed
-    it batches, ask it for protos."""
-
-    entered: dict[str, int] = field(default_factory=dict)
-    open: dict[tuple[str, str, int], Record] = field(default_factory=dict)
-    """Intervals begun and not yet ended, by (name, group, number)."""
-    last_record_ns: int = 0
-    last_mark: Record | None = None
-    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
-    collective_times: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
-    pending: deque[pb.Interval] = field(default_factory=lambda: deque(maxlen=limits.MAX_INTERVALS_PER_BEAT))
-    """Intervals to send with the next heartbeat, newest kept."""
-    lost: int = 0
-    _in_collectives_ns: int = 0
-
-    @property
-    def active(self) -> bool:
-        """Has the rank's recorder written anything?"""
-        return self.last_record_ns > 0
-
-    def feed(self, batch: Batch) -> None:
-        self.lost += batch.lost
-        self.last_record_ns = max(self.last_record_ns, batch.last_record_ns)
-        for r in batch.records:
-            self.last_record_ns = max(self.last_record_ns, r.unix_ns)
-            if r.kind == MARK:
-                self._mark(r)
-            elif r.kind == BEGIN:
-                self.open[(r.name, r.group, r.number)] = r
-                if r.group:
-                    self.entered[r.group] = max(self.entered.get(r.group, 0), r.number)
-            elif r.kind == END:
-                began = self.open.pop((r.name, r.group, r.number), None)
-                if began is not None and r.group:
-                    self._in_collectives_ns += max(0, r.unix_ns - began.unix_ns)
-                    self.pending.append(_interval(began, end_ns=r.unix_ns, device=r.device))
-
-    def _mark(self, r: Record) -> None:
-        prev = self.last_mark
-        if prev is not None and r.number > prev.number:
-            steps = r.number - prev.number
-            seconds = (r.unix_ns - prev.unix_ns) / 1e9 / steps
-            self.step_times.append(seconds)
-            self.collective_times.append(self._in_collectives_ns / 1e9 / steps)
-            self.pending.append(
-                pb.Interval(name="step", seq=r.number, start_unix_ns=prev.unix_ns, end_unix_ns=r.unix_ns)
+    def _read_slot(self, n: int) -> Record | int:
+        """Record ``n``; else the index of the record its slot holds or is writing when that is later (the
+        writer lapped the reader), else :data:`_NOT_YET`."""
+        i = (n + 1) & self._mask
+        want = n + 1
+        seq1 = self._seqs[i]
+        meta, number, stamp = self._metas[i], self._numbers[i], self._stamps[i]
+        seq2 = self._seqs[i]
+        if seq1 == seq2 == want:
+            kind = meta & 0xFF
+            began = Record(
+                index=n,
+                kind=kind,
+                name=self._text(meta >> 16 & 0xFFFF),
+                group=self._text(meta >> 32 & 0xFFFF),
+                number=number,
+                unix_ns=stamp,
+                device=bool(meta >> 8 & 1),
             )
-        self._in_collectives_ns = 0
-        self.last_mark = r
+            return began
+        newest = max(abs(seq1), abs(seq2))
+        return newest - 1 if newest > want else _NOT_YET
 
-    def current(self) -> Record | None:
-        """The newest collective entered and not complete."""
-        collectives = [r for r in self.open.values() if r.group]
-        return max(collectives, key=lambda r: r.index, default=None)
+    def _text(self, tid: int) -> str:
+        if tid < len(self._texts):
+            return self._texts[tid]
+        if tid == TEXT_FULL:
+            return FULL_TEXT
+        words = self._words
+        count = min(int(words[_H_TEXTS]), self.text_capacity)
+        for i in range(len(self._texts) - 1, count):  # entry i is text index i + 1
+            base = self._texts_base + i * _TEXT_WORDS
+            length = min(int(words[base]), _TEXT_BYTES)
+            raw = bytes(self._bytes[8 * (base + 1) : 8 * (base + 1) + length])
+            self._texts.append(raw.decode("utf-8", "replace"))
+        return self._texts[tid] if tid < len(self._texts) else ""
 
-    def device_pending_since_ns(self) -> int:
-        """When the oldest device work still pending was recorded; 0 when none is."""
-        return min((r.unix_ns for r in self.open.values() if r.device), default=0)
 
-    def activity(self) -> pb.RankActivity:
-        act = pb.RankActivity(
-            last_record_unix_ns=self.last_record_ns,
-            device_pending_since_unix_ns=self.device_pending_since_ns(),
-            step_time_s=statistics.median(self.step_times) if self.step_times else 0.0,
-            collective_time_s=statistics.median(self.collective_times) if self.collective_times else 0.0,
-        )
-        cur = self.current()
-        if cur is not None:
-            act.current.CopyFrom(_interval(cur, end_ns=0, device=cur.device))
-        for group, seq in self.entered.items():
-            act.entered[group] = seq
-        return act
-
-    def take_intervals(self) -> list[pb.Interval]:
-        """The intervals closed since the previous call (at most MAX_INTERVALS_PER_BEAT, the newest)."""
-        out = list(self.pending)
-        self.pending.clear()
-        return out
+def _time_order(r: Record) -> tuple[int, int, int]:
+    """Records by time; at a tie, by index, an END after the BEGIN of its own slot."""
+    return (r.unix_ns, r.index, r.kind == END)
 
 
 def parse_group(group: str) -> tuple[str, list[int]]:
@@ -424,15 +455,3 @@ def group_name(label: str, ranks: list[int]) -> str:
             parts.append(str(ordered[i]))
             i += 1
     return f"{label}:{','.join(parts)}"
-
-
-def _interval(began: Record, *, end_ns: int, device: bool) -> pb.Interval:
-    """The collective ``began`` opened, ending at ``end_ns`` (0: still open)."""
-    return pb.Interval(
-        name=began.name,
-        group=began.group,
-        seq=began.number,
-        start_unix_ns=began.unix_ns,
-        end_unix_ns=end_ns,
-        device=device,
-    )
