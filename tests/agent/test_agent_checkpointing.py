@@ -28,6 +28,7 @@ from phalanx.api.v1 import master_pb2 as pb
 from phalanx.checkpoint import protocol, shm
 from phalanx.checkpoint.host import process_running
 from tests.agent.helpers import master_process
+from tests.eventually import eventually
 
 
 def _node_files(shm_root: Path) -> list[Path]:
@@ -302,10 +303,11 @@ def test_a_host_that_dies_or_hangs_is_replaced_with_the_nodes_snapshots(
             """Waits for the watcher to replace the host; returns the new host's pid."""
             old = host.handle.pid
             pids.append(old)
-            deadline = time.monotonic() + 20
-            while not any(problem in line and "replaced it" in line for line in said):
-                assert time.monotonic() < deadline, said
-                time.sleep(0.05)
+            eventually(
+                lambda: any(problem in line and "replaced it" in line for line in said),
+                timeout=20,
+                what=f"the watcher replacing the host that {problem}",
+            )
             assert not process_running(old)
             with contextlib.closing(protocol.HostClient(sock)) as client:
                 pid = int(client.call({"op": "ping"}, timeout_s=5)["pid"])
@@ -407,10 +409,7 @@ def _lonely_allgather(probe_round: int) -> pb.Action:
 
 
 def _waitprocess_running(executor: probes.ProbeExecutor) -> None:
-    deadline = time.monotonic() + 20
-    while executor._kill is None:
-        assert time.monotonic() < deadline, "the probe did not start"
-        time.sleep(0.01)
+    eventually(lambda: executor._kill is not None, timeout=20, what="the probe starting", interval=0.01)
 
 
 @pytest.mark.integration
@@ -495,15 +494,16 @@ def _kill_agent(agent: subprocess.Popen[str]) -> None:
         agent.stdout.close()
 
 
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
     return False
+
+
+def _wait_gone(pid: int, timeout_s: float, what: str) -> None:
+    eventually(lambda: _gone(pid), timeout=timeout_s, what=what, interval=0.1)
 
 
 @pytest.mark.integration
@@ -522,7 +522,7 @@ def test_host_outlives_a_killed_agent_only_to_release_the_memory(tmp_path: Path)
         assert len(_node_files(shm_root)) == 3  # two slots and the beacon
     finally:
         _kill_agent(agent)
-    assert _wait_gone(host["pid"], checkpointing.IDLE_EXIT_S + 10), "the orphaned host never exited"
+    _wait_gone(host["pid"], checkpointing.IDLE_EXIT_S + 10, "the orphaned host exiting")
     assert not _node_files(shm_root), _node_files(shm_root)
 
 
@@ -551,7 +551,7 @@ def test_agent_restarted_within_the_idle_limit_keeps_the_snapshot_in_memory(tmp_
         assert new["pid"] != old["pid"]
         assert new["socket"] == old["socket"]
         # Without the handover the old host exits only at its idle limit and unlinks everything then.
-        assert _wait_gone(old["pid"], checkpointing.IDLE_EXIT_S + 10), "the old host never exited"
+        _wait_gone(old["pid"], checkpointing.IDLE_EXIT_S + 10, "the old host exiting")
         assert beacon.exists()
         assert Path(new["socket"]).exists()
         ckpt = Checkpointer(job_id=new["job"], host_socket=new["socket"], shm_dir=str(shm_root), rank=0)
@@ -563,7 +563,7 @@ def test_agent_restarted_within_the_idle_limit_keeps_the_snapshot_in_memory(tmp_
         ckpt.close()
         with contextlib.closing(protocol.HostClient(new["socket"])) as client:
             assert client.call({"op": "stop"})["ok"]
-        assert _wait_gone(new["pid"], 30), "the new host did not stop"
+        _wait_gone(new["pid"], 30, "the new host stopping")
         assert not _node_files(shm_root), _node_files(shm_root)
     finally:
         _kill_agent(second)

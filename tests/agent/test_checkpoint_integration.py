@@ -22,6 +22,7 @@ from phalanx.checkpoint import shm
 from phalanx.checkpoint import storage as storage_lib
 from tests.agent.helpers import DDP, master_process, phalanx_local
 from tests.conftest import aws_env, environment, minio_server
+from tests.eventually import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -41,14 +42,13 @@ def _committed_steps(storage: Path) -> list[int]:
 
 
 def _wait_for(path: Path, *, step: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            if lines and lines[-1]["step"] >= step:
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"training did not reach step {step} in {timeout_s}s")
+    def reached() -> bool:
+        if not path.exists():
+            return False
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return bool(lines) and lines[-1]["step"] >= step
+
+    eventually(reached, timeout=timeout_s, what=f"training reaching step {step}")
 
 
 def _agent(args: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -145,14 +145,17 @@ def test_save_at_breakpoint_persists_and_master_learns_it(tmp_path: Path) -> Non
         req = urllib.request.Request(
             f"http://{master.http}/v1/job", headers={"Authorization": f"Bearer {master.token}"}
         )
-        deadline = time.monotonic() + 10
-        while True:
+
+        def committed_step() -> int:
             with urllib.request.urlopen(req, timeout=5) as resp:
-                status = json.loads(resp.read())
-            if status["committed_checkpoint_step"] == max(committed) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert status["committed_checkpoint_step"] == max(committed), status
+                return int(json.loads(resp.read())["committed_checkpoint_step"])
+
+        eventually(
+            lambda: committed_step() == max(committed),
+            timeout=10,
+            what=f"the master reporting step {max(committed)} committed",
+            interval=0.2,
+        )
         assert not _job_leftovers(job), _job_leftovers(job)
 
 
@@ -403,11 +406,15 @@ def test_a_restart_in_place_does_not_wait_for_a_hung_storage(tmp_path: Path) -> 
             server.send_signal(signal.SIGSTOP)
             try:
                 os.kill(int((pids / "rank1.pid").read_text()), signal.SIGKILL)
-                deadline = time.monotonic() + 60
-                while not any(e["restart"] == 1 for e in _steps(log)):
+
+                def restarted() -> bool:
                     assert proc.poll() is None, proc.communicate()
-                    assert time.monotonic() < deadline, "the restart waited for the stopped storage"
-                    time.sleep(0.1)
+                    return any(e["restart"] == 1 for e in _steps(log))
+
+                # The storage stays stopped until the restart is seen: a restart waiting for it never comes.
+                eventually(
+                    restarted, timeout=60, what="the restart, while the storage is stopped", interval=0.1
+                )
             finally:
                 server.send_signal(signal.SIGCONT)
             out, err = proc.communicate(timeout=60)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -19,6 +18,7 @@ from phalanx.agent.client import MasterClient
 from phalanx.agent.link import Link, LogShipper
 from phalanx.api.settings import LogSettings
 from phalanx.api.v1 import master_pb2 as pb
+from tests.eventually import eventually
 from tests.master.procs import TOKEN, Agent, Master
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -39,15 +39,6 @@ def start_link(
     link.publish(state=pb.NODE_STATE_RUNNING, round=1, ranks=[pb.RankProgress(rank=0, step=7)])
     link.start()
     return link, client
-
-
-def eventually(check: Callable[[], Any], *, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-    return result
 
 
 @pytest.fixture

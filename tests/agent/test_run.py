@@ -8,12 +8,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.agent.helpers import DDP, WORKLOAD, phalanx_local
+from tests.eventually import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(100)]
 
@@ -117,24 +117,27 @@ def test_standalone_master_exits_when_its_agent_is_sigkilled(tmp_path: Path) -> 
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        master = None
-        while master is None and time.monotonic() < deadline:
+
+        def serving_master() -> int:
+            """The master's pid once training runs (the master is serving by then), else 0."""
             assert agent.poll() is None, "phalanx-run exited early"
+            if not list(tmp_path.glob("steps-*.jsonl")):
+                return 0
+            master = 0
             for pid in _children(agent.pid):
                 with contextlib.suppress(FileNotFoundError):
                     if b"master" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
                         master = pid
-            if not list(tmp_path.glob("steps-*.jsonl")):
-                master = None  # wait until training runs: the master is serving by then
-            time.sleep(0.1)
-        assert master is not None, "no master process under phalanx-run --standalone"
+            return master
+
+        master = eventually(
+            serving_master, timeout=60, what="a serving master process under phalanx-run --standalone"
+        )
         agent.kill()  # SIGKILL: no cleanup code of the agent runs
         agent.wait()
-        deadline = time.monotonic() + 10
-        while _alive(master) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(master), "the standalone master outlived its SIGKILLed agent"
+        eventually(
+            lambda: not _alive(master), timeout=10, what="the standalone master exiting after its agent"
+        )
     finally:
         agent.kill()
         agent.wait()

@@ -125,11 +125,12 @@ def test_stack_dump_and_stop_kills_the_group(tmp_path: Path) -> None:
 
 
 def test_stopped_worker_is_killed_without_grace(tmp_path: Path) -> None:
-    w, _ = _start(tmp_path, "import time\ntime.sleep(60)\n")
-    time.sleep(0.5)
-    os.kill(w.pid, signal.SIGSTOP)
-    time.sleep(0.1)
-    assert workers.is_stopped(w.pid)
+    w, _ = _start(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    eventually(
+        lambda: any(t.startswith("up") for t in w.tail), timeout=20, what="the worker running its script"
+    )
+    os.kill(w.pid, signal.SIGSTOP)  # only queued when kill returns
+    eventually(lambda: workers.is_stopped(w.pid), timeout=10, what="the worker seen stopped")
     assert "stopped" in workers.dump_stacks([w])[0]
     start = time.monotonic()
     assert workers.stop([w], grace_period_s=10.0) == {0: -signal.SIGKILL}

@@ -20,6 +20,7 @@ from phalanx.api.errors import CheckpointCorruptError, CheckpointError, PersistE
 from phalanx.checkpoint import Checkpointer, CheckpointWarning, shm, storage
 from phalanx.checkpoint import host as host_mod
 from tests.checkpoint.conftest import worker_env
+from tests.eventually import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -111,9 +112,12 @@ def test_sigkill_during_a_save_keeps_the_previous_snapshot(
         assert proc.stdout.readline().strip() == "1"
         assert proc.stdout.readline().strip() == "2"
         segs = [shm.Segment(shm.slot_path(Path("/dev/shm"), job_id, 0, s)) for s in range(2)]
-        deadline = time.monotonic() + 30
-        while not any(s.header().state == shm.STATE_WRITING for s in segs):
-            assert time.monotonic() < deadline, "never saw a save in progress"
+        eventually(  # no pause between looks: the copy lasts only a moment
+            lambda: any(s.header().state == shm.STATE_WRITING for s in segs),
+            timeout=30,
+            what="a save in progress",
+            interval=0,
+        )
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         states = sorted(s.header().state for s in segs)
@@ -143,10 +147,12 @@ def test_sigkilled_persister_commits_nothing_then_the_next_persist_commits(
     state = {"w": torch.randn(96 << 20)}  # 384 MiB: the write takes long enough to be caught midway
     ckpt.save(7, state, persist=True)
     step_dir = store / storage.step_dir(7)
-    deadline = time.monotonic() + 60
-    while not (step_dir.exists() and [p for p in step_dir.iterdir() if p.name.startswith(".")]):
-        assert time.monotonic() < deadline, "never saw the shard being written"
-        time.sleep(0.001)
+    eventually(  # polled often: the write lasts a fraction of a second
+        lambda: step_dir.exists() and [p for p in step_dir.iterdir() if p.name.startswith(".")],
+        timeout=60,
+        what="the shard being written",
+        interval=0.001,
+    )
     os.kill(first.pid, signal.SIGKILL)
     first.stop()
     assert not (step_dir / storage.COMMIT).exists()
@@ -180,10 +186,12 @@ def test_sigkilled_persister_commits_nothing_then_the_next_persist_commits(
 def stop_process(pid: int) -> None:
     """SIGSTOPs ``pid`` and returns once it is stopped (the signal is only queued when kill returns)."""
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
-        assert time.monotonic() < deadline, f"pid {pid} did not stop"
-        time.sleep(0.001)
+    eventually(
+        lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t"),
+        timeout=10,
+        what=f"pid {pid} stopping",
+        interval=0.001,
+    )
 
 
 def test_a_host_that_hangs_or_dies_costs_a_persist_never_training(
@@ -256,10 +264,12 @@ def test_a_persist_taken_by_a_host_that_went_away_is_reported_lost(
     ckpt = Checkpointer(rank=0, world_size=2)
     ckpt.save(5, {"w": torch.ones(1024)}, persist=True)
     (slot,) = [seg for seg in ckpt.memory_slots(0) if seg.header().step == 5]
-    deadline = time.monotonic() + 30
-    while slot.header().pin or not (store / storage.manifest_file(5, 0)).exists():
-        assert time.monotonic() < deadline, "the host never persisted the shard"
-        time.sleep(0.005)
+    eventually(
+        lambda: not slot.header().pin and (store / storage.manifest_file(5, 0)).exists(),
+        timeout=30,
+        what="the host persisting the shard",
+        interval=0.005,
+    )
     first.kill()
     second = host_mod.start(job_id=job_id, storage=str(store), socket_path=sock)
     try:

@@ -7,7 +7,6 @@ import gc
 import random
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from safetensors.torch import load_file
 from phalanx.checkpoint import Checkpointer, ElasticDistributedSampler, shm, storage
 from phalanx.checkpoint import host as host_mod
 from tests.checkpoint.conftest import job_segments
+from tests.eventually import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -258,10 +258,12 @@ def test_unprepared_first_save_allocates_its_slot_and_readies_the_other_in_the_b
     assert ckpt.last_save["allocated"] is True
     first = ckpt.last_save["slot"]
     other = shm.slot_path(Path("/dev/shm"), job_id, 0, 1 - first)
-    deadline = time.monotonic() + 10
-    while shm.unallocated_bytes(other, other.stat().st_size) and time.monotonic() < deadline:
-        time.sleep(0.01)  # populated by a background thread, not by a save
-    assert shm.unallocated_bytes(other, other.stat().st_size) == 0
+    eventually(  # populated by a background thread, not by a save
+        lambda: shm.unallocated_bytes(other, other.stat().st_size) == 0,
+        timeout=30,
+        what="the other slot populated in the background",
+        interval=0.01,
+    )
     ckpt.save(2, state)
     assert ckpt.last_save["allocated"] is False
     assert ckpt.last_save["slot"] == 1 - first
@@ -297,13 +299,9 @@ def test_standalone_rank0_starts_and_stops_its_own_host(
     ckpt.save(1, {"w": torch.ones(2)})
     assert job_segments(job_id)
     ckpt.close(stop_host=True)
-    for _ in range(100):  # the host unlinks on its way out
-        if not job_segments(job_id):
-            break
-        import time
-
-        time.sleep(0.05)
-    assert not job_segments(job_id)
+    eventually(  # the host unlinks on its way out
+        lambda: not job_segments(job_id), timeout=30, what="the host unlinking the job's segments"
+    )
 
 
 def test_host_module_does_not_import_torch() -> None:

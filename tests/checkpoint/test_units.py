@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 
 from phalanx.api.errors import CheckpointError
 from phalanx.checkpoint import codec, copier, shm, storage
+from tests.eventually import eventually
 
 
 def test_codec_keeps_types_and_refuses_what_it_cannot_represent() -> None:
@@ -84,10 +84,7 @@ def test_background_copy_is_bitwise_and_completes_once_whoever_copies_the_last_c
             list(zip(dests, sources, strict=True)), threads=2, on_done=lambda: done.append(True)
         )
         if not fence_at_once:  # idle cores here: the background finishes it alone
-            deadline = time.monotonic() + 30
-            while not job.done():
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            eventually(job.done, timeout=30, what="the background copy finishing alone", interval=0.01)
             assert done == [True]
         job.wait()
         assert done == [True]

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 from phalanx.cli.main import main
 from tests.agent.helpers import WORKLOAD
 from tests.cli.trace_format import check_trace
+from tests.eventually import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -41,24 +41,26 @@ def test_status_and_timeline_of_a_live_local_job(tmp_path: Path, capsys: pytest.
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        url = ""
-        deadline = time.monotonic() + 30
-        while not url and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            found = re.search(r"\(http ([0-9.:]+)\)", line)
-            url = f"http://{found[1]}" if found else ""
-        assert url, "phalanx local printed no master address"
+        stdout = proc.stdout
+        assert stdout is not None
+
+        def master_address() -> str:
+            found = re.search(r"\(http ([0-9.:]+)\)", stdout.readline())  # blocks for the next line
+            return f"http://{found[1]}" if found else ""
+
+        url = eventually(
+            master_address, timeout=30, what="phalanx local printing its master address", interval=0
+        )
         token = workdir / "token"
-        view = None
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline:
+
+        def both_training() -> dict[str, Any] | None:
             view = _status(capsys, url, token)
             nodes = view["nodes"] if view else []
             steps = [n["step"] for n in nodes if n["step"] is not None]
-            if view and view["job"]["phase"] == "Running" and len(steps) == 2 and min(steps) >= 3:
-                break
-            time.sleep(0.5)
+            running = view and view["job"]["phase"] == "Running" and len(steps) == 2 and min(steps) >= 3
+            return view if running else None
+
+        view = eventually(both_training, timeout=40, what="both nodes training past step 3", interval=0.5)
         assert view is not None
         assert view["job"]["name"] == "status-live"
         assert view["job"]["phase"] == "Running"

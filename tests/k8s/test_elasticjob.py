@@ -289,13 +289,14 @@ def test_operator_restart_creates_no_duplicates(cluster: Cluster) -> None:
     cluster.wait_for("training progress", lambda: _step(cluster, ns) >= 2, timeout=120)
     cluster.start_operator()
     seen: set[str] = set()
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline and _phase(cluster, ns) != "Succeeded":
-        names = [p["metadata"]["name"] for p in _pods(cluster, ns)]
-        seen.update(names)
+
+    def succeeded() -> bool:
+        """Whether the job succeeded; meanwhile collects every Pod it ever had, one master at a time."""
+        seen.update(p["metadata"]["name"] for p in _pods(cluster, ns))
         assert len(_pods(cluster, ns, "master")) == 1
-        time.sleep(1)
-    assert _phase(cluster, ns) == "Succeeded", cluster.diagnostics()
+        return _phase(cluster, ns) == "Succeeded"
+
+    cluster.wait_for("the job succeeding after the operator's restart", succeeded, timeout=150, interval=1)
     assert seen == {"tiny-worker-0-0", "tiny-worker-1-0"}, f"the restarted operator created Pods: {seen}"
     assert int(_job(cluster, ns)["status"].get("replacements", 0)) == 0
 

@@ -259,7 +259,7 @@ def test_workers_waiting_for_a_machine_do_not_fail_the_job_and_it_runs_when_one_
             lambda: (_status(cluster, ns).get("master") or {}).get("phase"),
             timeout=60,
         )
-        time.sleep(6)  # twice the min-nodes timeout
+        time.sleep(6)  # a negative check: twice the min-nodes timeout passes, and the job must not fail
         job = cluster.get_json("ej", "tiny", "-n", ns)
         assert job["status"]["master"]["phase"] != "Failed", job["status"]["master"]
         assert job["status"].get("phase") != "Failed", job["status"]

@@ -481,7 +481,7 @@ def test_a_foreign_secret_named_like_the_jobs_token_is_left_untouched(
     assert created["status"] == "False"
     assert f"Secret {ns}/squat-token already exists and is not this job's" in created["message"]
     assert "Delete or rename it" in created["message"]
-    time.sleep(2)  # a few more passes of the operator
+    time.sleep(2)  # a negative check: a few more passes of the operator, none of which may touch the Secret
     after = cluster.get_json("secret", elasticjob.token_secret("squat"), "-n", ns)
     assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], "overwritten"
     assert after["data"] == before["data"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.eventually import eventually
 from tests.gotools import go_built
 from tests.shipping.grafana import DASHBOARDS, exprs, load
 from tests.shipping.promql import metric_names
@@ -241,7 +241,7 @@ def prometheus(prometheus_bin: Path, tmp_path: Path) -> Iterator[tuple[Path, str
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _until("Prometheus ready", lambda: _ok(f"{url}/-/ready"), timeout=60)
+        eventually(lambda: _ok(f"{url}/-/ready"), timeout=60, what="Prometheus ready", interval=0.5)
         yield config, url
     finally:
         proc.terminate()
@@ -254,15 +254,6 @@ def _ok(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _until(what: str, predicate: Any, *, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := predicate():
-            return result
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _api(url: str, path: str, **params: str) -> Any:
@@ -298,34 +289,38 @@ def test_a_real_prometheus_scrapes_the_master_evaluates_the_rules_and_answers_th
             )
         )
         assert httpx.post(f"{url}/-/reload", timeout=10).status_code == 200
-        _until(
-            "the master scraped with the token",
+        eventually(
             lambda: any(t["health"] == "up" for t in _api(url, "targets")["activeTargets"]),
             timeout=30,
+            what="the master scraped with the token",
+            interval=0.5,
         )
         # A persist fails once Prometheus has seen the counter at 0: PhalanxCheckpointPersistFailing is then
         # what the job's state calls for, and nothing else.
-        _until(
-            "a scrape of the counter at 0",
+        eventually(
             lambda: _api(url, "query", query='phalanx_checkpoint_failures_total{job="gpt"} == 0')["result"],
             timeout=30,
+            what="a scrape of the counter at 0",
+            interval=0.5,
         )
         persist_fails(grpc_addr, step=5)
-        _until(
-            "its increase seen",
+        eventually(
             lambda: _api(
                 url, "query", query='increase(phalanx_checkpoint_failures_total{job="gpt"}[1m]) > 0'
             )["result"],
             timeout=30,
+            what="its increase seen",
+            interval=0.5,
         )
-        firing = _until(
-            "the checkpoint alert",
+        firing = eventually(
             lambda: [
                 a
                 for a in _api(url, "alerts")["alerts"]
                 if a["labels"]["alertname"] == "PhalanxCheckpointPersistFailing" and a["state"] == "firing"
             ],
             timeout=30,
+            what="the checkpoint alert",
+            interval=0.5,
         )
         assert firing[0]["labels"].items() >= {"job": "gpt", "namespace": "ml", "severity": "warning"}.items()
         rules = [r for g in _api(url, "rules")["groups"] for r in g["rules"]]
@@ -382,12 +377,13 @@ def test_a_real_prometheus_shows_the_step_times_and_straggler_scores_of_each_nod
             )
         )
         assert httpx.post(f"{url}/-/reload", timeout=10).status_code == 200
-        relative = _until(
-            "the slow node's relative score",
+        relative = eventually(
             lambda: _api(
                 url, "query", query='phalanx_node_straggler_score{job="gpt", kind="relative"} > 1.5'
             )["result"],
             timeout=30,
+            what="the slow node's relative score",
+            interval=0.5,
         )
         assert [r["metric"]["node"] for r in relative] == ["n1"]
         assert float(relative[0]["value"][1]) == pytest.approx(3.0, rel=0.05)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.eventually import eventually
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "images"
 NAMES = ("phalanx", "phalanx-train", "phalanx-pause")
@@ -179,16 +181,29 @@ def test_pause_is_static_exits_on_sigterm_and_reaps_orphans(pause_binary: Path) 
         text=True,
     ) as proc:
         try:
-            pause_pid = _wait_for_child(proc.pid, pause_binary.name)
-            # An orphan in the namespace: sh starts a short sleep and exits at once, so the sleep is
-            # re-parented to PID 1 (pause); when it exits, only pause can reap it.
+            pause_pid = eventually(
+                lambda: next((pid for pid, name in _children_of(proc.pid) if name == pause_binary.name), 0),
+                timeout=10,
+                what=f"{pause_binary.name} starting under {proc.pid}",
+            )
+            # An orphan in the namespace: sh starts a sleep and exits at once, so the sleep is re-parented
+            # to PID 1 (pause); killed, it stays a zombie until pause reaps it, as only pause can.
             subprocess.run(
-                ["nsenter", "-t", str(pause_pid), "-p", "--", "sh", "-c", "sleep 0.3 & exit 0"],
+                ["nsenter", "-t", str(pause_pid), "-p", "--", "sh", "-c", "sleep 60 & exit 0"],
                 check=True,
                 timeout=10,
             )
-            time.sleep(1.5)
-            assert not _zombies_of(pause_pid), "pause left a zombie"
+            orphan = eventually(
+                lambda: next((pid for pid, name in _children_of(pause_pid) if name == "sleep"), 0),
+                timeout=10,
+                what="the orphan re-parented to pause",
+            )
+            os.kill(orphan, signal.SIGKILL)
+            eventually(
+                lambda: not _children_of(pause_pid),
+                timeout=10,
+                what="pause reaping its orphan, a zombie until then",
+            )
             os.kill(pause_pid, signal.SIGTERM)
             _, stderr = proc.communicate(timeout=10)
             assert proc.returncode == 0
@@ -198,30 +213,15 @@ def test_pause_is_static_exits_on_sigterm_and_reaps_orphans(pause_binary: Path) 
                 proc.kill()
 
 
-def _wait_for_child(parent: int, name: str) -> int:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        for status in Path("/proc").glob("[0-9]*/status"):
-            try:
-                fields = dict(
-                    line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line
-                )
-            except OSError:
-                continue
-            if fields.get("PPid", "").strip() == str(parent) and fields.get("Name", "").strip() == name:
-                return int(status.parent.name)
-        time.sleep(0.05)
-    raise AssertionError(f"{name} did not start under {parent}")
-
-
-def _zombies_of(parent: int) -> list[int]:
-    zombies = []
+def _children_of(parent: int) -> list[tuple[int, str]]:
+    """(pid, name) of each process whose parent is ``parent``, zombies included."""
+    children = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             text = status.read_text()
         except OSError:
             continue
         fields = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
-        if fields.get("PPid", "").strip() == str(parent) and fields.get("State", "").startswith("Z"):
-            zombies.append(int(status.parent.name))
-    return zombies
+        if fields.get("PPid", "").strip() == str(parent):
+            children.append((int(status.parent.name), fields.get("Name", "").strip()))
+    return children

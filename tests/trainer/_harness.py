@@ -20,9 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.api import round as round_file
+from tests.eventually import eventually
 from tests.trainer._procs import ROOT, free_port, worker_env
 
 TRAIN = ROOT / "examples" / "gpt" / "train.py"
+
+
+class WorkerDied(AssertionError):
+    """A worker exited with an error while the test waited for something else."""
 
 
 @dataclass
@@ -161,19 +166,27 @@ class Cluster:
         return int(steps[-1]["step"]) if steps else -1
 
     def wait(self, what: Callable[[], bool], *, timeout_s: float, label: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not what():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {label}\n{self.stderr_tail()}")
+        """Waits for ``what``; fails at once when a worker dies, with the workers' stderr either way."""
+
+        def reached() -> bool:
+            if what():
+                return True
             self.check_alive()
-            time.sleep(0.02)
+            return False
+
+        try:
+            eventually(reached, timeout=timeout_s, what=label, interval=0.02)
+        except WorkerDied:
+            raise  # its message carries the tail already
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.stderr_tail()}") from None
 
     def check_alive(self) -> None:
         for node in self.nodes.values():
             for proc in node.procs:
                 code = proc.poll()
                 if code not in (None, 0):
-                    raise AssertionError(f"worker of {node.node_id} exited {code}\n{self.stderr_tail()}")
+                    raise WorkerDied(f"worker of {node.node_id} exited {code}\n{self.stderr_tail()}")
 
     def exit_codes(self, node_id: str, *, timeout_s: float) -> list[int]:
         deadline = time.monotonic() + timeout_s

@@ -152,10 +152,10 @@ def test_round_watch_aborts_a_step_once_a_newer_round_is_written(tmp_path: Path)
     try:
         with watch:  # a step during which nothing changes
             round_file.write(path, _info(1, 1000))  # rewritten, same round: not a reason to abort
-            time.sleep(0.1)
+            time.sleep(0.1)  # a negative check: ten polls of the watch, none of which may abort
         assert not aborted.is_set()
         round_file.write(path, _info(2, 1001))
-        time.sleep(0.1)
+        time.sleep(0.1)  # a negative check: no watch runs between steps, so ten poll periods abort nothing
         assert not aborted.is_set()  # between steps the trainer's own loop notices the round
         with watch:  # a step stuck in a collective when the agent writes the new round
             assert aborted.wait(5)
