@@ -80,21 +80,30 @@ def test_steps_and_collectives_of_another_process_become_activity(ring_path: Pat
 def test_reader_never_accepts_a_torn_record_while_a_writer_laps_the_ring(tmp_path: Path) -> None:
     path = Path("/dev/shm") / f"phalanx-test-ring-small-{os.getpid()}"
     ring.create(path, capacity=4)  # tiny: the writer laps the reader constantly
-    total = 400_000  # about a second of writing: the reader reads it thousands of times meanwhile
+    stop = tmp_path / "stop"
+    # The writer writes until the reader has raced it long enough (a count of records alone would let a busy
+    # machine schedule the whole write between two reads), then prints how many it wrote.
     code = f"""
+        import os
         from pathlib import Path
         from phalanx.api import intervals as ring
         w = ring.RingWriter(Path({str(path)!r}))
-        for n in range({total}):
+        n = 0
+        while n % 1000 or not os.path.exists({str(stop)!r}):
             # Every field derives from n: a record mixing two writes cannot pass the check below.
             group = "g:" + str(n % 97)
             w.append(ring.BEGIN, name="op" + "x" * (n % 50), group=group, number=n, unix_ns=3 * n)
+            n += 1
+        print(n)
         """
     try:
-        writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)])
+        writer = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True
+        )
         reader = ring.RingReader(path)
         seen = lost = 0
         last = -1
+        deadline = time.monotonic() + 60
         try:
             while True:
                 done = writer.poll() is not None
@@ -109,13 +118,16 @@ def test_reader_never_accepts_a_torn_record_while_a_writer_laps_the_ring(tmp_pat
                     assert r.unix_ns == 3 * n
                     last = n
                 seen += len(batch.records)
+                if seen > 5000 or time.monotonic() > deadline:
+                    stop.touch()
                 if done:
                     break
         finally:
-            writer.wait(timeout=60)
+            out, _ = writer.communicate(timeout=60)
         assert writer.returncode == 0
+        total = int(out)
         assert seen + lost == total  # every record read exactly once, or counted lost
-        assert seen > 1000
+        assert seen > 5000  # the reader raced the writer (not one read after it finished)
         assert last == total - 1
     finally:
         path.unlink(missing_ok=True)
