@@ -14,6 +14,7 @@ import pytest
 
 from phalanx.diagnostics.probe_runner import Measurement, allgather_args, run_probe
 from phalanx.diagnostics.stragglers import link_verdicts, suspects
+from tests.eventually import eventually
 
 NODES = ["a", "b", "c"]
 TIMEOUT_S = 6.0  # the probe's own wait/collective timeout
@@ -27,14 +28,15 @@ def free_port() -> int:
 
 
 def wait_for_listener(port: int, *, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            assert time.monotonic() < deadline, f"nothing listens on port {port}"
-            time.sleep(0.05)
+    eventually(lambda: _listens(port), timeout=timeout_s, what=f"something listening on port {port}")
+
+
+def _listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def args_for(rank: int, port: int, *, pairs: bool) -> list[str]:
@@ -139,10 +141,11 @@ def test_peer_that_dies_or_hangs_after_joining_fails_its_pairs_not_a_hang(fault:
             # and poll with short calls: the runner threads must keep running meanwhile.
             wait_for_listener(port, timeout_s=60)
             store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10), wait_for_workers=False)
-            deadline = time.monotonic() + 60
-            while not store.check(["alive/2"]):
-                assert time.monotonic() < deadline, "c never joined the probe group"
-                time.sleep(0.02)
+
+            def joined() -> bool:
+                return bool(store.check(["alive/2"]))
+
+            eventually(joined, timeout=60, what="c joined the probe group", interval=0.02)
             victim.send_signal(fault)
             killed_at = time.monotonic()
             results = {r: f.result() for r, f in futures.items()}

@@ -21,6 +21,7 @@ import pytest
 
 from phalanx.diagnostics.probe_runner import allgather_args, matmul_args, run_probe
 from phalanx.diagnostics.warm_probes import SERVER, WarmProbes
+from tests.eventually import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -47,10 +48,7 @@ def warm() -> Iterator[WarmProbes]:
     probes = WarmProbes(env={**os.environ, name: value})
     yield probes
     probes.close()
-    deadline = time.monotonic() + 10
-    while left := marked(mark):
-        assert time.monotonic() < deadline, f"processes outlived the warm probes: {left}"
-        time.sleep(0.05)
+    eventually(lambda: not marked(mark), timeout=10, what="every process of the warm probes gone")
 
 
 def lonely_allgather() -> list[str]:
@@ -131,10 +129,7 @@ def lonely_allgather_under_way(
         )
     )
     thread.start()
-    deadline = time.monotonic() + 30
-    while not kills:
-        assert time.monotonic() < deadline, "the probe did not start"
-        time.sleep(0.01)
+    eventually(lambda: kills, timeout=30, what="the probe started", interval=0.01)
     return thread, result
 
 
