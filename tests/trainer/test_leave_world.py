@@ -33,7 +33,9 @@ try:
 except (RuntimeError, dist.DistError):
     print("first-world-failed", flush=True)
 leave_world()
+print("left the first world", file=sys.stderr, flush=True)  # where an abort happened, if one does
 store = TCPStore("127.0.0.1", fresh, 2, is_master=True, timeout=timedelta(seconds=20), wait_for_workers=False)
+print("serving the second world's store", file=sys.stderr, flush=True)
 dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=20))
 t = torch.ones(1)
 dist.all_reduce(t)
