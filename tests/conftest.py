@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from phalanx.api.ports import free_port as _free_port
 from tests.gotools import go_built
 
 MINIO_USER, MINIO_PASSWORD = "phalanx-test", "phalanx-test-secret"
@@ -45,12 +45,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The cluster's unit is the longest, so it goes first: the other lane takes the rest meanwhile,
     instead of idling through the cluster's tail."""
     items.sort(key=lambda item: _lane_unit(item.nodeid) != "cluster")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

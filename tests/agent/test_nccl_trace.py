@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import pytest
 
 from phalanx.agent import env as worker_env
 from phalanx.api import intervals as ring
+from phalanx.api.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,12 +77,6 @@ def test_the_dump_handshake_between_the_agent_and_a_watcher_thread(ring_path: Pa
     assert not Path(str(ring_path) + ring.DUMP_SUFFIX).exists(), "the dump file is removed once read"
     # Nobody answers a second request now: the agent gives up after its timeout.
     assert ring.request_dump(ring_path, timeout_s=0.2) == ""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(120)

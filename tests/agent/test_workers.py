@@ -174,6 +174,12 @@ def test_a_rank_that_raised_before_the_stop_reports_its_error_not_the_stop(tmp_p
     )
     eventually(lambda: raised.paths and raised.paths.error_file.exists(), timeout=20)
     eventually(lambda: any("handler installed" in t for t in stopped.tail), timeout=20)
+    # Raised *before* the stop, as the file clock tells: a file written in the stop's own clock tick counts as
+    # the stop's doing (failures.raised_before), so the stop waits for the file clock to move on.
+    assert raised.paths is not None
+    written_ns = raised.paths.error_file.stat().st_mtime_ns
+    tick = tmp_path / "tick"
+    eventually(lambda: tick.write_bytes(b"") == 0 and tick.stat().st_mtime_ns > written_ns, timeout=5)
     marks = failures.mark_stop({0: raised, 1: stopped})
     workers.stop([raised, stopped], grace_period_s=5)
     assert stopped.proc.returncode == 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,18 +10,13 @@ from typing import Any
 
 import pytest
 
+from phalanx.api.ports import free_port
 from phalanx.checkpoint import host as host_mod
 from tests.checkpoint.conftest import worker_env
 
 pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(handle: host_mod.HostHandle, world: int, *args: str) -> list[dict[str, Any]]:
@@ -40,10 +34,15 @@ def run_ranks(handle: host_mod.HostHandle, world: int, *args: str) -> list[dict[
         cmd = [sys.executable, str(HERE / "dist_worker.py"), *args]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, cwd=HERE.parents[1]))
     results = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=90)
-        assert proc.returncode == 0, out
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=90)
+            assert proc.returncode == 0, out
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:  # a rank that failed leaves its peers waiting for it
+        for proc in procs:
+            proc.kill()
+            proc.communicate()  # reaps it and closes its pipe
     return sorted(results, key=lambda r: int(r["rank"]))
 
 

@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import pytest
 
+from phalanx.api.ports import free_port
 from phalanx.diagnostics.probe_runner import Measurement, allgather_args, run_probe
 from phalanx.diagnostics.stragglers import link_verdicts, suspects
 from tests.eventually import eventually
@@ -19,12 +20,6 @@ from tests.eventually import eventually
 NODES = ["a", "b", "c"]
 TIMEOUT_S = 6.0  # the probe's own wait/collective timeout
 RUNNER_TIMEOUT_S = 90.0  # far above what the probe needs; the probe must end on its own
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for_listener(port: int, *, timeout_s: float) -> None:

@@ -13,7 +13,6 @@ and without a cached build the tests skip with a loud reason, except under CI=tr
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import httpx
 import pytest
 import yaml
 
+from phalanx.api.ports import free_port as _free_port
 from tests.eventually import eventually
 from tests.gotools import go_built
 from tests.shipping.grafana import DASHBOARDS, exprs, load
@@ -212,12 +212,6 @@ def test_the_alert_fires_on_its_case_and_not_on_the_healthy_one(
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

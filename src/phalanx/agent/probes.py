@@ -97,6 +97,8 @@ class ProbeExecutor:
         self._running: pb.Action | None = None
         self._thread: threading.Thread | None = None
         """The thread draining the queue; None once it has found the queue empty (under the lock)."""
+        self._drainer: threading.Thread | None = None
+        """The last such thread started, kept so that :meth:`join` can wait for its end."""
         self._kill: Callable[[], None] | None = None
         """Kills the running probe's process group, for :meth:`stop`."""
         self._warm = WarmProbes(python=python, env=self.env) if warm else None
@@ -122,7 +124,9 @@ class ProbeExecutor:
                 self._kill_running()
             self._queue.append(action)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._drain, name="phalanx-probe", daemon=True)
+                self._thread = self._drainer = threading.Thread(
+                    target=self._drain, name="phalanx-probe", daemon=True
+                )
                 self._thread.start()
             return self._thread
 
@@ -212,10 +216,13 @@ class ProbeExecutor:
             self._warm.close()  # else the thread closes it once its probe has ended
 
     def join(self, timeout_s: float) -> None:
-        """Waits until the queue has run (for shutdown and tests)."""
+        """Waits until the queue has run and its thread has ended (for shutdown and tests). The thread lets
+        go of ``_thread`` a moment before it ends, so the last one started is joined too."""
         deadline = time.monotonic() + timeout_s
-        while (thread := self._thread) is not None and time.monotonic() < deadline:
-            thread.join(max(0.0, min(0.1, deadline - time.monotonic())))
+        while (thread := self._thread or self._drainer) is not None and thread.is_alive():
+            if (left := deadline - time.monotonic()) <= 0:
+                return
+            thread.join(min(left, 0.1))
 
 
 def _same_probe(a: pb.Action, b: pb.Action) -> bool:

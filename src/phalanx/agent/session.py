@@ -4,7 +4,6 @@ its workers; this module only gets one."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -12,6 +11,7 @@ from typing import TypeVar
 from phalanx import __version__
 from phalanx.agent.client import MasterClient, MasterUnavailableError, UnknownNodeError, backoff_s
 from phalanx.agent.config import AgentConfig
+from phalanx.api import ports
 from phalanx.api.errors import RendezvousClosedError, TransportError
 from phalanx.api.round import RoundInfo
 from phalanx.api.v1 import master_pb2 as pb
@@ -150,9 +150,7 @@ def round_info(
 
 def _free_port(host: str) -> int:
     """A port free right now on this host; fresh for every round so no stale c10d store is reused."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, 0))
-        except OSError:
-            s.bind(("", 0))
-        return int(s.getsockname()[1])
+    try:
+        return ports.free_port(host)
+    except OSError:  # the host's name is not an address of this machine's (behind NAT): any address
+        return ports.free_port("")

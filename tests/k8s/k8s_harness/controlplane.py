@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -21,17 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k8s_harness import certs
+from phalanx.api.ports import free_port
 
 GATES = "GenericWorkload=true"
 """Feature gates of every component: GenericWorkload serves the scheduling.k8s.io/v1beta1 PodGroup API (beta,
 off by default in Kubernetes 1.37) and turns on the scheduler's GangScheduling plugin and the controller
 manager's PodGroup protection, for ElasticJobs with ``spec.gangScheduling``."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def find_binaries() -> Path | None:
