@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from tests.eventually import eventually
 
 T = TypeVar("T")
 
@@ -38,15 +39,10 @@ class Kube:
 
     def wait_for(self, what: str, probe: Callable[[], T], *, timeout: float, namespace: str = "") -> T:
         """Polls ``probe`` until it returns something true; on timeout the error shows the namespace."""
-        deadline = time.monotonic() + timeout
-        last: T = probe()
-        while not last and time.monotonic() < deadline:
-            time.sleep(1.0)
-            last = probe()
-        if not last:
-            where = self("get", "ej,pods,events", "-n", namespace, check=False) if namespace else ""
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}\n{where}")
-        return last
+        return eventually(
+            probe, timeout=timeout, what=what, interval=1.0,
+            diagnose=lambda: self("get", "ej,pods,events", "-n", namespace, check=False) if namespace else "",
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import httpx
 import pytest
 
 from phalanx.api.ports import free_port as _free_port
+from tests.eventually import eventually
 from tests.gotools import go_built
 
 MINIO_USER, MINIO_PASSWORD = "phalanx-test", "phalanx-test-secret"
@@ -66,11 +66,12 @@ def minio_server(data: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
         )  # fmt: skip
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while not _live(endpoint):
+
+        def started() -> bool:
             assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "MinIO did not start"
-            time.sleep(0.2)
+            return _live(endpoint)
+
+        eventually(started, timeout=60, what="MinIO serving", interval=0.2)
         yield endpoint, proc
     finally:
         with contextlib.suppress(ProcessLookupError):

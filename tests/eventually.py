@@ -15,13 +15,20 @@ T = TypeVar("T")
 
 
 def eventually(
-    check: Callable[[], T], *, timeout: float, what: str = "the condition", interval: float = 0.05
+    check: Callable[[], T],
+    *,
+    timeout: float,
+    what: str = "the condition",
+    interval: float = 0.05,
+    diagnose: Callable[[], str] | None = None,
 ) -> T:
+    """``diagnose``, if given, says more on a timeout (a cluster's objects and logs, say)."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s (last: {value!r})")
+            more = f"\n{diagnose()}" if diagnose is not None else ""
+            raise AssertionError(f"{what}: not within {timeout} s (last: {value!r}){more}")
         time.sleep(interval)

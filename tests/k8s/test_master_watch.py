@@ -183,14 +183,16 @@ def test_a_running_master_acknowledges_a_suspend_within_a_second(
     every 2 s). Its answer, phase Suspended for the new generation, is the operator's signal. Timed between
     the two versions of the job the API server reports (the spec change, the master's status patch)."""
     (tmp_path / "token").write_text("watch-test-token-0123456789abcdef")
-    env = {**os.environ, "KUBECONFIG": str(master_api), "PHALANX_LOG_LEVEL": "WARNING"}
+    env = {**os.environ, "KUBECONFIG": str(master_api), "PHALANX_LOG_LEVEL": "INFO"}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     versions = VersionCounter(_admin(control_plane), JOB)
-    master = subprocess.Popen(
-        [sys.executable, "-m", "phalanx", "master", "--job-id", JOB, "--nodes", "1:1", "--port", "0",
-         "--http-port", "0", "--token-file", str(tmp_path / "token"), "--state", f"k8s://{NS}/{JOB}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    log = tmp_path / "master.log"
+    with log.open("wb") as err:
+        master = subprocess.Popen(
+            [sys.executable, "-m", "phalanx", "master", "--job-id", JOB, "--nodes", "1:1", "--port", "0",
+             "--http-port", "0", "--token-file", str(tmp_path / "token"), "--state", f"k8s://{NS}/{JOB}"],
+            env=env, stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
 
     def seen(since: int, check: Callable[[dict[str, Any]], bool]) -> float | None:
         """When the first version at or after index ``since`` that passes ``check`` arrived."""
@@ -208,9 +210,8 @@ def test_a_running_master_acknowledges_a_suspend_within_a_second(
             control_plane.kubectl("get", "ej", JOB, "-n", NS, "-o", "jsonpath={.metadata.generation}")
         )
         eventually(lambda: seen(0, master_says("Pending", generation)), timeout=30, interval=0.1)
-        # Past the master's first GET (made before its watch had listed): a change in between would come by
-        # the next GET, 2 s later. The master shows no sign of its watch from outside: a fixed wait.
-        time.sleep(1.0)
+        # Its watch open: a change before that would come by its next GET, up to 2 s later.
+        eventually(lambda: f"watching ElasticJob {NS}/{JOB}" in log.read_text(), timeout=30, interval=0.1)
         # Three changes, each acknowledged within a second: a GET every 2 s would make all three about one
         # time in eight.
         for suspend, phase in ((True, "Suspended"), (False, "Pending"), (True, "Suspended")):
@@ -228,9 +229,9 @@ def test_a_running_master_acknowledges_a_suspend_within_a_second(
     finally:
         versions.stop()
         master.terminate()
-        _, err = master.communicate(timeout=30)
+        master.wait(timeout=30)
         _patch_spec(control_plane, JOB, {"suspend": False})
-    assert b"Traceback" not in err, err.decode()
+    assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
 
 
 def test_a_watch_the_api_server_no_longer_serves_is_listed_again(

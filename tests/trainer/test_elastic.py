@@ -4,7 +4,6 @@ fallback to a restart with a checkpoint load when a whole shard is lost."""
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -215,7 +214,11 @@ def test_a_round_a_member_never_comes_to_is_abandoned_for_the_newer_one(
     c.write_round(["a", "ghost"] if serves_the_store else ["ghost", "a"])
     c.start("a")
     c.wait(lambda: c.announced("a"), timeout_s=60, label="the survivor to start")
-    time.sleep(1.0)  # well inside the first round's formation
+    c.wait(
+        lambda: any(r["event"] == "forming" and r["round"] == 1 for r in c.records("a")),
+        timeout_s=60,
+        label="the survivor forming the first round",
+    )
     c.write_round(["a"])
     assert c.exit_codes("a", timeout_s=60) == [0]
     records = c.records("a")

@@ -127,6 +127,9 @@ class JobWatch:
             # Connected once the API server answered, not when the request was sent: a connection lost
             # before the answer is retried inside the HTTP client, unseen here.
             self.connected = True
+            # The first at INFO, the renewals (every WATCH_TIMEOUT_S) only at DEBUG.
+            log.log(logging.INFO if self.watches == 1 else logging.DEBUG, "watching ElasticJob %s/%s from "
+                    "resourceVersion %s", self.namespace, self.name, self.resource_version)  # fmt: skip
             return response
 
         for event in w.stream(  # type: ignore[no-untyped-call]

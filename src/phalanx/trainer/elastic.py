@@ -258,6 +258,7 @@ class ElasticTrainer:
     def _form(self, spec: RoundSpec, *, cause: str) -> RecoveryPlan:
         started = time.monotonic()
         self.spec = spec
+        self.on_event({"event": "forming", "round": spec.round, "rank": spec.rank, "world": spec.world_size})
         timeout = timedelta(seconds=self.config.collective_timeout_s)
         if spec.world_size > 1 or self.rounds.elastic:
             if self.rounds.elastic:

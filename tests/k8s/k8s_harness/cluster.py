@@ -9,10 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.eventually import eventually
 
 from k8s_harness.controlplane import ControlPlane, free_port, write_kubeconfig
 
@@ -69,22 +70,23 @@ class Cluster:
         env = {**os.environ, "PYTHONPATH": str(HARNESS.parent)}
         self.kubelet = _spawn(argv, log=self.cp.state_dir / "kubelet.log", env=env)
         (self.cp.state_dir / "kubelet.pid").write_text(str(self.kubelet.pid))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            out = self.cp.kubectl("get", "nodes", "-o", "json", check=False)
-            with contextlib.suppress(json.JSONDecodeError):
-                nodes = json.loads(out[: out.rfind("}") + 1])["items"]
-                ready = [
-                    n for n in nodes
-                    if any(c["type"] == "Ready" and c["status"] == "True"
-                           for c in n["status"].get("conditions", []))
-                ]  # fmt: skip
-                if len(ready) == len(PROCESS_NODES) + len(SIMULATED_NODES):
-                    return
-            if self.kubelet.poll() is not None:
+
+        def all_ready() -> bool:
+            if self.kubelet is not None and self.kubelet.poll() is not None:
                 raise RuntimeError("the test kubelet exited; see kubelet.log")
-            time.sleep(0.5)
-        raise RuntimeError("the test kubelet's nodes did not become Ready")
+            out = self.cp.kubectl("get", "nodes", "-o", "json", check=False)
+            try:
+                nodes = json.loads(out[: out.rfind("}") + 1])["items"]
+            except json.JSONDecodeError:
+                return False
+            ready = [
+                n for n in nodes
+                if any(c["type"] == "Ready" and c["status"] == "True"
+                       for c in n["status"].get("conditions", []))
+            ]  # fmt: skip
+            return len(ready) == len(PROCESS_NODES) + len(SIMULATED_NODES)
+
+        eventually(all_ready, timeout=60, interval=0.5, what="the test kubelet's nodes Ready")
 
     def install_operator_rbac(self) -> None:
         """The operator's identity, from the same manifest people deploy."""
@@ -162,16 +164,7 @@ class Cluster:
         return int(matches[-1].read_text())
 
     def wait_for(self, what: str, predicate: Any, *, timeout: float, interval: float = 0.5) -> Any:
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            last = predicate()
-            if last:
-                return last
-            time.sleep(interval)
-        raise AssertionError(
-            f"timed out after {timeout}s waiting for {what}; last: {last!r}\n{self.diagnostics()}"
-        )
+        return eventually(predicate, timeout=timeout, what=what, interval=interval, diagnose=self.diagnostics)
 
     def diagnostics(self) -> str:
         out = [self.cp.kubectl("get", "ej,pods", "-A", "-o", "wide", check=False)]
