@@ -42,7 +42,8 @@ __all__ = ["Recorder", "begin", "collective", "enable", "end", "recorder", "regi
 
 _WATCH_POLL_S = 0.002  # how often the watcher asks pending CUDA events whether they completed
 _IDLE_POLL_S = 0.05  # how often an idle watcher looks for the agent's request of an NCCL flight-recorder dump
-NCCL_TRACE_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+FR_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""torch's flight-recorder size, by its name and its older one: a recorder offers dumps when either is > 0."""
 DEVICE_MARK = "device_step"
 """The name of the device marker recorded at each step boundary on a GPU (an interval without group)."""
 
@@ -79,6 +80,9 @@ class Recorder:
         """Completed CUDA events, reused: creating one per record would cost a driver call each time."""
         self._device_mark = self._ring.meta(ring.BEGIN, True, DEVICE_MARK, "") if cuda else 0
         """The device marker's meta word (CUDA only)."""
+        if not cuda and _gloo_flight_recorder():
+            with self._cond:
+                self._start_watcher()  # on the CPU only to answer dump requests: it sleeps 50 ms at a time
 
     def _record_event(self) -> Any:
         import torch
@@ -136,11 +140,16 @@ class Recorder:
         with self._cond:
             self._pending.append((token, done))
             if self._watcher is None:
-                self._watcher = threading.Thread(target=self._poll, name="phalanx-intervals", daemon=True)
-                self._watcher.start()
-                if _int_env(NCCL_TRACE_ENV) > 0:
-                    self._ring.offer_dumps()  # the watcher answers the agent's dump requests
+                self._start_watcher()
             self._cond.notify()
+
+    def _start_watcher(self) -> None:
+        """Starts the watcher thread (with ``_cond`` held); it answers the agent's dump requests when torch
+        keeps a flight recorder."""
+        self._watcher = threading.Thread(target=self._poll, name="phalanx-intervals", daemon=True)
+        self._watcher.start()
+        if any(_int_env(name) > 0 for name in FR_ENVS):
+            self._ring.offer_dumps()
 
     def _poll(self) -> None:
         while True:
@@ -165,14 +174,18 @@ class Recorder:
             time.sleep(_WATCH_POLL_S)
 
     def _answer_dump(self, asked: int) -> None:
-        """Writes NCCL's flight recorder (torch's own JSON dump; never pickle) for the agent. From this
-        thread: the training thread may be blocked in the very collective that hangs."""
+        """Writes torch's flight recorder (its own JSON dump; never pickle) for the agent: NCCL's on a GPU,
+        gloo's on the CPU. From this thread: the training thread may be blocked in the very collective that
+        hangs."""
         try:
             import torch
 
-            dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace_json")  # noqa: B009 -- private API
-            text = dump(True, False)  # with the collectives, all entries (not only the active ones)
-        except Exception as exc:  # no NCCL process group yet, a torch without the recorder
+            c10d: Any = torch._C._distributed_c10d  # private API (its stubs lack the dump functions)
+            if self.cuda:
+                text = c10d._dump_nccl_trace_json(True, False)  # with the collectives, all entries
+            else:
+                text = c10d._dump_fr_trace_json(True, False, backend="gloo")
+        except Exception as exc:  # no such process group yet, a torch without the recorder
             text = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
         with contextlib.suppress(OSError):
             self._ring.dump_done(asked, text.encode() if isinstance(text, str) else bytes(text))
@@ -231,6 +244,17 @@ def _int_env(name: str) -> int:
         return int(os.environ.get(name, "0"))
     except ValueError:
         return 0
+
+
+def _gloo_flight_recorder() -> bool:
+    """Whether torch keeps a flight recorder of gloo's collectives in this process (torch >= 2.10, with a
+    buffer size set, as the agent sets it)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not any(_int_env(name) > 0 for name in FR_ENVS):
+        return False
+    return hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")
 
 
 def _cuda_available() -> bool:

@@ -1,7 +1,7 @@
-"""A hung rank's NCCL flight recorder in its hang evidence: the agent asks through the interval ring, the
-worker's CUDA watcher thread answers with torch's own JSON dump. The handshake is checked everywhere (two
-real threads on a real ring); the dump itself on a GPU only (a real one-rank NCCL job), skipped without
-one."""
+"""A hung rank's flight recorder in its hang evidence: the agent asks through the interval ring, the
+worker's watcher thread answers with torch's own JSON dump. The handshake is checked with two real threads
+on a real ring; gloo's dump with a real two-rank job on the CPU, one rank blocked in an all-reduce its peer
+never enters; NCCL's on a GPU only (a real one-rank NCCL job), skipped without one."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pytest
 from phalanx.agent import env as worker_env
 from phalanx.api import intervals as ring
 from phalanx.api.ports import free_port as _free_port
+from phalanx.diagnostics import hang
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,11 +34,64 @@ def ring_path() -> Iterator[Path]:
 
 def test_the_agent_asks_for_the_trace_by_default() -> None:
     env = worker_env.static_env({}, local_rank=0, local_world_size=1, job_id="j", node_id="n")
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
-    mine = worker_env.static_env(
-        {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, local_rank=0, local_world_size=1, job_id="j", node_id="n"
-    )
-    assert mine["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0", "a job's own setting wins"
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env, "torch warns of the older name"
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        mine = worker_env.static_env({name: "0"}, local_rank=0, local_world_size=1, job_id="j", node_id="n")
+        assert mine[name] == "0", "a job's own setting wins, by either name"
+        assert len([k for k in mine if k.endswith("_BUFFER_SIZE")]) == 1
+
+
+def test_a_rank_blocked_in_a_gloo_all_reduce_answers_with_gloos_flight_recorder(
+    ring_path: Path, tmp_path: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15):
+        # 2.11's dump has no entries for gloo; 2.15, the release phalanx pins, records them.
+        pytest.skip(f"torch {torch.__version__} keeps no flight recorder of gloo's collectives")
+    base = {
+        **os.environ,
+        "TORCH_FR_BUFFER_SIZE": "2000",  # as the agent sets it
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+    }
+    ready = tmp_path / "ready"
+    other = Path(str(ring_path) + "-1")
+    ring.create(other)
+    worker = ROOT / "tests" / "agent" / "gloo_trace_worker.py"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(ready)],
+            env={**base, "RANK": str(rank), ring.ENV_VAR: str(path)},
+        )
+        for rank, path in enumerate((ring_path, other))
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+            assert time.monotonic() < deadline, "the ranks never got past their first all-reduce"
+            time.sleep(0.05)
+        # Rank 0 is in (or about to enter) the second all-reduce, which rank 1 never enters.
+        deadline = time.monotonic() + 30
+        while True:
+            text = ring.request_dump(ring_path, timeout_s=5.0)
+            summary = hang.flight_recorder_summary(text)
+            if "enqueued #2, completed #1" in summary or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)
+        other.unlink(missing_ok=True)
+    dump = json.loads(text)
+    assert [(e["collective_seq_id"], e["profiling_name"]) for e in dump["entries"]] == [
+        (1, "gloo:all_reduce"),
+        (2, "gloo:all_reduce"),
+    ], text[:2000]
+    assert summary == "flight recorder: 2 entries; pg 0 enqueued #2, completed #1", summary
 
 
 def test_a_worker_that_offers_no_dumps_costs_the_agent_nothing(ring_path: Path) -> None:
@@ -87,7 +141,7 @@ def test_a_cuda_worker_answers_with_its_nccl_flight_recorder(ring_path: Path, tm
     env = {
         **os.environ,
         ring.ENV_VAR: str(ring_path),
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # as the agent sets it
+        "TORCH_FR_BUFFER_SIZE": "2000",  # as the agent sets it
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),

@@ -3,6 +3,8 @@ suspect node: pure functions with injected clocks and activities."""
 
 from __future__ import annotations
 
+import json
+
 from phalanx.api.failures import FailureClass
 from phalanx.api.settings import HangSettings
 from phalanx.api.v1 import master_pb2 as pb
@@ -173,3 +175,22 @@ def test_policy_blames_the_suspect_node_not_the_reporter() -> None:
     # No suspect: nobody is charged, not even a reporter that hung before (it may be the victim).
     alone = _decide(suspect="", hangs={"node-0": 1})
     assert (alone.verdict, alone.blamed) == (Verdict.RESTART, "")  # type: ignore[attr-defined]
+
+
+def test_a_flight_recorder_dump_is_summed_up_by_where_each_group_waits() -> None:
+    dump = {
+        "entries": [{"collective_seq_id": 1}, {"collective_seq_id": 2}],
+        "pg_status": {
+            "1": {"last_enqueued_collective": 7, "last_completed_collective": 7},
+            "0": {"last_enqueued_collective": "2", "last_completed_collective": "1"},
+        },
+    }
+    assert hang.flight_recorder_summary(json.dumps(dump)) == (
+        "flight recorder: 2 entries; pg 0 enqueued #2, completed #1; pg 1 enqueued #7, completed #7"
+    )
+    cut = json.dumps(dump)[:20] + "\n... (cut)"
+    assert hang.flight_recorder_summary(cut) == f"flight recorder: {len(cut)} characters, cut"
+    failed = json.dumps({"error": "RuntimeError: no process group"})
+    assert hang.flight_recorder_summary(failed) == "flight recorder: none (RuntimeError: no process group)"
+    assert hang.flight_recorder_summary("[1, 2]") == "flight recorder: not a dump"
+    assert hang.flight_recorder_summary('{"pg_status": {"0": 5}}') == "flight recorder: 0 entries"

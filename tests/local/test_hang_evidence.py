@@ -67,4 +67,9 @@ def test_sigstop_and_never_entered_collective_blame_the_suspect_node(tmp_path: P
 
     wd = (tmp_path / "wd" / "node-0.log").read_text() + (tmp_path / "wd" / "node-1.log").read_text()
     assert re.search(r"rank \d stalls before the all-reduce of step 30", out + wd)  # ranks follow join order
+    # The waiting rank's recorder answered with gloo's flight recorder: the all-reduce it waits in was queued
+    # and never completed.
+    recorded = re.findall(r"flight recorder: \d+ entries; pg 0 enqueued #(\d+), completed #(\d+)", wd)
+    assert recorded, wd
+    assert all(int(enqueued) == int(completed) + 1 for enqueued, completed in recorded), recorded
     assert max(e["step"] for e in steps(d)) == 44  # training resumed after both hangs

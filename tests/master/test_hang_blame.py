@@ -4,6 +4,7 @@ driven through its real request handlers, as agents drive it (stacks first, then
 
 from __future__ import annotations
 
+from phalanx.api import limits
 from phalanx.api.v1 import master_pb2 as pb
 
 from .sim import Sim, kinds
@@ -114,3 +115,54 @@ def test_stacks_that_never_come_charge_nobody() -> None:
     analysis = sim.job.status()["hang_analysis"]
     assert (analysis["nodes_reported"], analysis["blamed"]) == (["a"], ""), analysis
     assert sum(sim.job.hang_counts.values()) == 0
+
+
+def _hang_report(sim: Sim, node: str, *, trace: str) -> pb.ReportFailureRequest:
+    """A device-side hang of ``node``'s rank in all_reduce #7, with its NCCL flight-recorder dump."""
+    current = pb.Interval(name="all_reduce", group="dp:0,1", seq=7, device=True)
+    evidence = pb.HangEvidence(
+        side="device", age_s=12.5, timeout_s=10.0, activity=pb.RankActivity(current=current), nccl_trace=trace
+    )
+    failure = pb.WorkerFailure(
+        rank=RANK[node], failure_class=pb.FAILURE_CLASS_HANG, error_message="hung", hang=evidence
+    )
+    return pb.ReportFailureRequest(
+        node_id=node,
+        incarnation=sim.inc[node],
+        round=sim.job.round_number,
+        kind=pb.FAILURE_KIND_HANG,
+        failures=[failure],
+    )
+
+
+def test_a_hang_reports_evidence_and_nccl_dump_are_kept_with_its_failure() -> None:
+    sim = two_nodes()
+    dump = '{"version": "2.10", "entries": [{"profiling_name": "nccl:all_reduce", "state": "started"}]}'
+    sim.job.report_failure(_hang_report(sim, "b", trace=dump), now=sim.now)
+    (failure,) = [f for f in sim.job.timeline.failures() if f["kind"] == "failure"]
+    assert failure["node"] == "b"
+    (rank,) = failure["hang"]
+    assert rank == {
+        "rank": 1,
+        "local_rank": 0,
+        "side": "device",
+        "age_s": 12.5,
+        "timeout_s": 10.0,
+        "collective": {"op": "all_reduce", "group": "dp:0,1", "seq": 7},
+        "nccl_trace": dump,
+    }
+    window = sim.job.timeline.window(start=sim.now - 60, end=sim.now + 60, now=sim.now)
+    assert [f.get("hang") for f in window["failures"] if f["kind"] == "failure"] == [[rank]]
+
+
+def test_an_agents_oversized_or_odd_evidence_is_cut_to_the_bounds() -> None:
+    sim = two_nodes()
+    req = _hang_report(sim, "a", trace="x" * (limits.MAX_NCCL_TRACE_BYTES * 4))
+    req.failures[0].hang.side = "elsewhere"
+    req.failures[0].hang.activity.current.name = "n" * 1000
+    sim.job.report_failure(req, now=sim.now)
+    (failure,) = [f for f in sim.job.timeline.failures() if f["kind"] == "failure"]
+    (rank,) = failure["hang"]
+    assert rank["side"] == "beacon", "a side the master does not know is not repeated"
+    assert len(rank["collective"]["op"]) == limits.MAX_NAME_CHARS
+    assert len(rank["nccl_trace"]) == limits.MAX_NCCL_TRACE_BYTES + 16

@@ -8,9 +8,9 @@ import tracemalloc
 
 from phalanx.api import limits
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.cli.timeline import png_size, trace_events
+from phalanx.cli.timeline import nccl_dumps, png_size, trace_events
 from phalanx.master.events import EventLog
-from phalanx.master.timeline import MIN_PER_RANK, Timeline
+from phalanx.master.timeline import MAX_TRACED_FAILURES, MIN_PER_RANK, Timeline
 
 NS = 1_000_000_000
 NOW = 1_800_000_000.0
@@ -170,6 +170,31 @@ def test_failures_are_remembered_with_their_event_seq_as_id() -> None:
     }
     assert [f["id"] for f in tl.failures()] == [failure.seq]
     assert tl.window(start=NOW - 4, end=NOW, now=NOW)["failures"] == []
+
+
+def test_only_the_newest_hangs_keep_their_nccl_dumps_and_an_answer_in_hand_is_never_changed() -> None:
+    tl = Timeline()
+    log = EventLog()
+    held = []
+    for k in range(MAX_TRACED_FAILURES + 2):
+        evidence = [{"rank": 0, "side": "device", "nccl_trace": f"dump {k}"}, {"rank": 1, "side": "host"}]
+        tl.note_event(log.add("failure", now=NOW - 50 + k, node="node-0", rank=0), hang=evidence)
+        held.append(tl.window(start=NOW - 60, end=NOW, now=NOW)["failures"][-1])
+    kept = [f["hang"][0] for f in tl.failures()]
+    assert [r.get("nccl_trace") for r in kept] == [None, None] + [f"dump {k}" for k in range(2, 18)]
+    assert kept[0] == {"rank": 0, "side": "device", "nccl_trace_dropped": True}
+    assert tl.failures()[0]["hang"][1] == {"rank": 1, "side": "host"}
+    # What an earlier answer holds (being encoded in another thread, say) is a dict the drop never touched.
+    assert held[0]["hang"][0]["nccl_trace"] == "dump 0"
+    # The trace names the evidence and leaves the dumps to files of their own.
+    window = tl.window(start=NOW - 60, end=NOW, now=NOW)
+    instants = [e for e in trace_events(window)["traceEvents"] if e["ph"] == "i"]
+    assert instants[-1]["args"]["hang"] == [
+        {"rank": 0, "side": "device", "nccl_trace_chars": 7},
+        {"rank": 1, "side": "host"},
+    ]
+    assert nccl_dumps(window)[-1] == (f"nccl-{window['failures'][-1]['id']}-rank0", "dump 17")
+    assert len(nccl_dumps(window)) == MAX_TRACED_FAILURES
 
 
 def test_the_trace_nests_each_ranks_slices_and_draws_open_ones_to_now() -> None:

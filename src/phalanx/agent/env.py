@@ -31,7 +31,8 @@ class WorkerPaths:
     """The worker's interval ring (:mod:`phalanx.api.intervals`), beside its beacon; None: no recorder."""
 
 
-NCCL_TRACE_ENV, NCCL_TRACE_ENTRIES = "TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"
+FR_ENV, FR_LEGACY_ENV, FR_ENTRIES = "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"
+"""torch's flight-recorder size, its older name (still read, with a warning), and the agent's default."""
 
 
 def static_env(
@@ -41,8 +42,9 @@ def static_env(
     env = dict(base)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: N processes must not each take all cores
     # NCCL's flight recorder, which a hung rank dumps into its hang evidence (phalanx.intervals); 2000 entries
-    # cost a few MiB per process. Set it to 0 to turn it off.
-    env.setdefault(NCCL_TRACE_ENV, NCCL_TRACE_ENTRIES)
+    # cost a few MiB per process. Set it (by either name) to 0 to turn it off.
+    if FR_ENV not in env and FR_LEGACY_ENV not in env:
+        env[FR_ENV] = FR_ENTRIES
     env.update(
         {
             "LOCAL_RANK": str(local_rank),

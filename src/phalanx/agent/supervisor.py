@@ -23,6 +23,7 @@ from phalanx.agent.session import MasterSession
 from phalanx.api.errors import RendezvousClosedError, TransportError
 from phalanx.api.round import RoundInfo
 from phalanx.api.v1 import master_pb2 as pb
+from phalanx.diagnostics import hang
 from phalanx.diagnostics.classify import FailureClass
 
 USER_ERROR_SETTLE_S = 1.0  # how long other local workers get to fail too after a user error
@@ -209,6 +210,8 @@ class Supervisor:
         event = self._settle(event)
         if event.kind == "hang":
             self.say(event.reason)
+            if event.evidence is not None and event.evidence.nccl_trace:
+                self.say(hang.flight_recorder_summary(event.evidence.nccl_trace))
             self._send_stacks("(hang)")
         assert self.round is not None
         hung = event.kind == "hang"

@@ -32,12 +32,14 @@ as "hung twice" at the next hang of its peer.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from phalanx.api import intervals
+from phalanx.api import intervals, limits
 from phalanx.api.settings import HangSettings
 from phalanx.api.v1 import master_pb2 as pb
 
@@ -163,6 +165,55 @@ def evidence(v: HangVerdict, activity: pb.RankActivity | None) -> pb.HangEvidenc
     if activity is not None:
         ev.activity.CopyFrom(activity)
     return ev
+
+
+def evidence_view(failure: pb.WorkerFailure) -> dict[str, Any] | None:
+    """A hung rank's evidence as the master keeps it with the failure (JSON): the verdict's side and ages,
+    the collective the rank was in, and its NCCL flight-recorder dump (torch's JSON, as text: a dump cut at
+    the agent's bound is not valid JSON). None when the report carries none. Cut to the agent's bounds, not
+    trusted to keep them."""
+    if not failure.HasField("hang"):
+        return None
+    ev = failure.hang
+    view: dict[str, Any] = {
+        "rank": failure.rank,
+        "local_rank": failure.local_rank,
+        "side": ev.side if ev.side in SIDES else "beacon",
+        "age_s": round(ev.age_s, 3),
+        "timeout_s": round(ev.timeout_s, 3),
+    }
+    current = ev.activity.current
+    if current.name:
+        view["collective"] = {
+            "op": current.name[: limits.MAX_NAME_CHARS],
+            "group": current.group[: limits.MAX_NAME_CHARS],
+            "seq": current.seq,
+        }
+    if ev.nccl_trace:
+        view["nccl_trace"] = ev.nccl_trace[: limits.MAX_NCCL_TRACE_BYTES + 16]  # + the cut marker
+    return view
+
+
+def flight_recorder_summary(text: str) -> str:
+    """A hung rank's flight-recorder dump (torch's JSON) in a few words: its entries and, per process group,
+    the last collective enqueued and the last completed; the first one between them is where the rank
+    waits. A dump cut at the agent's bound is no JSON: its length is all that is said."""
+    try:
+        dump = json.loads(text)
+    except ValueError:
+        return f"flight recorder: {len(text)} characters, cut"
+    if not isinstance(dump, dict):
+        return "flight recorder: not a dump"
+    if "error" in dump:
+        return f"flight recorder: none ({str(dump['error'])[:200]})"
+    entries = dump.get("entries")
+    said = [f"{len(entries) if isinstance(entries, list) else 0} entries"]
+    status = dump.get("pg_status")
+    for pg, st in sorted(status.items())[:4] if isinstance(status, dict) else []:
+        if isinstance(st, dict):
+            enqueued, completed = st.get("last_enqueued_collective"), st.get("last_completed_collective")
+            said.append(f"pg {pg} enqueued #{enqueued}, completed #{completed}")
+    return "flight recorder: " + "; ".join(said)
 
 
 @dataclass(frozen=True)

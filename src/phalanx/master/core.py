@@ -114,12 +114,14 @@ class JobCore:
         round: int = -1,
         message: str = "",
         log: Callable[..., None] | None = None,
+        hang: list[dict[str, Any]] | None = None,
     ) -> None:
         """Records an event, after :attr:`before_event` had its say. With ``log`` (a logger's method, such
-        as ``failure_log.warning``) the master's log says it too, in the event's words."""
+        as ``failure_log.warning``) the master's log says it too, in the event's words. ``hang``: a hang
+        report's evidence per rank, which the timeline keeps with the failure (not durable)."""
         if self.before_event is not None:
             self.before_event(kind, now)
-        self.record_event(kind, now=now, node=node, rank=rank, round=round, message=message)
+        self.record_event(kind, now=now, node=node, rank=rank, round=round, message=message, hang=hang)
         if log is not None:
             extra: dict[str, Any] = {"round": self.state.round_number if round < 0 else round}
             if node:
@@ -127,7 +129,15 @@ class JobCore:
             log("%s: %s", kind.replace("_", " "), message, extra=extra)
 
     def record_event(
-        self, kind: str, *, now: float, node: str = "", rank: int = -1, round: int = -1, message: str = ""
+        self,
+        kind: str,
+        *,
+        now: float,
+        node: str = "",
+        rank: int = -1,
+        round: int = -1,
+        message: str = "",
+        hang: list[dict[str, Any]] | None = None,
     ) -> None:
         """Records an event as it is (no :attr:`before_event`)."""
         s = self.state
@@ -139,7 +149,7 @@ class JobCore:
             round=s.round_number if round < 0 else round,
             message=message,
         )
-        s.timeline.note_event(event)
+        s.timeline.note_event(event, hang=hang)
         self.changed(durable=True)  # the event counter is durable (see EVENT_SEQ_GAP)
 
     def node(self, node_id: str, incarnation: str) -> Node:

@@ -58,6 +58,7 @@ class Failures:
         for rec in records:
             label = rec.failure_class.label
             s.stats.failures[label] = s.stats.failures.get(label, 0) + 1
+        evidence = [v for v in map(hang.evidence_view, req.failures) if v is not None] or None
         if req.round != s.round_number or req.node_id not in s.members:
             core.event(
                 "failure",
@@ -65,6 +66,7 @@ class Failures:
                 node=req.node_id,
                 round=req.round,
                 message=f"stale report: {records[0].summary()}",
+                hang=evidence,
             )
             failure_log.info(
                 "stale failure report for round %d: %s",
@@ -77,14 +79,16 @@ class Failures:
             # The job is stopping on purpose: a failure now spends no budget, and the node's rejoin waits
             # for the resume (no round completes while suspended).
             summary = records[0].summary()
-            core.event("failure", now=now, node=req.node_id, message=f"while suspended: {summary}")
+            core.event(
+                "failure", now=now, node=req.node_id, message=f"while suspended: {summary}", hang=evidence
+            )
             core.open_round(f"failure while suspended: {summary}", now=now)
             return action(pb.ACTION_KIND_REJOIN, round=s.next_round, reason="the job is suspended")
         if req.kind == pb.FAILURE_KIND_HANG:
             for f in req.failures:
                 side = f.hang.side if f.HasField("hang") and f.hang.side in hang.SIDES else "beacon"
                 s.stats.hang_verdicts[side] = s.stats.hang_verdicts.get(side, 0) + 1
-        return self.handle(node, records, now=now, suspects=self.hangs.suspects(req))
+        return self.handle(node, records, now=now, suspects=self.hangs.suspects(req), evidence=evidence)
 
     def handle(
         self,
@@ -93,12 +97,14 @@ class Failures:
         *,
         now: float,
         suspects: tuple[hang.Suspects, list[str]] | None = None,
+        evidence: list[dict[str, Any]] | None = None,
     ) -> pb.Action:
-        """Decides what ``records`` (a report of ``node``) lead to and carries it out; the agent's action."""
+        """Decides what ``records`` (a report of ``node``) lead to and carries it out; the agent's action.
+        ``evidence``: a hang report's, per rank (:func:`phalanx.diagnostics.hang.evidence_view`)."""
         self.state.round_failures.extend(records)
         decision = self._decide(node, records, suspects=suspects, now=now)
         self._settle_root_cause(decision, now=now)
-        self._announce(node, records, decision, suspects=suspects, now=now)
+        self._announce(node, records, decision, suspects=suspects, evidence=evidence, now=now)
         return self._carry_out(node, decision, suspects=suspects, now=now)
 
     def _decide(
@@ -162,9 +168,11 @@ class Failures:
         decision: Decision,
         *,
         suspects: tuple[hang.Suspects, list[str]] | None,
+        evidence: list[dict[str, Any]] | None,
         now: float,
     ) -> None:
-        """The failure's event (with the suspects a hang report carried) and its log line."""
+        """The failure's event (with the suspects and the evidence a hang report carried) and its log
+        line."""
         s, core = self.state, self.core
         first = root_cause(records) or records[0]  # the report's own cause, not the echo it also carries
         summary = first.summary()
@@ -179,7 +187,7 @@ class Failures:
                     "group": found.group,
                     "seq": found.seq,
                 }
-        core.event("failure", now=now, node=node.node_id, rank=first.rank, message=summary)
+        core.event("failure", now=now, node=node.node_id, rank=first.rank, message=summary, hang=evidence)
         self.restarts.settle(now=now)
         failure_log.error(
             "failure of %s; root cause of round %d: %s; decision: %s (%s)",

@@ -22,7 +22,10 @@ what its old process left open: those intervals end at the old process's last be
 ``unfinished``.
 
 The timeline also remembers each failure (the job's ``failure``, ``hang`` and ``node_lost`` events, with
-the event's ``seq`` as the failure's id), so a trace can be cut around one.
+the event's ``seq`` as the failure's id), so a trace can be cut around one. A hang report's failure keeps
+its evidence per rank (:func:`phalanx.diagnostics.hang.evidence_view`): the side, the collective, and the
+rank's NCCL flight-recorder dump, which only the newest :data:`MAX_TRACED_FAILURES` failures keep (each dump
+is up to 64 KiB a rank).
 
 A :meth:`Timeline.window` answer holds at most :data:`MAX_ANSWER_INTERVALS` intervals, each rank's
 newest share, so answering ``GET /v1/timeline`` is bounded work too.
@@ -61,6 +64,9 @@ MAX_OPEN_PER_RANK = 64
 """Open intervals a rank may have waiting for their end; more are kept but never matched to an end."""
 
 MAX_FAILURES = 1000
+
+MAX_TRACED_FAILURES = 16
+"""Failures that keep their ranks' NCCL flight-recorder dumps; an older one keeps the rest of its evidence."""
 
 MAX_CACHED_NAMES = 4096
 """Distinct names and groups whose checked form is kept (and shared by every interval that uses it)."""
@@ -180,6 +186,8 @@ class Timeline:
         self.max_series = max(1, max_series)
         self._series: dict[tuple[str, int], _Series] = {}
         self._failures: deque[dict[str, Any]] = deque(maxlen=MAX_FAILURES)
+        self._traced: deque[dict[str, Any]] = deque()
+        """The failures that hold NCCL dumps, oldest first (at most :data:`MAX_TRACED_FAILURES`)."""
         self.refused = 0
         """Intervals refused as garbage or cut as over a beat's limit, since the master started."""
         self.total = 0
@@ -286,20 +294,42 @@ class Timeline:
         for key in stale:
             self.total -= len(self._series.pop(key).spans)
 
-    def note_event(self, event: Event) -> None:
-        """Remembers ``event`` when it is a failure (see :data:`FAILURE_KINDS`)."""
-        if event.kind in FAILURE_KINDS:
-            self._failures.append(
-                {
-                    "id": event.seq,
-                    "unix": event.unix,
-                    "kind": event.kind,
-                    "node": event.node,
-                    "rank": event.rank,
-                    "round": event.round,
-                    "message": event.message[:500],
-                }
-            )
+    def note_event(self, event: Event, *, hang: list[dict[str, Any]] | None = None) -> None:
+        """Remembers ``event`` when it is a failure (see :data:`FAILURE_KINDS`), with a hang report's
+        evidence per rank (``hang``)."""
+        if event.kind not in FAILURE_KINDS:
+            return
+        failure: dict[str, Any] = {
+            "id": event.seq,
+            "unix": event.unix,
+            "kind": event.kind,
+            "node": event.node,
+            "rank": event.rank,
+            "round": event.round,
+            "message": event.message[:500],
+        }
+        if hang:
+            failure["hang"] = hang
+            if any("nccl_trace" in rank for rank in hang):
+                self._traced.append(failure)
+                if len(self._traced) > MAX_TRACED_FAILURES:
+                    self._drop_traces(self._traced.popleft())
+        self._failures.append(failure)
+
+    def _drop_traces(self, failure: dict[str, Any]) -> None:
+        """Replaces ``failure`` by a copy without its NCCL dumps: a copy, since an answer being encoded in
+        another thread may hold the original."""
+        slim = dict(failure)
+        slim["hang"] = [
+            {k: v for k, v in rank.items() if k != "nccl_trace"} | {"nccl_trace_dropped": True}
+            if "nccl_trace" in rank
+            else rank
+            for rank in failure["hang"]
+        ]
+        for i, kept in enumerate(self._failures):
+            if kept is failure:
+                self._failures[i] = slim
+                return
 
     # ------------------------------------------------------------------------------------------------
     # Reading
