@@ -41,7 +41,7 @@ from phalanx.api import intervals as ring
 __all__ = ["Recorder", "begin", "collective", "enable", "end", "recorder", "register_ddp"]
 
 _WATCH_POLL_S = 0.002  # how often the watcher asks pending CUDA events whether they completed
-_IDLE_POLL_S = 0.05  # how often an idle watcher looks for the agent's request of an NCCL flight-recorder dump
+_IDLE_POLL_S = 0.05  # how often an idle watcher looks for the agent's request of a flight-recorder dump
 FR_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 """torch's flight-recorder size, by its name and its older one: a recorder offers dumps when either is > 0."""
 DEVICE_MARK = "device_step"
@@ -247,8 +247,8 @@ def _int_env(name: str) -> int:
 
 
 def _gloo_flight_recorder() -> bool:
-    """Whether torch keeps a flight recorder of gloo's collectives in this process (torch >= 2.10, with a
-    buffer size set, as the agent sets it)."""
+    """Whether torch can dump a flight recorder of gloo's collectives in this process, with a buffer size set
+    (as the agent sets it). torch 2.15 records them; 2.11's dump has the function but no entries."""
     import sys
 
     torch = sys.modules.get("torch")

@@ -96,7 +96,7 @@ def run_local(tmp_path: Path, *, steps_total: int, spin_at: int, timeout_s: floa
     return {
         "failure": failure,
         "trace": json.loads(prefix.with_name("around.json").read_text()),
-        "dumps": sorted(tmp_path.glob("around.nccl-*.json")),
+        "dumps": sorted(tmp_path.glob("around.flight-*.json")),
         "png": prefix.with_name("around.png"),
         "spin_unix": json.loads((d / "spin.json").read_text())["unix"],
         "steps": steps(d),
@@ -138,7 +138,7 @@ def test_a_device_side_hang_is_caught_with_its_nccl_flight_recorder_and_training
     ]
     assert instant["args"]["hang"][0]["side"] == "device"
     (dump_file,) = run["dumps"]
-    assert dump_file.name == f"around.nccl-{failure['id']}-rank0.json"
+    assert dump_file.name == f"around.flight-{failure['id']}-rank0.json"
     assert json.loads(dump_file.read_text()) == dump
     assert run["png"].exists()
 

@@ -8,7 +8,7 @@ import tracemalloc
 
 from phalanx.api import limits
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.cli.timeline import nccl_dumps, png_size, trace_events
+from phalanx.cli.timeline import flight_recorder_dumps, png_size, trace_events
 from phalanx.master.events import EventLog
 from phalanx.master.timeline import MAX_TRACED_FAILURES, MIN_PER_RANK, Timeline
 
@@ -172,7 +172,9 @@ def test_failures_are_remembered_with_their_event_seq_as_id() -> None:
     assert tl.window(start=NOW - 4, end=NOW, now=NOW)["failures"] == []
 
 
-def test_only_the_newest_hangs_keep_their_nccl_dumps_and_an_answer_in_hand_is_never_changed() -> None:
+def test_only_the_newest_hangs_keep_their_flight_recorder_dumps_and_an_answer_in_hand_is_never_changed() -> (
+    None
+):
     tl = Timeline()
     log = EventLog()
     held = []
@@ -193,8 +195,8 @@ def test_only_the_newest_hangs_keep_their_nccl_dumps_and_an_answer_in_hand_is_ne
         {"rank": 0, "side": "device", "nccl_trace_chars": 7},
         {"rank": 1, "side": "host"},
     ]
-    assert nccl_dumps(window)[-1] == (f"nccl-{window['failures'][-1]['id']}-rank0", "dump 17")
-    assert len(nccl_dumps(window)) == MAX_TRACED_FAILURES
+    assert flight_recorder_dumps(window)[-1] == (f"flight-{window['failures'][-1]['id']}-rank0", "dump 17")
+    assert len(flight_recorder_dumps(window)) == MAX_TRACED_FAILURES
 
 
 def test_the_trace_nests_each_ranks_slices_and_draws_open_ones_to_now() -> None:

@@ -11,9 +11,9 @@ last minutes per rank) and writes
   ``args.open``; one whose process went away first is marked ``args.unfinished``.
 * ``PREFIX.png``: one row per rank, steps in grey, each collective in a colour of its own, open intervals
   hatched, failures as red vertical lines.
-* ``PREFIX.nccl-ID-rankR.json``: the NCCL flight-recorder dump a hung rank's recorder gave its agent (torch's
-  own JSON; on a GPU with NCCL only), per failure ``ID`` that kept one. The failure's instant event carries
-  the rest of each rank's hang evidence in ``args.hang``: side, ages, the collective it was in.
+* ``PREFIX.flight-ID-rankR.json``: the flight-recorder dump a hung rank's recorder gave its agent (torch's
+  own JSON: NCCL's on a GPU, gloo's on the CPU), per failure ``ID`` that kept one. The failure's instant
+  event carries the rest of each rank's hang evidence in ``args.hang``: side, ages, the collective it was in.
 
 ``--around ID`` centres the window on failure ``ID`` (``phalanx status`` lists them, ``#ID``), ``--around
 latest`` on the newest, ``--around UNIX`` on a time; without it, the last ``--window`` seconds.
@@ -29,7 +29,7 @@ from typing import Any
 from phalanx.api.errors import ConfigError
 from phalanx.cli.masterclient import add_kube_flags, add_master_flags, master_from_args
 
-__all__ = ["draw_png", "nccl_dumps", "png_size", "register", "trace_events"]
+__all__ = ["draw_png", "flight_recorder_dumps", "png_size", "register", "trace_events"]
 
 STEP = "step"
 PNG_WIDTH_IN, PNG_DPI = 14.0, 100
@@ -140,7 +140,7 @@ def trace_events(timeline: dict[str, Any]) -> dict[str, Any]:
                 "message": f["message"],
             },
         }
-        if f.get("hang"):  # a hang's evidence per rank; the NCCL dumps themselves go to files of their own
+        if f.get("hang"):  # a hang's evidence per rank; the dumps themselves go to files of their own
             event["args"]["hang"] = [
                 {k: v for k, v in rank.items() if k != "nccl_trace"}
                 | ({"nccl_trace_chars": len(rank["nccl_trace"])} if "nccl_trace" in rank else {})
@@ -281,11 +281,11 @@ def _x_range(timeline: dict[str, Any], origin_unix: float) -> tuple[float, float
 # The command
 
 
-def nccl_dumps(timeline: dict[str, Any]) -> list[tuple[str, str]]:
-    """The hung ranks' NCCL flight-recorder dumps in a ``/v1/timeline`` answer: (``nccl-ID-rankR``, the
+def flight_recorder_dumps(timeline: dict[str, Any]) -> list[tuple[str, str]]:
+    """The hung ranks' flight-recorder dumps in a ``/v1/timeline`` answer: (``flight-ID-rankR``, the
     dump as torch wrote it), per failure and rank. Pure."""
     return [
-        (f"nccl-{int(f['id'])}-rank{int(rank['rank'])}", rank["nccl_trace"])
+        (f"flight-{int(f['id'])}-rank{int(rank['rank'])}", rank["nccl_trace"])
         for f in timeline["failures"]
         for rank in f.get("hang", [])
         if rank.get("nccl_trace")
@@ -310,10 +310,10 @@ def _run(args: argparse.Namespace) -> int:
         f"wrote {trace_path} ({len(timeline['ranks'])} ranks, {intervals} intervals, "
         f"{len(timeline['failures'])} failures); open it in ui.perfetto.dev"
     )
-    for name, text in nccl_dumps(timeline):
+    for name, text in flight_recorder_dumps(timeline):
         dump_path = prefix.with_name(f"{prefix.name}.{name}.json")
         dump_path.write_text(text)
-        print(f"wrote {dump_path} (a hung rank's NCCL flight recorder, {len(text)} characters)")
+        print(f"wrote {dump_path} (a hung rank's flight recorder, {len(text)} characters)")
     if not args.no_png:
         if around:
             origin, label = timeline["start_unix"] + args.window, f"seconds from {_label(around)}"
