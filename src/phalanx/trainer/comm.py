@@ -11,6 +11,7 @@ Sequence-parallel tensors are laid out ``[sequence, batch, hidden]`` so the sequ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,81 +83,36 @@ def _reduce_scatter_first(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+def _identity(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x
+
+
+Op = Callable[[torch.Tensor, Group], torch.Tensor]
+
+
+def _region(name: str, forward: Op, backward: Op) -> type[torch.autograd.Function]:
+    """An autograd Function that computes ``forward(x, group)`` and whose gradient is
+    ``backward(grad, group)``: every region below is one pair of the communication functions above."""
+
+    def run_forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
-        return x
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
+    def run_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return backward(grad, ctx.group), None
 
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    body = {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)}
+    return type(name, (torch.autograd.Function,), body)
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_last(grad, ctx.group), None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _split_last(grad, ctx.group), None
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _split_first(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_first(grad, ctx.group), None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _gather_first(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # Every rank used the whole gathered sequence, so the gradient of its own chunk is the sum over ranks.
-        return _reduce_scatter_first(grad, ctx.group), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_first(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_first(grad, ctx.group), None
+_CopyToRegion = _region("_CopyToRegion", _identity, _all_reduce)
+_ReduceFromRegion = _region("_ReduceFromRegion", _all_reduce, _identity)
+_ScatterToRegion = _region("_ScatterToRegion", _split_last, _gather_last)
+_GatherFromRegion = _region("_GatherFromRegion", _gather_last, _split_last)
+_ScatterToSequence = _region("_ScatterToSequence", _split_first, _gather_first)
+# Every rank used the whole gathered sequence, so the gradient of its own chunk is the sum over ranks.
+_GatherFromSequence = _region("_GatherFromSequence", _gather_first, _reduce_scatter_first)
+_ReduceScatterToSequence = _region("_ReduceScatterToSequence", _reduce_scatter_first, _gather_first)
 
 
 def copy_to_tensor_region(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -324,7 +324,7 @@ class Kubelet:
                 body=client.V1DeleteOptions(grace_period_seconds=0, preconditions={"uid": pod.metadata.uid}),
             )
         self.pods.pop(key, None)
-        shutil.rmtree(Path(tempfile.gettempdir()) / f"phalanx-pod-{pod.metadata.uid[:8]}", ignore_errors=True)
+        shutil.rmtree(_pod_tmp(pod.metadata.uid), ignore_errors=True)
 
     def _kill_now(self, key: tuple[str, str]) -> None:
         current = self.pods.pop(key, None)
@@ -332,6 +332,8 @@ class Kubelet:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(current.proc.pid, signal.SIGKILL)
             current.proc.wait()
+        if current:
+            shutil.rmtree(_pod_tmp(current.uid), ignore_errors=True)  # the container's /tmp goes with it
 
     def reap(self) -> None:
         """Reports exited processes and enforces deletion grace periods."""
@@ -352,6 +354,7 @@ class Kubelet:
                 pod = self.core.read_namespaced_pod(key[1], key[0])
             except ApiException:
                 self.pods.pop(key, None)
+                shutil.rmtree(_pod_tmp(cur.uid), ignore_errors=True)
                 continue
             if pod.metadata.uid != cur.uid:
                 continue
@@ -377,7 +380,7 @@ class Kubelet:
         # A container's /tmp is its own, and so are the sockets its processes make there. Under /tmp itself:
         # the Pod's user must reach it (the state directory is root's, 0700), and a socket's path must fit in
         # 108 bytes.
-        tmp = Path(tempfile.gettempdir()) / f"phalanx-pod-{pod.metadata.uid[:8]}"
+        tmp = _pod_tmp(pod.metadata.uid)
         tmp.mkdir(mode=0o700, exist_ok=True)
         env: dict[str, str] = {
             "PATH": f"{ROOT / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin",
@@ -616,6 +619,11 @@ class Kubelet:
                     log.warning("lease renewal failed: %s", exc)
         for key in list(self.pods):
             self._kill_now(key)
+
+
+def _pod_tmp(uid: str) -> Path:
+    """A Pod's own /tmp (its processes' TMPDIR), by the Pod's uid."""
+    return Path(tempfile.gettempdir()) / f"phalanx-pod-{uid[:8]}"
 
 
 def _expand(text: str, env: dict[str, str]) -> str:
