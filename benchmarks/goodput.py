@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from phalanx.api.ports import free_port
 from phalanx.local.procs import descendants, kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -261,7 +262,7 @@ class Job:
         self.nodes: dict[int, subprocess.Popen[bytes]] = {}
         self.root: subprocess.Popen[bytes] | None = None  # phalanx local / dlrover master
         self.node_restarts = 0
-        self.port = _free_port()
+        self.port = free_port()
         self.stopping = False
 
     def _spawn(self, argv: list[str], tag: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -382,14 +383,6 @@ def _stale_workers(d: Path) -> list[int]:
         if entry.name.isdigit() and str(d).encode() in _cmdline(int(entry.name)):
             out.append(int(entry.name))
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def read_steps(path: Path) -> list[Step]:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from phalanx.agent import config as agent_config
 from phalanx.agent.breakpoints import Breakpoints
 from phalanx.agent.client import MasterClient, RetiredError
 from phalanx.api.errors import ConfigError
+from phalanx.api.ports import free_port
 from phalanx.api.settings import CheckpointSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.checkpoint import protocol, shm
@@ -395,9 +395,7 @@ def _offline_executor(said: list[str] | None = None) -> probes.ProbeExecutor:
 
 def _lonely_allgather(probe_round: int) -> pb.Action:
     """An all-gather probe with a peer that never comes: it waits 30 s for it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return pb.Action(
         kind=pb.ACTION_KIND_RUN_PROBE,
         probe=pb.PROBE_KIND_ALLGATHER,

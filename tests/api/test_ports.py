@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import random
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from phalanx.api import ports
@@ -36,10 +39,51 @@ def test_a_free_port_is_below_the_range_and_a_listener_can_bind_it() -> None:
         s.listen()
 
 
-def test_a_taken_port_is_passed_over_for_the_next_pick() -> None:
+def test_a_taken_port_is_passed_over_for_the_next_pick(tmp_path: Path) -> None:
     low, _ = ports.ephemeral_range()
     first, second = ports.below_ephemeral(low, rng=random.Random(11))[:2]
     with socket.socket() as held:
         held.bind(("127.0.0.1", first))  # another listener has the first pick
         held.listen()
-        assert ports.free_port(rng=random.Random(11)) == second
+        assert ports.free_port(rng=random.Random(11), ledger=tmp_path / "ports") == second
+
+
+def test_a_port_held_in_the_ledger_or_followed_by_a_bound_one_is_passed_over() -> None:
+    bound = {20001, 20011}
+    free = lambda p: p not in bound  # noqa: E731
+    assert ports.choose([20000, 20002], {20000: 1.0}, span=1, free=free) == 20002  # held
+    assert ports.choose([20000, 20002], {20003: 1.0}, span=2, free=free) is None  # the block's second held
+    assert ports.choose([20010, 20020], {}, span=2, free=free) == 20020  # 20011 is bound
+    assert ports.choose([20001], {}, span=1, free=free) is None
+
+
+def test_the_ledger_keeps_what_is_still_held_and_drops_malformed_lines() -> None:
+    text = "20000 105.000\n20001 95.000\ngarbage\n20002 nan-ish\n20003 200.5\n"
+    held = ports.parse_ledger(text, now=100.0)
+    assert held == {20000: 105.0, 20003: 200.5}
+    assert ports.parse_ledger(ports.format_ledger(held), now=100.0) == held
+
+
+def test_a_port_picked_by_one_process_is_not_picked_by_another_until_its_hold_ends(tmp_path: Path) -> None:
+    ledger = tmp_path / "ports"
+    # Every process draws the same candidates: without the ledger all would get the first free one.
+    script = (
+        "import random, sys; from pathlib import Path; from phalanx.api import ports;"
+        "print(ports.free_port(span=2, rng=random.Random(3), ledger=Path(sys.argv[1])))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(ledger)], stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    picked = [int(p.communicate(timeout=60)[0]) for p in procs]
+    blocks = [{port, port + 1} for port in picked]
+    assert len(set().union(*blocks)) == 8, picked  # four blocks of two, none shared
+    held = ports.parse_ledger(ledger.read_text(), now=time.time())
+    assert set(held) == set().union(*blocks)
+    assert all(until <= time.time() + ports.HOLD_S for until in held.values())
+
+
+def test_picks_go_on_without_a_ledger_that_cannot_be_opened(tmp_path: Path) -> None:
+    port = ports.free_port(ledger=tmp_path / "no-such-folder" / "ports")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

@@ -341,6 +341,24 @@ def test_interval_schedules_periodic_rounds() -> None:
     assert sim.job.probe is not probe
 
 
+def test_a_round_re_formed_after_an_eviction_runs_interval_s_before_its_first_periodic_probe() -> None:
+    # The processes of a re-formed round start beside the replacement's; measured then, a healthy node looks
+    # slow (a confirming round right after would evict it). The wait counts from the round's completion.
+    sim = make(interval_s=20.0)
+    probe = sim.job.start_probe(now=sim.now, trigger="test")
+    good_round(sim, probe.id, failed="c")
+    assert probe.evicted == ["c"]
+    advance(sim, sim.now + 15.0)  # the replacement comes late
+    sim.form("a", "b", "d", "e")
+    assert sim.job.phase == "Running"
+    formed = sim.now
+    advance(sim, formed + 15.0)  # 30 s after the last probe round, 15 s into the new round
+    assert sim.job.probe is probe
+    advance(sim, formed + 21.0)
+    assert sim.job.probe is not probe
+    assert sim.job.probe.trigger == "every 20s"
+
+
 def test_rendezvous_change_aborts_the_probe_round() -> None:
     sim = make()
     probe = sim.job.start_probe(now=sim.now, trigger="test")

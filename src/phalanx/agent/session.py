@@ -149,8 +149,9 @@ def round_info(
 
 
 def _free_port(host: str) -> int:
-    """A port free right now on this host; fresh for every round so no stale c10d store is reused."""
+    """A port free right now on this host, and the next one: the round's c10d store and, should the master
+    ask for probes, their store (``store_port + 1``). Fresh for every round so no stale store is reused."""
     try:
-        return ports.free_port(host)
+        return ports.free_port(host, span=2)
     except OSError:  # the host's name is not an address of this machine's (behind NAT): any address
-        return ports.free_port("")
+        return ports.free_port("", span=2)

@@ -4,13 +4,24 @@
 their local ports from too. On a busy machine one of them can take that port between the pick and the
 listener's own bind, which then fails with EADDRINUSE (a gloo job's store did, in a test run with two
 lanes). A port picked below that range can collide only with another listener's explicit bind.
+
+Such a bind is most often another pick of this module's: two processes that each found the same port free
+and both bind it later (a probe's store lost its port so, in a test run with two lanes). Every pick is
+therefore written to a ledger in the machine's temporary folder, under a lock, and a port picked in the
+last ``HOLD_S`` seconds is not handed out again. The ledger is shared by every process of the machine (or
+the container) that picks through here; where it cannot be opened, picks go on without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import random
 import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -20,6 +31,11 @@ NODE_PORTS = 30000
 """Where Kubernetes' NodePort range starts: on a Pod in the host's network (common on GPU nodes, for RDMA),
 kube-proxy's rules would take a connection to a node's port there to a Service instead."""
 TRIES = 64
+LEDGER = Path(tempfile.gettempdir()) / "phalanx-ports"
+HOLD_S = 120.0
+"""How long a picked port stays reserved: far above the time from a pick to its listener's bind (a
+rendezvous round's store, a probe's), and short enough that the ledger holds a few hundred ports at most
+out of the ten thousand it picks from."""
 
 
 def ephemeral_range(path: Path = EPHEMERAL_RANGE) -> tuple[int, int]:
@@ -41,12 +57,84 @@ def below_ephemeral(low_ephemeral: int, *, tries: int = TRIES, rng: random.Rando
     return [pick.randrange(LOWEST, top) for _ in range(tries)]
 
 
-def free_port(host: str = "127.0.0.1", *, rng: random.Random | None = None) -> int:
-    """A port free on ``host`` right now: below the ephemeral range where one is, else the kernel's pick."""
-    for port in below_ephemeral(ephemeral_range()[0], rng=rng):
-        with contextlib.suppress(OSError):  # taken: the next
-            return _bind(host, port)
+def choose(
+    candidates: Iterable[int], held: Mapping[int, float], *, span: int, free: Callable[[int], bool]
+) -> int | None:
+    """The first candidate whose ``span`` ports from it on are neither held in the ledger nor bound now."""
+    for port in candidates:
+        block = range(port, port + span)
+        if not any(p in held for p in block) and all(free(p) for p in block):
+            return port
+    return None
+
+
+def parse_ledger(text: str, *, now: float) -> dict[int, float]:
+    """The ledger's ports still held at ``now`` (port -> until when); a malformed line is dropped."""
+    held: dict[int, float] = {}
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            port, until = line.split()
+            if float(until) > now:
+                held[int(port)] = float(until)
+    return held
+
+
+def format_ledger(held: Mapping[int, float]) -> str:
+    return "".join(f"{port} {until:.3f}\n" for port, until in sorted(held.items()))
+
+
+def free_port(
+    host: str = "127.0.0.1",
+    *,
+    span: int = 1,
+    rng: random.Random | None = None,
+    ledger: Path = LEDGER,
+) -> int:
+    """A port free on ``host`` right now, and the ``span - 1`` ports after it: below the ephemeral range where
+    one is, not picked by another process in the last ``HOLD_S`` seconds; else the kernel's pick."""
+    candidates = below_ephemeral(ephemeral_range()[0], rng=rng)
+    now = time.time()
+    with _ledger(ledger, now=now) as held:
+        port = choose(candidates, held, span=span, free=lambda p: _bindable(host, p))
+        if port is not None:
+            until = now + HOLD_S
+            held.update({p: until for p in range(port, port + span)})
+            return port
+    return _kernel_pick(host, span)
+
+
+@contextlib.contextmanager
+def _ledger(path: Path, *, now: float) -> Iterator[dict[int, float]]:
+    """The ledger's held ports, locked against every other picker until the block ends and written back.
+    An empty one, kept nowhere, where the file cannot be opened (a folder another user owns)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield {}
+        return
+    with os.fdopen(fd, "r+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        held = parse_ledger(f.read(), now=now)
+        yield held
+        f.seek(0)
+        f.truncate()
+        f.write(format_ledger(held))
+
+
+def _kernel_pick(host: str, span: int) -> int:
+    for _ in range(TRIES):
+        port = _bind(host, 0)
+        if all(_bindable(host, p) for p in range(port + 1, port + span)):
+            return port
     return _bind(host, 0)
+
+
+def _bindable(host: str, port: int) -> bool:
+    try:
+        _bind(host, port)
+    except OSError:
+        return False
+    return True
 
 
 def _bind(host: str, port: int) -> int:

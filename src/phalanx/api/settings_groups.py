@@ -259,7 +259,10 @@ class ProbeSettings:
         False, doc="Run a probe round right after every rendezvous round completes."
     )
     interval_s: float = setting(
-        0.0, doc="Run a probe round this long after the previous one (0: never periodically).", unit="s"
+        0.0,
+        doc="Run a probe round this long after the previous one, or after the rendezvous round formed where "
+        "that came later (0: never periodically).",
+        unit="s",
     )
     timeout_s: float = setting(
         120.0,

@@ -2,7 +2,8 @@
 evicted and replaced).
 
 A probe round is started on demand (``POST /v1/probe``), right after a rendezvous round completes
-(``probes.on_round_complete``), every ``probes.interval_s``, or when the step-time check finds ranks whose
+(``probes.on_round_complete``), every ``probes.interval_s`` (counted from the rendezvous round's completion
+where that came after the last probe round), or when the step-time check finds ranks whose
 step intervals lag the others' (:mod:`phalanx.master.slowsteps`, event ``slow_steps``, ``slow_ranks`` of
 /v1/job); nothing starts unless ``probes.enabled``. The same check scores every member node
 (:mod:`phalanx.master.slowsteps`): a node confirmed slow over ``step_confirm_checks`` checks is reported
@@ -293,10 +294,18 @@ class ProbeRounds:
             )
         elif cfg.on_round_complete and s.round_number > self.probed_round:
             trigger = f"rendezvous round {s.round_number} completed"
-        elif cfg.interval_s > 0 and now - (self.last_probe_at or s.round.completed_at) >= cfg.interval_s:
+        elif cfg.interval_s > 0 and now - self._periodic_since() >= cfg.interval_s:
             trigger = f"every {cfg.interval_s:g}s"
         if trigger:
             self.start_probe(now=now, trigger=trigger)
+
+    def _periodic_since(self) -> float:
+        """When the wait for the next periodic round began: the last round, or the rendezvous round's
+        completion where that came later. A round re-formed after an eviction is measured once it runs, not
+        while its processes start beside the replacement's: a healthy node measured then looks slow, and a
+        confirming round right after it (also during the start) would evict it."""
+        completed = self.state.round.completed_at if self.state.round is not None else 0.0
+        return max(self.last_probe_at or 0.0, completed)
 
     def _probe_members(self) -> list[str]:
         """The running rendezvous round's members that are alive, in group-rank order."""
