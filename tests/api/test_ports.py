@@ -87,3 +87,11 @@ def test_picks_go_on_without_a_ledger_that_cannot_be_opened(tmp_path: Path) -> N
     port = ports.free_port(ledger=tmp_path / "no-such-folder" / "ports")
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_a_ledger_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (tmp_path / "ports").symlink_to(victim)
+    ports.free_port(ledger=tmp_path / "ports")
+    assert victim.read_text() == "precious\n"

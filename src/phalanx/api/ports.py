@@ -106,9 +106,10 @@ def free_port(
 @contextlib.contextmanager
 def _ledger(path: Path, *, now: float) -> Iterator[dict[int, float]]:
     """The ledger's held ports, locked against every other picker until the block ends and written back.
-    An empty one, kept nowhere, where the file cannot be opened (a folder another user owns)."""
+    An empty one, kept nowhere, where the file cannot be opened (another user's, or a link: a link planted in
+    the shared folder would have this process write over whatever it points at)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError:
         yield {}
         return
