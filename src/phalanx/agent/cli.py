@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import IO
@@ -70,8 +71,24 @@ class StandaloneMaster:
             self.proc.wait()
 
 
+PARENT_POLL_S = 0.5
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise Terminated(signum)  # the supervisor persists the newest checkpoint, then cleans up
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Sends this agent SIGTERM once ``parent`` is no longer its parent: the process that started it exited,
+    even by SIGKILL, and this process was re-parented. The agent then leaves as on any SIGTERM (persisting
+    first), so a job that ``phalanx local`` started never trains on unwatched after it."""
+
+    def watch() -> None:
+        while os.getppid() == parent:  # polled: Linux tells a process nothing when its parent dies
+            time.sleep(PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _job_id_for_standalone(job_id: str) -> str:
@@ -87,6 +104,8 @@ def run_agent(argv: list[str]) -> int:
         return 2
     agent_config.print_notes(cfg)
     signal.signal(signal.SIGTERM, _terminate)
+    if cfg.exit_with_parent:
+        _exit_with_parent(os.getppid())
     with tempfile.TemporaryDirectory(prefix="phalanx-run-") as tmp:
         workdir = Path(tmp)
         master: StandaloneMaster | None = None

@@ -31,6 +31,7 @@ class AgentConfig(AgentSettings):
     min_nodes: int
     max_nodes: int
     standalone: bool
+    exit_with_parent: bool
     role: str
     module: bool
     no_python: bool
@@ -65,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rdzv-backend", "--rdzv_backend", default="phalanx", help="Accepted for torchrun compatibility.")
     add("--rdzv-conf", "--rdzv_conf", default="", help="Accepted for torchrun compatibility.")
     add("--standalone", action="store_true", help="Start a master for a single-node job.")
+    add(
+        "--exit-with-parent",
+        action="store_true",
+        help="Leave the job as on SIGTERM once the process that started this agent exits, even by SIGKILL "
+        "(phalanx local starts its agents so).",
+    )
     add("--log-dir", "--log_dir", help=_doc("log_dir"))
     add("--redirects", "-r", default="0", help="Accepted; output is always captured per rank.")
     add("--tee", "-t", default="0", help="Accepted; output is always echoed with a [rankN]: prefix.")
@@ -204,6 +211,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> AgentConfig:
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         standalone=args.standalone,
+        exit_with_parent=args.exit_with_parent,
         role=args.role,
         module=args.module,
         no_python=args.no_python,

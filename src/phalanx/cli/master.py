@@ -100,7 +100,7 @@ def register(subparsers: Any) -> None:
         "--exit-with-parent",
         action="store_true",
         help="shut down when the process that started this master exits, even by SIGKILL "
-        "(phalanx-run --standalone starts its master so)",
+        "(phalanx-run --standalone and phalanx local start their masters so)",
     )
     parser.set_defaults(handler=_handle)
 

@@ -47,7 +47,7 @@ class Fleet:
             "--job-id", self.job_id, "--nodes", f"{options.min_nodes}:{options.max_nodes}",
             "--port", "0", "--http-port", "0", "--token-file", str(self.token_file),
             "--state", str(self.workdir / "master-state.json"), "--max-restarts", str(options.max_restarts),
-            *options.master_args,
+            "--exit-with-parent", *options.master_args,
         ]  # fmt: skip
         if options.heartbeat_timeout_s is not None:
             master_args += ["--heartbeat-timeout", f"{options.heartbeat_timeout_s:g}"]
@@ -87,7 +87,7 @@ class Fleet:
             "--rdzv-endpoint", endpoint, "--rdzv-id", self.job_id, "--node-id", node_id,
             "--token-file", str(self.token_file), "--log-dir", str(self.workdir / node_id),
             "--max-restarts", str(o.max_restarts), "--local-addr", net.address if net else "127.0.0.1",
-            *o.agent_args,
+            "--exit-with-parent", *o.agent_args,
             o.script, *o.script_args,
         ]  # fmt: skip
 
