@@ -95,3 +95,24 @@ def test_a_ledger_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
     (tmp_path / "ports").symlink_to(victim)
     ports.free_port(ledger=tmp_path / "ports")
     assert victim.read_text() == "precious\n"
+
+
+def test_a_ledger_locked_by_a_stopped_process_delays_a_pick_by_the_wait_only(tmp_path: Path) -> None:
+    ledger = tmp_path / "ports"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, "
+         "fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)", str(ledger)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "locked\n"
+        start = time.monotonic()
+        port = ports.free_port(ledger=ledger)
+        assert ports.LOCK_WAIT_S <= time.monotonic() - start < ports.LOCK_WAIT_S + 5
+        assert ledger.read_text() == ""  # nothing written without the lock
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    finally:
+        holder.kill()
+        holder.communicate()

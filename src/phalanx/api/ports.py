@@ -32,6 +32,7 @@ NODE_PORTS = 30000
 kube-proxy's rules would take a connection to a node's port there to a Service instead."""
 TRIES = 64
 LEDGER = Path(tempfile.gettempdir()) / "phalanx-ports"
+LOCK_WAIT_S = 2.0  # a pick holds the lock for well under a millisecond
 HOLD_S = 120.0
 """How long a picked port stays reserved: far above the time from a pick to its listener's bind (a
 rendezvous round's store, a probe's), and short enough that the ledger holds a few hundred ports at most
@@ -114,12 +115,28 @@ def _ledger(path: Path, *, now: float) -> Iterator[dict[int, float]]:
         yield {}
         return
     with os.fdopen(fd, "r+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        if not _lock(f.fileno()):
+            yield {}
+            return
         held = parse_ledger(f.read(), now=now)
         yield held
         f.seek(0)
         f.truncate()
         f.write(format_ledger(held))
+
+
+def _lock(fd: int) -> bool:
+    """Locks the ledger (released when the file closes); False after ``LOCK_WAIT_S``: a holder stopped
+    (SIGSTOP) or stuck while it held the lock would otherwise stop every picker of the machine."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
 
 
 def _kernel_pick(host: str, span: int) -> int:
