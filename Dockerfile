@@ -39,10 +39,21 @@ FROM scratch AS torch-wheels
 # ---- wheel: build the phalanx wheel once; the runtime stages install it and never see the source tree.
 FROM ${PYTHON_IMAGE} AS wheel
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# A C compiler, and Python's headers where the base lacks them (Debian's python3.11), for phalanx._ringwrite:
+# the interval recorder's write path in C (hatch_build.py). In this stage only: the images get the built wheel.
+RUN set -eux; \
+    pkgs="gcc libc6-dev"; \
+    python -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+        || pkgs="${pkgs} libpython3.11-dev"; \
+    apt-get update -qq; \
+    apt-get install -y -qq --no-install-recommends ${pkgs} >/dev/null; \
+    rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md hatch_build.py ./
 COPY src ./src
-RUN pip wheel --no-deps --wheel-dir /wheels .
+# Without the extension the wheel would be pure Python (the build only warns): an image must not be.
+RUN pip wheel --no-deps --wheel-dir /wheels . \
+    && if ls /wheels/*-none-any.whl >/dev/null 2>&1; then echo "the wheel lacks phalanx._ringwrite" >&2; exit 1; fi
 
 # ---- runtime: what both targets share, and nothing of this repository.
 FROM ${PYTHON_IMAGE} AS runtime

@@ -20,7 +20,7 @@ PY_SOURCES := src tests e2e benchmarks examples $(shell grep -l '^\#!/usr/bin/en
 # or as a user who cannot write the venv (the test kubelet's Pods run as uid 10001), every process would
 # otherwise compile torch from source again: `import torch, torch._dynamo` took 9-25 s instead of 3 s.
 setup: $(STAMP)
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml hatch_build.py src/phalanx/_ringwrite.c
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@test -x $(BIN)/uv || $(BIN)/python -m pip install -q --disable-pip-version-check "uv>=0.6"
 	$(BIN)/uv pip install -q --compile-bytecode -p $(BIN)/python -e '.[all]' --group dev

@@ -1,15 +1,23 @@
 """The interval recorder on CPU: what it costs a training step, and how fast a hang is caught with it.
 
-    python benchmarks/recorder_overhead.py [--runs 21] [--detection-runs 1] [--note TEXT] [--out FILE.json]
+    python benchmarks/recorder_overhead.py [--rounds 300] [--segment 20] [--detection-runs 1] [--note TEXT]
+                                           [--out FILE.json]
 
-1. **Record cost**: nanoseconds per step boundary and per collective (start and end) written into a ring.
-2. **Steps/s with and without the recorder**: a torch CPU step (an MLP's forward, backward and SGD update,
-   ``--hidden`` wide, one thread) with two collectives recorded around it (wrapping a tensor op, as the DDP
-   comm hook and the trainer wrap theirs) and ``phalanx.report_step``; runs alternate with the recorder on and
-   off, ``--runs`` pairs. The overhead is the median over the pairs of each pair's slowdown (a pair ran
-   back to back, so a machine that speeds up or slows down between pairs does not bias it), beside the
-   ratio of the two medians; ``cpu_overhead_pct`` is the same from the thread's CPU time, which time spent
-   preempted by other processes on a busy machine does not inflate. Goal: <= 1 %.
+1. **Record cost** in a tight loop, for each write path (``c``: ``phalanx._ringwrite``, what ``enable`` uses
+   where it was built; ``python``: the same ring from Python): nanoseconds per step boundary, per collective
+   (``begin`` and ``end``) and per ``with collective(...)`` block. The ring laps several times.
+2. **Steps/s** of a torch CPU step (an MLP's forward, backward and SGD update, ``--hidden`` wide, one thread)
+   with two collectives recorded around it (``with collective(...)`` around a tensor op, as the trainer wraps
+   its collectives) and ``phalanx.report_step``, in four arms:
+   - ``off``: the loop without any instrumentation (``report_step`` writes the beacon only);
+   - ``instrumented_off``: the same ``with collective(...)`` blocks, the recorder off (what a script that is
+     instrumented pays when not under the recorder);
+   - ``python`` and ``c``: the recorder on, through either write path.
+   The arms take turns every ``--segment`` steps, ``--rounds`` times, in rotating order (so that a machine
+   that speeds up or slows down biases none), and each segment is timed by this thread's CPU time (which time
+   spent preempted by other processes on a busy machine does not inflate) and by the wall clock. An arm's
+   overhead is the median over rounds of its segment's slowdown against the round's ``off`` segment.
+   Goal: <= 1 % for the recorder (``c`` against ``off``).
 3. **Detection latency** (``--detection-runs``, 0 to skip): ``phalanx local`` with default hang settings,
    two nodes of one rank each running a gloo DDP script with the recorder on (tests/local/hang_ddp.py); one
    rank is SIGSTOPped, later another sleeps before an all-reduce. For each: seconds from the fault to the
@@ -28,39 +36,49 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import phalanx
-import phalanx.intervals
+import phalanx.intervals as iv
+from phalanx import _ringwrite
 from phalanx.api import beacon
 from phalanx.api import intervals as ring
 from phalanx.diagnostics.hang import p99
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "local" / "hang_ddp.py"
+ARMS = ("off", "instrumented_off", "python", "c")
 
 
-def record_cost(path: Path, n: int = 20_000, repeats: int = 5) -> dict[str, float]:
+def record_cost(path: Path, *, native: bool, n: int = 20_000, repeats: int = 5) -> dict[str, float]:
     """Nanoseconds per record: the median of ``repeats`` loops of ``n`` (the ring laps several times)."""
-    rec = phalanx.intervals.Recorder(path, cuda=False)
+    ring.create(path)
+    rec = iv.Recorder(path, cuda=False, native=native)
+    block: Callable[..., Any] = iv.collective if native else rec.collective
+    if native:
+        _ringwrite.activate(rec.writer, None, iv.group_of)
+    step, begin, end = rec.writer.step, rec.begin, rec.end
     marks, colls, spans = [], [], []
     for _ in range(repeats):
         start = time.perf_counter()
         for i in range(n):
-            rec.step(i)
+            step(i)
         marks.append((time.perf_counter() - start) / n)
         start = time.perf_counter()
         for _ in range(n):
-            rec.end(rec.begin("all_reduce", "dp:0,1"))
+            end(begin("all_reduce", "dp:0,1"))
         colls.append((time.perf_counter() - start) / n)
         start = time.perf_counter()
         for _ in range(n):
-            with rec.collective("all_reduce", "dp:0,1"):
+            with block("all_reduce", group="dp:0,1"):
                 pass
         spans.append((time.perf_counter() - start) / n)
+    if native:
+        _ringwrite.activate(None, None, iv.group_of)
     rec.close()
     return {
         "step_boundary_ns": statistics.median(marks) * 1e9,
@@ -69,66 +87,120 @@ def record_cost(path: Path, n: int = 20_000, repeats: int = 5) -> dict[str, floa
     }
 
 
-def _steps_per_s(steps: int, hidden: int, recorded: bool) -> tuple[float, float]:
-    """Steps per second of wall time, and per second of this thread's CPU time (which other processes on a
-    busy machine disturb less: time spent preempted is not counted)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(64, hidden)
-    group = "dp:0,1" if recorded else None
-    start, cpu_start = time.perf_counter(), time.thread_time()
-    for step in range(steps):
-        loss = model(x).square().mean()
-        loss.backward()
-        for p in (model[0].weight, model[2].weight):  # two "buckets", each a recorded collective
-            if group is None:
-                p.grad.mul_(0.5)  # type: ignore[union-attr,operator]
-            else:
-                with phalanx.intervals.collective("all_reduce", group=group):
-                    p.grad.mul_(0.5)  # type: ignore[union-attr,operator]
-        opt.step()
-        opt.zero_grad()
-        phalanx.report_step(step)
-    return steps / (time.perf_counter() - start), steps / (time.thread_time() - cpu_start)
+class _Arms:
+    """The four arms' recorders, and switching between them (the recorder's module state, as ``enable`` and
+    ``disable`` set it)."""
+
+    BLOCKS: dict[str, Any] = {
+        "off": None,
+        "instrumented_off": iv.collective,
+        "python": iv._Collective,
+        "c": iv.collective,
+    }
+
+    def __init__(self, rings: Path) -> None:
+        self.paths = {arm: rings.with_name(f"{rings.name}-{arm}") for arm in ("python", "c")}
+        self.recorders = {}
+        for arm, path in self.paths.items():
+            ring.create(path)
+            self.recorders[arm] = iv.Recorder(path, cuda=False, native=arm == "c")
+
+    def switch(self, arm: str) -> Any:
+        """Sets ``arm``'s state and returns the collective block it wraps its ops in (None: no block)."""
+        rec = self.recorders.get(arm)
+        iv._recorder = rec
+        phalanx._step_recorder = rec.writer if rec is not None else None
+        _ringwrite.activate(rec.writer if rec is not None and arm == "c" else None, None, iv.group_of)
+        return self.BLOCKS[arm]
+
+    def close(self) -> None:
+        self.switch("off")
+        for arm, rec in self.recorders.items():
+            rec.close()
+            self.paths[arm].unlink(missing_ok=True)
 
 
-def overhead(path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    results = []
-    for hidden in args.hidden:
-        per: dict[bool, list[float]] = {True: [], False: []}
-        cpu: dict[bool, list[float]] = {True: [], False: []}
-        phalanx.intervals.enable(path, cuda=False)  # the CPU path, even on a machine with a GPU
-        rec = phalanx.intervals.recorder()
-        _steps_per_s(args.steps // 4, hidden, recorded=True)  # warm up
-        for _ in range(args.runs):
-            for recorded in (False, True):
-                phalanx._step_recorder = rec if recorded else None  # report_step records the boundary
-                wall_rate, cpu_rate = _steps_per_s(args.steps, hidden, recorded=recorded)
-                per[recorded].append(wall_rate)
-                cpu[recorded].append(cpu_rate)
-        phalanx.intervals.disable()
-        off, on = statistics.median(per[False]), statistics.median(per[True])
-        paired = [100 * (a - b) / a for a, b in zip(per[False], per[True], strict=True)]
-        cpu_paired = [100 * (a - b) / a for a, b in zip(cpu[False], cpu[True], strict=True)]
-        results.append(
-            {
-                "hidden": hidden,
-                "step_ms": 1000 / off,
-                "steps_per_s_without": per[False],
-                "steps_per_s_with": per[True],
-                "median_without": off,
-                "median_with": on,
-                "medians_overhead_pct": 100 * (off - on) / off,
-                "paired_overhead_pct": paired,
-                "overhead_pct": statistics.median(paired),
-                "cpu_steps_per_s_without": cpu[False],
-                "cpu_steps_per_s_with": cpu[True],
-                "cpu_paired_overhead_pct": cpu_paired,
-                "cpu_overhead_pct": statistics.median(cpu_paired),
-            }
+class _Loop:
+    """The training step: an MLP's forward, backward and SGD update, each of its two weight gradients
+    "all-reduced" (a tensor op) inside a recorded collective, then ``report_step``."""
+
+    def __init__(self, hidden: int) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)
         )
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x = torch.randn(64, hidden)
+        self.buckets = (self.model[0].weight, self.model[2].weight)
+
+    def run(self, block: Any, steps: int) -> tuple[float, float]:
+        """Runs ``steps`` steps; returns their wall and this thread's CPU seconds."""
+        model, opt, x, buckets = self.model, self.opt, self.x, self.buckets
+        wall, cpu = time.perf_counter(), time.thread_time()
+        for step in range(steps):
+            loss = model(x).square().mean()
+            loss.backward()
+            for p in buckets:
+                if block is None:
+                    p.grad.mul_(0.5)  # type: ignore[union-attr,operator]
+                else:
+                    with block("all_reduce", group="dp:0,1"):
+                        p.grad.mul_(0.5)  # type: ignore[union-attr,operator]
+            opt.step()
+            opt.zero_grad()
+            phalanx.report_step(step)
+        return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def _slowdown(times: dict[str, list[float]], arm: str) -> float:
+    """The median over rounds of ``arm``'s segment against the round's ``off`` segment, in percent."""
+    return statistics.median(100 * (a / o - 1) for a, o in zip(times[arm], times["off"], strict=True))
+
+
+def overhead(rings: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    arms = _Arms(rings)
+    try:
+        for hidden in args.hidden:
+            loop = _Loop(hidden)
+            for arm in ARMS:  # warm up
+                loop.run(arms.switch(arm), args.segment * 5)
+            wall: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            for r in range(args.rounds):
+                for arm in ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]:
+                    w, c = loop.run(arms.switch(arm), args.segment)
+                    wall[arm].append(w)
+                    cpu[arm].append(c)
+            arms.switch("off")
+            results.append(
+                {
+                    "hidden": hidden,
+                    "rounds": args.rounds,
+                    "segment_steps": args.segment,
+                    "step_ms": 1000 * statistics.median(cpu["off"]) / args.segment,
+                    "steps_per_s_cpu": {arm: args.segment / statistics.median(cpu[arm]) for arm in ARMS},
+                    "overhead_pct": {arm: _slowdown(cpu, arm) for arm in ARMS[1:]},
+                    "wall_overhead_pct": {arm: _slowdown(wall, arm) for arm in ARMS[1:]},
+                    "total_cpu_overhead_pct": {
+                        arm: 100 * (sum(cpu[arm]) / sum(cpu["off"]) - 1) for arm in ARMS[1:]
+                    },
+                }
+            )
+    finally:
+        arms.close()
     return results
+
+
+def headline(widths: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per width: the step's median time, each arm's overhead in percent (docs/benchmarks.md shows them)."""
+    return {
+        f"hidden_{w['hidden']}": {
+            "step_ms_median": w["step_ms"],
+            **{f"{arm}_overhead": pct for arm, pct in w["overhead_pct"].items()},
+        }
+        for w in widths
+    }
 
 
 def detection(run: int, workdir: Path) -> dict[str, Any]:
@@ -187,9 +259,11 @@ def detection(run: int, workdir: Path) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=21, help="Pairs of runs (off, on) per width.")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--hidden", type=int, nargs="*", default=[256, 1024, 2048], help="none: skip")
+    p.add_argument("--rounds", type=int, default=300, help="Rounds of one segment per arm, per width.")
+    p.add_argument(
+        "--segment", type=int, default=20, help="Steps an arm runs before the next takes its turn."
+    )
+    p.add_argument("--hidden", type=int, nargs="*", default=[256, 1024], help="none: skip")
     p.add_argument("--detection-runs", type=int, default=1)
     p.add_argument("--note", default="", help="What else ran on the machine, for the record.")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "recorder_overhead.json"))
@@ -204,20 +278,21 @@ def main() -> None:
         "note": args.note,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path("/dev/shm") / f"phalanx-bench-ring-{os.getpid()}"
+        rings = Path("/dev/shm") / f"phalanx-bench-ring-{os.getpid()}"
         beacon_path = Path(tmp) / "beacon"
         beacon.create(beacon_path)
         os.environ[beacon.ENV_VAR] = str(
             beacon_path
         )  # report_step writes a real beacon, as under phalanx-run
         try:
-            ring.create(path)
-            result["record_cost"] = record_cost(path)
-            ring.create(path)
-            result["overhead"] = overhead(path, args)
+            result["record_cost"] = {
+                arm: record_cost(rings, native=native) for arm, native in (("python", False), ("c", True))
+            }
+            result["overhead"] = overhead(rings, args)
+            result["headline"] = headline(result["overhead"])
             result["load_avg_1m_after_overhead"] = os.getloadavg()[0]
         finally:
-            path.unlink(missing_ok=True)
+            rings.unlink(missing_ok=True)
         result["detection"] = [detection(i, Path(tmp)) for i in range(args.detection_runs)]
     text = json.dumps(result, indent=2)
     print(text)

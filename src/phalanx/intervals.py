@@ -15,8 +15,10 @@ Turn it on with one call, then train as before::
 
 Outside ``phalanx-run`` (no ring in the environment) :func:`enable` returns ``None`` and everything is a
 no-op. Records go to a bounded ring in shared memory (:mod:`phalanx.api.intervals`): no lock, no system
-call, about half a microsecond a step boundary and two a ``with collective(...)`` block on an idle core
-(more right after a large torch op has evicted the caches). On a GPU a collective's end and each step
+call. The write path is C (``phalanx._ringwrite``, built at install where a C compiler is at hand; else the
+same ring from Python, :class:`_PyWriter`): on a sub-millisecond CPU step, right after torch ops have evicted
+the caches, every Python frame a record runs is a cache miss, and the Python path cost about three times as
+much a step (docs/benchmarks.md). On a GPU a collective's end and each step
 boundary are CUDA events recorded on the current stream (the start is the host's time: when the work was
 queued): the training thread never synchronises; a watcher thread polls ``event.query()`` and writes the
 completion time, so work that was queued on the device and never completed (a kernel or a collective that
@@ -32,11 +34,17 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeAlias
 
 import phalanx
 from phalanx.api import intervals as ring
+
+try:
+    from phalanx import _ringwrite
+except ImportError:  # built without a C compiler (hatch_build.py): the Python writer, the same ring
+    _ringwrite = None  # type: ignore[assignment]
 
 __all__ = ["Recorder", "begin", "collective", "enable", "end", "recorder", "register_ddp"]
 
@@ -49,28 +57,72 @@ DEVICE_MARK = "device_step"
 
 
 Token: TypeAlias = ring.Token
-"""An interval begun and not yet ended (its record's slot in the ring): pass it to :func:`end`."""
+"""An interval begun and not yet ended (its record's seq in the ring): pass it to :func:`end`."""
+
+
+class _PyWriter:
+    """The write path in Python, where ``phalanx._ringwrite`` (the same interface in C) is not built: the
+    same records in the same ring. A collective costs one dict lookup (its op and group are encoded once), a
+    ``next`` on its group's sequence counter (atomic: no lock), a clock read and the ring's stores."""
+
+    def __init__(self, writer: ring.RingWriter, mark_meta: int, encode: Callable[[str, str], int]) -> None:
+        self.write = writer.write
+        self.end = writer.end
+        self._mark_meta = mark_meta
+        self._encode = encode
+        self._channels: dict[tuple[str, str], tuple[int, Iterator[int]]] = {}
+        """(op, group) -> its records' meta word and its group's counter: built on first use."""
+        self._counters: dict[str, Iterator[int]] = {}
+        self._lock = threading.Lock()  # only to encode an (op, group) once
+
+    def step(self, number: int) -> None:
+        self.write(self._mark_meta, number, time.time_ns())
+
+    def begin(self, op: str, group: str) -> Token:
+        channel = self._channels.get((op, group)) or self._channel(op, group)
+        return self.write(channel[0], next(channel[1]), time.time_ns())
+
+    def _channel(self, op: str, group: str) -> tuple[int, Iterator[int]]:
+        with self._lock:
+            channel = self._channels.get((op, group))
+            if channel is None:
+                counter = self._counters.setdefault(group, itertools.count(1))
+                channel = self._channels[(op, group)] = (self._encode(op, group), counter)
+        return channel
+
+    def end_now(self, token: Token) -> None:
+        self.end(token, time.time_ns())
+
+    def release(self) -> None:
+        """Nothing to let go of: the ring writer owns the mapping."""
 
 
 class Recorder:
     """Writes one process's intervals into its ring. Use :func:`enable`, not this class, in a script.
 
-    A collective costs one dict lookup (its op and group are encoded once), a ``next`` on the group's
-    sequence counter, two clock reads and the ring's stores (a slot at its start, one word at its end); a
-    step boundary one clock read and a slot. No lock: ``next`` on an ``itertools.count`` is atomic, and each
-    record claims a slot of its own (:mod:`phalanx.api.intervals`)."""
+    ``native`` (default: when built) writes through ``phalanx._ringwrite``, else through :class:`_PyWriter`;
+    both write the same records. Each record claims a slot of its own: no lock
+    (:mod:`phalanx.api.intervals`)."""
 
-    def __init__(self, path: Path, *, cuda: bool = False) -> None:
+    def __init__(self, path: Path, *, cuda: bool = False, native: bool | None = None) -> None:
         self._ring = ring.RingWriter(path)
-        self._write = self._ring.write
-        self._end = self._ring.end
-        self._mark_meta = self._ring.meta(ring.MARK, False, "", "")
-        self._seq: dict[str, Any] = {}
-        """Group -> its sequence numbers (an ``itertools.count``: ``next`` is atomic, no lock needed)."""
-        self._seq_lock = threading.Lock()  # only to encode an (op, group) once
-        self._encoded: dict[tuple[str, str], tuple[int, Any]] = {}
-        """(op, group) -> its records' meta word and the group's counter: built on first use, then one dict
-        lookup a collective."""
+        mark_meta = self._ring.meta(ring.MARK, False, "", "")
+
+        def encode(op: str, group: str) -> int:
+            """A collective's meta word: with the device flag on a GPU, where the watcher ends it."""
+            return self._ring.meta(ring.BEGIN, cuda, op, group)
+
+        if native is None:
+            native = _ringwrite is not None
+        if native and _ringwrite is None:
+            raise ValueError("phalanx._ringwrite is not built (no C compiler at install)")
+        self.writer: Any = (
+            _ringwrite.Writer(*self._ring.hand_over(), mark_meta, encode)
+            if native
+            else _PyWriter(self._ring, mark_meta, encode)
+        )
+        """The write path: ``step``, ``begin``, ``end_now``, ``write`` and ``end``, in C or in Python."""
+        self.native = native
         self.cuda = cuda
         self._pending: list[tuple[Token, Any]] = []
         self._cond = threading.Condition()
@@ -98,27 +150,16 @@ class Recorder:
 
     def step(self, step: int) -> None:
         """A step boundary: ``step`` just completed (host time). On a GPU a device marker too."""
-        self._write(self._mark_meta, step, time.time_ns())
+        self.writer.step(step)
         if self._device_mark:
-            self._watch(self._write(self._device_mark, step, time.time_ns()), self._record_event())
+            self._watch(self.writer.write(self._device_mark, step, time.time_ns()), self._record_event())
 
     # ---- collectives ----------------------------------------------------------------------------------
 
     def begin(self, op: str, group: str) -> Token:
         """A collective ``op`` in ``group`` starts now (its sequence number in the group is the next)."""
-        enc = self._encoded.get((op, group)) or self._encode(op, group)
-        return self._write(enc[0], next(enc[1]), time.time_ns())
-
-    def _encode(self, op: str, group: str) -> tuple[int, Any]:
-        """Encodes ``op`` in ``group`` once: its records' meta word (with the device flag on a GPU, where
-        the watcher ends it), and the group's counter."""
-        with self._seq_lock:
-            enc = self._encoded.get((op, group))
-            if enc is None:
-                counter = self._seq.setdefault(group, itertools.count(1))
-                meta = self._ring.meta(ring.BEGIN, self.cuda, op, group)
-                enc = self._encoded[(op, group)] = (meta, counter)
-        return enc
+        token: Token = self.writer.begin(op, group)
+        return token
 
     def end(self, token: Token) -> None:
         """The collective ends: now on the host; on a GPU, once the device passes an event recorded now on the
@@ -126,11 +167,11 @@ class Recorder:
         if self.cuda:
             self._watch(token, self._record_event())
         else:
-            self._end(token, time.time_ns())
+            self.writer.end_now(token)
 
-    def collective(self, op: str, group: str) -> _Span:
+    def collective(self, op: str, group: str) -> _Collective:
         """``with recorder.collective("all_reduce", "dp:0,1"): ...`` records the block as one collective."""
-        span = collective(op, group=group)
+        span = _Collective(op, group=group)
         span._rec = self
         return span
 
@@ -165,7 +206,7 @@ class Recorder:
             finished = [(t, e) for t, e in pending if e.query()]
             now = time.time_ns()
             for token, _ in finished:
-                self._end(token, now)
+                self.writer.end(token, now)
             if finished:
                 with self._cond:
                     done = {id(e) for _, e in finished}
@@ -196,6 +237,7 @@ class Recorder:
             self._cond.notify()
         if self._watcher is not None:
             self._watcher.join(1.0)
+        self.writer.release()  # the C writer holds the mapping, which cannot close while it does
         self._ring.close()
 
 
@@ -220,7 +262,10 @@ def enable(path: str | os.PathLike[str] | None = None, *, cuda: bool | None = No
             _recorder = Recorder(Path(where), cuda=cuda)
         except (OSError, ValueError):
             return None  # the agent went away; training must not fail because of the recorder
-        phalanx._step_recorder = _recorder
+        # report_step calls the writer itself on the CPU: one call a step, in C where built.
+        phalanx._step_recorder = _recorder if cuda else _recorder.writer
+        if _ringwrite is not None:
+            _ringwrite.activate(_recorder.writer, _recorder.end if cuda else None, group_of)
         return _recorder
 
 
@@ -233,10 +278,12 @@ def disable() -> None:
     """Turns the recorder off (tests; a process that forks)."""
     global _recorder
     with _lock:
+        if _ringwrite is not None:
+            _ringwrite.activate(None, None, group_of)
+        phalanx._step_recorder = None
         if _recorder is not None:
             _recorder.close()
         _recorder = None
-        phalanx._step_recorder = None
 
 
 def _int_env(name: str) -> int:
@@ -305,13 +352,10 @@ def end(token: Token | None) -> None:
         rec.end(token)
 
 
-class collective:  # called like a function; a class, so that entering it costs no extra call
-    """``with collective("all_reduce", group=pg): ...`` records one blocking collective (``group`` a torch
-    process group or a group string). A no-op when the recorder is off.
-
-    A plain class, not ``contextlib.contextmanager`` (whose generator costs several microseconds a
-    collective); :meth:`Recorder.begin` and :meth:`Recorder.end` are inlined in it, each Python call being a
-    measurable share of what a collective costs on a sub-millisecond step."""
+class _Collective:
+    """``with collective("all_reduce", group=pg): ...`` in Python, where ``phalanx._ringwrite.collective``
+    (the same, in C) is not built. A plain class, not ``contextlib.contextmanager``, whose generator costs
+    several microseconds a collective."""
 
     __slots__ = ("_group", "_label", "_op", "_rec", "_token")
 
@@ -322,23 +366,23 @@ class collective:  # called like a function; a class, so that entering it costs 
         rec = self._rec
         if rec is None:
             return None
-        op, group = self._op, self._group
+        group = self._group
         if group.__class__ is not str:
             group = group_of(group, self._label)
-        enc = rec._encoded.get((op, group)) or rec._encode(op, group)
-        self._token = token = rec._write(enc[0], next(enc[1]), time.time_ns())
+        token: Token = rec.writer.begin(self._op, group)
+        self._token = token
         return token
 
     def __exit__(self, *exc: object) -> None:
         rec = self._rec
         if rec is not None:
-            if rec.cuda:
-                rec.end(self._token)
-            else:
-                rec._end(self._token, time.time_ns())
+            rec.end(self._token)
 
 
-_Span = collective
+collective: Any = _ringwrite.collective if _ringwrite is not None else _Collective
+"""``with collective("all_reduce", group=pg): ...`` records one blocking collective (``group`` a torch process
+group, ``None`` for the default one, or a group string; ``label`` names a torch group's kind, ``pg`` by
+default). A no-op when the recorder is off. Entering it returns the collective's token (None when off)."""
 
 
 def register_ddp(ddp_model: Any, *, process_group: Any = None, label: str = "dp") -> bool:

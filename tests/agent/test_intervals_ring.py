@@ -77,7 +77,12 @@ def test_steps_and_collectives_of_another_process_become_activity(ring_path: Pat
     assert reader.read().records == []  # the cursor moved past them
 
 
-def test_reader_never_accepts_a_torn_record_while_a_writer_laps_the_ring(tmp_path: Path) -> None:
+@pytest.mark.parametrize("write_path", ["python", "c"])
+def test_reader_never_accepts_a_torn_record_while_a_writer_laps_the_ring(
+    tmp_path: Path, write_path: str
+) -> None:
+    """The reader, in another process, against the Python writer and against the C one
+    (``phalanx._ringwrite``, the recorder's write path where built)."""
     path = Path("/dev/shm") / f"phalanx-test-ring-small-{os.getpid()}"
     ring.create(path, capacity=4)  # tiny: the writer laps the reader constantly
     stop = tmp_path / "stop"
@@ -86,13 +91,15 @@ def test_reader_never_accepts_a_torn_record_while_a_writer_laps_the_ring(tmp_pat
     code = f"""
         import os
         from pathlib import Path
+        from phalanx import _ringwrite
         from phalanx.api import intervals as ring
         w = ring.RingWriter(Path({str(path)!r}))
+        write = w.write if {write_path!r} == "python" else _ringwrite.Writer(*w.hand_over(), 0, None).write
         n = 0
         while n % 1000 or not os.path.exists({str(stop)!r}):
             # Every field derives from n: a record mixing two writes cannot pass the check below.
-            group = "g:" + str(n % 97)
-            w.append(ring.BEGIN, name="op" + "x" * (n % 50), group=group, number=n, unix_ns=3 * n)
+            meta = w.meta(ring.BEGIN, False, "op" + "x" * (n % 50), "g:" + str(n % 97))
+            write(meta, n, 3 * n)
             n += 1
         print(n)
         """

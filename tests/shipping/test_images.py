@@ -125,11 +125,12 @@ def test_train_image_imports_torch_and_phalanx_as_uid_10001(images: dict[str, di
         images["phalanx-train"]["ref"],
         "python",
         "-c",
-        "import os, torch, phalanx, numpy, safetensors; "
-        "t = torch.ones(4) * 2; print(os.getuid(), torch.__version__, float(t.sum()))",
+        "import os, torch, phalanx, numpy, safetensors, phalanx.intervals as iv; t = torch.ones(4) * 2; "
+        "print(os.getuid(), torch.__version__, float(t.sum()), iv.collective.__module__)",
     )
-    uid, version, total = out.split()
+    uid, version, total, collective = out.split()
     assert uid == "10001"
+    assert collective == "phalanx._ringwrite"  # the recorder's C write path was built into the image's wheel
     venv_torch = subprocess.run(
         [
             str(ROOT / ".venv" / "bin" / "python"),

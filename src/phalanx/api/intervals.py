@@ -9,7 +9,9 @@ sends the master.
 A record is a step boundary (``MARK``) or an interval (``BEGIN``): a collective (op, group, its sequence
 number in the group) or a device marker (a CUDA event the process recorded at a step boundary). Writing
 records is the recorder's cost on the training path, paid several times a step, so it is kept to a few
-word stores, with no lock, no allocation beyond a token and no system call:
+word stores, with no lock, no allocation beyond a token and no system call. :class:`RingWriter` is the
+reference writer, in Python; the recorder writes through ``phalanx._ringwrite`` where it was built, which
+makes the same stores in C (``tests/agent/test_ring_writers.py`` checks both write the same words):
 
 - **Fixed-size slots, one array per field**: ``seq``, ``meta``, ``number``, ``unix_ns``, ``end_ns``, each an
   array of ``capacity`` words, record ``n`` at index ``(n + 1) % capacity`` of each (a power of two: no
@@ -20,8 +22,8 @@ word stores, with no lock, no allocation beyond a token and no system call:
   written once into the ring's text table, and records carry its index in ``meta``
   (``kind | device << 8 | name index << 16 | group index << 32``).
 - **No lock.** One process writes a ring, from several threads (the training thread, the CUDA-event
-  watcher, a collective's completion callback): each record claims its index from an
-  ``itertools.count``, whose ``next`` is atomic under the GIL, so two threads never share a slot.
+  watcher, a collective's completion callback): each record claims its index with the GIL held (``next``
+  on an ``itertools.count`` here, a counter in C), so two threads never share a slot.
 - **Per-slot sequence words.** Record ``n``'s ``seq`` is ``-(n+1)`` while it is being written and ``n+1``
   once complete. The reader takes no lock and there is no shared head: it reads slots in order for as
   long as they hold complete records (a smaller magnitude: not written yet; negative: being written; a
@@ -138,6 +140,8 @@ class _Mapped:
             raise ValueError(f"{path}: ring header says {cap} slots, the file is {total} bytes")
         self._mask = cap - 1
         starts = [_HEADER_WORDS + k * cap for k in range(SLOT_WORDS)]
+        self.field_offsets = tuple(starts)
+        """Where each field array starts, in words: seq, meta, number, unix_ns, end_ns."""
         self._fields = [self._words[start : start + cap] for start in starts]
         self._seqs, self._metas, self._numbers, self._stamps, self._ends = self._fields
         self._texts_base = _HEADER_WORDS + cap * SLOT_WORDS
@@ -150,8 +154,9 @@ class _Mapped:
         self._map.close()
 
 
-Token: TypeAlias = tuple[int, int]
-"""A record written: its slot and its complete ``seq`` (:meth:`RingWriter.end` ends an interval with it)."""
+Token: TypeAlias = int
+"""A record written: its complete ``seq`` (its slot: ``seq & mask``); :meth:`RingWriter.end` ends an
+interval with it."""
 
 
 class RingWriter(_Mapped):
@@ -213,7 +218,8 @@ class RingWriter(_Mapped):
 
     def write(self, meta: int, number: int, stamp: int) -> Token:
         """Writes one record whose meta word :meth:`meta` encoded, and returns its token (for :meth:`end`):
-        the recorder's path: one claim, a mask and six word stores."""
+        the Python path: one claim, a mask and six word stores (``phalanx._ringwrite`` makes the same stores
+        in C)."""
         seq = next(self._claim)
         i = seq & self._mask
         seqs = self._seqs
@@ -223,14 +229,20 @@ class RingWriter(_Mapped):
         self._stamps[i] = stamp
         self._ends[i] = 0  # open (unused by a MARK)
         seqs[i] = seq
-        return (i, seq)
+        return seq
 
     def end(self, token: Token, stamp: int) -> None:
         """Ends the interval ``token`` names at ``stamp``: one word, stored only if the slot still holds the
         interval (a writer that lapped the ring meanwhile has made it another record's)."""
-        i, seq = token
-        if self._seqs[i] == seq:
+        i = token & self._mask
+        if self._seqs[i] == token:
             self._ends[i] = stamp
+
+    def hand_over(self) -> tuple[mmap.mmap, tuple[int, ...], int, int]:
+        """Hands the write path to another writer of this process (``phalanx._ringwrite``, the recorder's
+        write path in C): the mapping, :attr:`field_offsets`, the capacity, and the ``seq`` its first record
+        takes. This writer writes no records after (its text table is still the one to use)."""
+        return self._map, self.field_offsets, self.capacity, next(self._claim)
 
     # ---- the NCCL flight-recorder dump, answered by the recorder's CUDA watcher thread ----------------
 
