@@ -8,7 +8,7 @@
  * the stores; the step boundary one C call.
  *
  * The ring's format and protocol are phalanx.api.intervals' (its docstring says them; RingWriter is the
- * reference implementation, and tests/api/test_ringwrite.py checks that both write the same words):
+ * reference implementation, and tests/agent/test_ring_writers.py checks that both write the same words):
  * record n's slot is (n + 1) & mask, its seq word is -(n + 1) while it is written and n + 1 once it is whole;
  * an interval's end is one word, stored only if the slot still holds the interval. A token is the record's
  * seq. Every function here runs with the GIL held and never releases it: the GIL orders the claims of the
@@ -209,6 +209,7 @@ static Channel *encode_channel(Writer *w, PyObject *op, PyObject *group, PyObjec
 }
 
 static int64_t begin(Writer *w, PyObject *op, PyObject *group) {
+    if (w->seqs == NULL) return 0; /* released (or never initialised): nothing to encode or write */
     Channel *c = channel(w, op, group);
     if (c == NULL) return -1;
     return put(w, c->meta, c->counter->next++, now_ns());
@@ -268,6 +269,13 @@ static PyObject *Writer_end_now(Writer *w, PyObject *token) {
 static PyObject *Writer_release(Writer *w, PyObject *unused) {
     w->seqs = w->metas = w->numbers = w->stamps = w->ends = NULL;
     if (w->view.obj != NULL) PyBuffer_Release(&w->view);
+    /* A Writer is not tracked by the garbage collector, and ``encode`` refers back to the recorder that holds
+     * it: let go of it here, or the two would never be freed. */
+    Py_CLEAR(w->encode);
+    Py_CLEAR(w->last_op);
+    Py_CLEAR(w->last_group);
+    Py_CLEAR(w->last);
+    if (w->channels != NULL) PyDict_Clear(w->channels);
     Py_RETURN_NONE;
 }
 

@@ -4,11 +4,13 @@ public API (``enable``, ``collective``, ``begin``/``end``, ``report_step``) must
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import weakref
 import zipfile
 from pathlib import Path
 
@@ -178,8 +180,31 @@ def test_a_closed_recorder_lets_its_ring_go_and_late_writes_do_nothing(tmp_path:
     writer.step(9)
     writer.end_now(token)
     assert writer.write(1, 2, 3) == 0
+    assert writer.begin("broadcast", "never:0") == 0  # a channel it never encoded: nothing to encode with
     (begun,) = ring.RingReader(path).read().records
     assert (begun.kind, begun.name) == (ring.BEGIN, "all_reduce")
+
+
+def test_a_closed_recorder_is_freed() -> None:
+    """The C writer is not tracked by the garbage collector and its ``encode`` refers back to the recorder:
+    closing lets go of it, else every recorder would live as long as the process."""
+    unborn = _ringwrite.Writer.__new__(_ringwrite.Writer)  # never initialised: every call does nothing
+    unborn.step(1)
+    assert unborn.begin("all_reduce", "dp:0,1") == 0
+    unborn.release()
+
+    path = Path("/dev/shm") / f"phalanx-test-ring-freed-{os.getpid()}"
+    ring.create(path, capacity=8)
+    try:
+        rec = iv.Recorder(path, native=True)
+        rec.end(rec.begin("all_reduce", "dp:0,1"))
+        alive = weakref.ref(rec)
+        rec.close()
+        del rec
+        gc.collect()
+        assert alive() is None
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def test_a_recorder_attaching_to_a_written_ring_goes_on_after_its_newest_record(tmp_path: Path) -> None:
