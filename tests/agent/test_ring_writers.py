@@ -86,7 +86,7 @@ def test_both_writers_write_the_same_ring_word_for_word(
 
 def test_the_development_install_built_the_c_writer() -> None:
     """`make setup` compiles it (hatch_build.py); a machine of this project's kind has a C compiler. Were it
-    not built, the recorder would work, at three times the cost, and nothing else would say so."""
+    not built, the recorder would work, at five times the cost, and nothing else would say so."""
     assert iv._ringwrite is _ringwrite
     assert iv.collective is _ringwrite.collective
     assert Path(_ringwrite.__file__).parent == Path(iv.__file__).parent
