@@ -10,26 +10,28 @@
 # `operator` extra in `base`. The static checks in tests/shipping/test_dockerfile.py keep this file honest
 # (COPY sources exist, extras exist in pyproject.toml, non-root user, targets present, layer order).
 #
+# Every Python package comes from uv.lock, by version and hash: requirements/*.txt are exported from it
+# (scripts/export-requirements; `make lint` fails when they drift), installed with --require-hashes --no-deps,
+# and the phalanx wheel is installed last with --no-index, which fails if the lock lacked anything it needs.
+#
 # Layer order: what changes least comes first. Both targets start from `runtime` (the Python base, the user);
-# `train` then installs torch in a layer of its own that depends on nothing of this repository (only on the
-# base image and TORCH_REQUIREMENTS), so a change to src/ or pyproject.toml rebuilds the small layers above it
-# and never the 4+ GB torch layer. The phalanx wheel comes last in both targets.
+# `train` then installs torch in a layer of its own that depends on nothing of this repository but the lock's
+# torch pins (requirements/torch.txt), so a change to src/, pyproject.toml or any other pin rebuilds the small
+# layers above it and never the 4+ GB torch layer. The phalanx wheel comes last in both targets.
 #
 # Build arguments:
 #   PYTHON_IMAGE        the base: a Debian-based image with python3.11 and pip on PATH (default: the public
 #                       slim image, exact tag). scripts/images passes one built with debootstrap, no registry.
-#   TORCH_REQUIREMENTS  what the torch layer installs (default: the `train` extra's torch, numpy, safetensors
-#                       ranges; scripts/images pins the versions of the tested venv).
-#   TORCH_FROM          `index` (default): from the package index (TORCH_INDEX_URL picks a PyTorch wheel index
-#                       for a CUDA build); `wheels`: from a folder of wheels, offline (`pip install --no-index
-#                       --find-links`), given as the build context `torch-wheels`:
+#   TORCH_FROM          `index` (default): requirements/torch.txt from the package index; `wheels`: the same
+#                       files from a folder, offline (`pip install --no-index --find-links`), given as the
+#                       build context `torch-wheels`:
 #                         docker buildx build --build-context torch-wheels=/path/to/wheels \
 #                             --build-arg TORCH_FROM=wheels --target train .
 #                       (buildah bud takes the same --build-context flag.) The folder is bind-mounted into that
 #                       one RUN step: the wheels never land in a layer.
-#   PIP_CONSTRAINTS     pins (`name==version ...`) for everything pip installs above torch (default: none, pip
-#                       resolves); scripts/images passes the project venv's versions, so the images run what
-#                       the tests ran.
+#   TORCH_INDEX_URL     a PyTorch wheel index (e.g. https://download.pytorch.org/whl/cu128) for a CUDA build
+#                       other than the package index's: torch, numpy and safetensors at the lock's versions
+#                       from there, their CUDA libraries as that index pins them (outside the lock).
 
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
@@ -49,10 +51,13 @@ RUN set -eux; \
     apt-get install -y -qq --no-install-recommends ${pkgs} >/dev/null; \
     rm -rf /var/lib/apt/lists/*
 WORKDIR /src
+# The build backend at the lock's version (pip's build isolation would take the newest hatchling).
+COPY requirements/build.txt /tmp/build.txt
+RUN pip install --require-hashes --no-deps -r /tmp/build.txt
 COPY pyproject.toml README.md hatch_build.py ./
 COPY src ./src
 # Without the extension the wheel would be pure Python (the build only warns): an image must not be.
-RUN pip wheel --no-deps --wheel-dir /wheels . \
+RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \
     && if ls /wheels/*-none-any.whl >/dev/null 2>&1; then echo "the wheel lacks phalanx._ringwrite" >&2; exit 1; fi
 
 # ---- runtime: what both targets share, and nothing of this repository.
@@ -73,74 +78,59 @@ LABEL org.opencontainers.image.title="phalanx" \
       org.opencontainers.image.source="https://github.com/phalanx-dev/phalanx" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="${VERSION}"
-# The dependencies first (they change with pyproject.toml only), then the wheel (changes with every edit).
-ARG PIP_CONSTRAINTS=""
-COPY pyproject.toml /tmp/phalanx-pyproject.toml
-RUN printf '%s\n' ${PIP_CONSTRAINTS} > /tmp/constraints.txt \
-    && python -c 'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; \
-print("\n".join(p["dependencies"] + [r for e in sys.argv[2:] for r in p["optional-dependencies"][e]]))' \
-        /tmp/phalanx-pyproject.toml operator > /tmp/requirements.txt \
-    && pip install -c /tmp/constraints.txt -r /tmp/requirements.txt \
-    && rm /tmp/requirements.txt /tmp/phalanx-pyproject.toml
+# The dependencies first (they change with uv.lock only), then the wheel (changes with every edit).
+COPY requirements/base.txt /tmp/requirements.txt
+RUN pip install --require-hashes --no-deps -r /tmp/requirements.txt && rm /tmp/requirements.txt
 COPY --from=wheel /wheels /tmp/wheels
 # The wheel's file name carries its version; the glob keeps this line free of it.
 RUN set -eux; \
     wheel="$(ls /tmp/wheels/phalanx-*.whl)"; \
-    pip install -c /tmp/constraints.txt "${wheel}[operator]"; \
+    pip install --no-index "${wheel}[operator]"; \
     cp "${wheel}" /opt/; \
-    rm -rf /tmp/wheels /tmp/constraints.txt
+    rm -rf /tmp/wheels
 USER 10001:10001
 WORKDIR /home/phalanx
 ENTRYPOINT ["phalanx"]
 CMD ["--help"]
 
-# ---- torch: the heavy layer of `train`, before anything of this repository.
+# ---- torch: the heavy layer of `train`, before anything of this repository but the lock's torch pins.
 FROM runtime AS torch
-ARG TORCH_REQUIREMENTS="torch>=2.15,<2.16 numpy>=1.26 safetensors>=0.4"
 ARG TORCH_FROM=index
-# Point at a PyTorch wheel index (e.g. https://download.pytorch.org/whl/cu128) to pick the CUDA build.
 ARG TORCH_INDEX_URL=""
+COPY requirements/torch.txt /tmp/torch.txt
 RUN --mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels \
     set -eux; \
     case "${TORCH_FROM}" in \
-        wheels) pip install --no-index --find-links /tmp/torch-wheels ${TORCH_REQUIREMENTS} ;; \
+        wheels) pip install --no-index --find-links /tmp/torch-wheels --require-hashes --no-deps -r /tmp/torch.txt ;; \
         index) if [ -n "${TORCH_INDEX_URL}" ]; then \
-                   pip install --extra-index-url "${TORCH_INDEX_URL}" ${TORCH_REQUIREMENTS}; \
+                   grep -E '^(torch|numpy|safetensors)==' /tmp/torch.txt | sed 's/ *\\$//' > /tmp/pins.txt; \
+                   pip install --extra-index-url "${TORCH_INDEX_URL}" -r /tmp/pins.txt; \
                else \
-                   pip install ${TORCH_REQUIREMENTS}; \
+                   pip install --require-hashes --no-deps -r /tmp/torch.txt; \
                fi ;; \
         *) echo "TORCH_FROM must be index or wheels, not ${TORCH_FROM}" >&2; exit 2 ;; \
-    esac
+    esac; \
+    rm -f /tmp/torch.txt /tmp/pins.txt
 
 # ---- train: workers. phalanx-run supervises the training processes, which import torch.
 # The same install as `base` (its dependencies, then the wheel with the `operator` extra), plus torch below it.
 FROM torch AS train
 ARG VERSION=0.1.0
-ARG TORCH_INDEX_URL=""
 LABEL org.opencontainers.image.title="phalanx-train" \
       org.opencontainers.image.description="phalanx worker image: phalanx-run and PyTorch." \
       org.opencontainers.image.source="https://github.com/phalanx-dev/phalanx" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="${VERSION}"
-ARG PIP_CONSTRAINTS=""
-COPY pyproject.toml /tmp/phalanx-pyproject.toml
-RUN printf '%s\n' ${PIP_CONSTRAINTS} > /tmp/constraints.txt \
-    && python -c 'import sys, tomllib; p = tomllib.load(open(sys.argv[1], "rb"))["project"]; \
-print("\n".join(p["dependencies"] + [r for e in sys.argv[2:] for r in p["optional-dependencies"][e]]))' \
-        /tmp/phalanx-pyproject.toml operator train s3 > /tmp/requirements.txt \
-    && pip install -c /tmp/constraints.txt -r /tmp/requirements.txt \
-    && rm /tmp/requirements.txt /tmp/phalanx-pyproject.toml
+# Everything else of the lock's `operator`, `train` and `s3` extras (torch's closure is the layer below).
+COPY requirements/train.txt /tmp/requirements.txt
+RUN pip install --require-hashes --no-deps -r /tmp/requirements.txt && rm /tmp/requirements.txt
 COPY --from=wheel /wheels /tmp/wheels
 # torch is already there (the layer above satisfies the `train` extra), so this adds phalanx only.
 RUN set -eux; \
     wheel="$(ls /tmp/wheels/phalanx-*.whl)"; \
-    if [ -n "${TORCH_INDEX_URL}" ]; then \
-        pip install -c /tmp/constraints.txt --extra-index-url "${TORCH_INDEX_URL}" "${wheel}[operator,train,s3]"; \
-    else \
-        pip install -c /tmp/constraints.txt "${wheel}[operator,train,s3]"; \
-    fi; \
+    pip install --no-index "${wheel}[operator,train,s3]"; \
     cp "${wheel}" /opt/; \
-    rm -rf /tmp/wheels /tmp/constraints.txt
+    rm -rf /tmp/wheels
 # Same entrypoint as base: worker Pods name `phalanx-run` in their command, and `phalanx local` (which
 # starts workers itself) needs torch, so this image is also the one to try phalanx on one machine.
 USER 10001:10001

@@ -13,18 +13,32 @@ TEST_LANES ?= 2
 # Python without a .py suffix (scripts) is named explicitly so ruff checks it too.
 PY_SOURCES := src tests e2e benchmarks examples $(shell grep -l '^\#!/usr/bin/env python' scripts/* 2>/dev/null)
 
-.PHONY: setup lint test proto proto-check bench clean fmt
+.PHONY: setup lock lock-check lint test test-prepare readme-check proto proto-check bench clean fmt
 
-# Idempotent: a warm machine finds the stamp newer than pyproject.toml and returns at once.
+# The venv is exactly uv.lock: every extra and the dev group, phalanx itself editable. --locked fails when
+# uv.lock no longer matches pyproject.toml (`make lock` updates it; docs/development.md says when).
+# Idempotent: a warm machine finds the stamp newer than pyproject.toml and uv.lock and returns at once.
 # Bytecode is compiled at install: with PYTHONDONTWRITEBYTECODE set (as on these machines, and in the image)
 # or as a user who cannot write the venv (the test kubelet's Pods run as uid 10001), every process would
 # otherwise compile torch from source again: `import torch, torch._dynamo` took 9-25 s instead of 3 s.
+# uv itself is in the lock (the dev group); the bootstrap installs that version.
+UV_VERSION = $(shell awk '$$0 == "name = \"uv\"" {getline; gsub(/"/, "", $$3); print $$3; exit}' uv.lock)
 setup: $(STAMP)
-$(STAMP): pyproject.toml hatch_build.py src/phalanx/_ringwrite.c
+$(STAMP): pyproject.toml uv.lock hatch_build.py src/phalanx/_ringwrite.c
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@test -x $(BIN)/uv || $(BIN)/python -m pip install -q --disable-pip-version-check "uv>=0.6"
-	$(BIN)/uv pip install -q --compile-bytecode -p $(BIN)/python -e '.[all]' --group dev
+	@test -x $(BIN)/uv || $(BIN)/python -m pip install -q --disable-pip-version-check "uv==$(UV_VERSION)"
+	$(BIN)/uv sync -q --locked --all-extras --compile-bytecode -p $(BIN)/python
 	@touch $(STAMP)
+
+# uv.lock again from pyproject.toml (after a change to a dependency or a range), and the images' requirement
+# files exported from it; `make lock-check` (part of lint) fails when either is out of date.
+lock: setup
+	$(BIN)/uv lock
+	$(BIN)/python scripts/export-requirements
+
+lock-check: setup
+	$(BIN)/uv lock --check
+	$(BIN)/python scripts/export-requirements --check
 
 proto: setup
 	$(BIN)/python $(PROTO_GEN)
@@ -32,7 +46,7 @@ proto: setup
 proto-check: setup
 	$(BIN)/python $(PROTO_GEN) --check
 
-lint: setup proto-check crds-check chart-check
+lint: setup lock-check proto-check crds-check chart-check
 	$(BIN)/ruff check $(PY_SOURCES)
 	$(BIN)/ruff format --check $(PY_SOURCES)
 	$(BIN)/mypy
@@ -43,18 +57,22 @@ fmt: setup
 	$(BIN)/ruff check --fix $(PY_SOURCES)
 
 # The Kubernetes, Helm, Prometheus and MinIO tests run against binaries built from the official Go modules (the
-# kubelet and kube-proxy of the container nodes, and CoreDNS, included); the first build takes ~15 minutes on 2
-# cores, a warm cache returns at once. Without Go they skip loudly (fail under CI). The container images are
-# built before pytest too (mk/images.mk).
+# kubelet and kube-proxy of the container nodes, and CoreDNS, included), the image tests and e2e scenarios
+# against images built here and imported into the container nodes: scripts/prepare-tests does all of it
+# before pytest starts, each stage timed (cold: tens of minutes on 2 cores; warm: seconds), so that no test's
+# timeout pays for a cold machine. Without Go or root the tests that need them skip loudly (fail under CI).
 # pytest exits 5 when it collected nothing; that is a failure here, as is any other non-zero code.
-test: setup lint
-	@if command -v go >/dev/null 2>&1 || [ -x /usr/local/go/bin/go ]; then \
-		scripts/k8s-binaries >/dev/null && scripts/helm-binary >/dev/null \
-			&& scripts/prometheus-binary >/dev/null && scripts/minio-binary >/dev/null \
-			&& scripts/coredns-binary >/dev/null; \
-	else echo "WARNING: Go not found; the Kubernetes, Helm, Prometheus and S3 tests will be skipped (a failure under CI=true)"; fi
+test: setup lint test-prepare
 	@$(BIN)/python -m compileall -q src  # this checkout's own modules, for the same reason as in setup
 	$(BIN)/python -m pytest -n $(TEST_LANES) --durations=30 $(PYTEST_ARGS)
+
+test-prepare: setup host-packages
+	@scripts/prepare-tests
+
+# The README's commands as a reader types them (`make k8s-up`, `kubectl apply -f examples/elasticjob.yaml`,
+# `make k8s-down`, `make demo`); CI runs it after `make test`.
+readme-check: test-prepare
+	@scripts/readme-check
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all

@@ -7,26 +7,18 @@
 #                        Cold: ~10 min on 2 cores (+ a one-time ~3 GB torch wheel download); warm: at once.
 #   make host-packages   scripts/host-packages: apt-get installs buildah, debootstrap, containerd, runc, the CNI
 #                        plugins, iptables and conntrack when missing (as root only; idempotent, no apt call
-#                        when all are there). `make test` runs it first.
+#                        when all are there). `make test` runs it first, then scripts/prepare-tests builds the
+#                        images (and the Go tools) before pytest.
 #   make test-images     the image tests (tests/shipping/test_images.py): build, run `phalanx --help` in the base
 #                        image and `import torch, phalanx` in the train image as uid 10001, the pause program.
 
-.PHONY: images host-packages test-images images-if-possible
+.PHONY: images host-packages test-images
 
 host-packages:
 	@scripts/host-packages
 
 images: setup host-packages
 	@scripts/images
-
-# For `make test`: the images are built before pytest (so the tests find them warm); without root or buildah
-# it warns, and the image tests skip loudly (a failure under CI=true), like the Go-built tools above.
-images-if-possible: setup host-packages
-	@if [ "$$(id -u)" = 0 ] && command -v buildah >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; then \
-		scripts/images >/dev/null; \
-	else echo "WARNING: not root or no buildah/debootstrap: the image tests will be skipped (a failure under CI=true)"; fi
-
-test: host-packages images-if-possible
 
 test-images: setup host-packages
 	$(BIN)/python -m pytest tests/shipping/test_images.py tests/shipping/test_dockerfile.py $(PYTEST_ARGS)

@@ -13,7 +13,7 @@
 
 .PHONY: k8s-up k8s-down test-k8s e2e crds crds-check
 
-k8s-up: setup k8s-binaries
+k8s-up: setup host-packages k8s-binaries
 	@$(BIN)/python scripts/k8s-cluster up $(K8S_UP_ARGS)
 
 k8s-down:

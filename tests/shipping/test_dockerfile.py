@@ -75,7 +75,8 @@ def test_targets_and_base_images() -> None:
 
 
 def test_torch_layer_comes_before_anything_of_the_repository() -> None:
-    """The torch layer's stage and its ancestors copy nothing from the build context or the wheel stage."""
+    """The torch layer's stage and its ancestors copy nothing from the build context or the wheel stage but
+    the lock's torch pins (requirements/torch.txt)."""
     chain = _chain("train")
     names = [s.name for s in chain]
     assert "torch" in names
@@ -88,23 +89,49 @@ def test_torch_layer_comes_before_anything_of_the_repository() -> None:
     assert wheel_copy < names.index("torch"), "the wheel must be copied above the torch layer"
     for stage in _chain("torch"):
         for kw, args in stage.instructions:
-            assert kw != "COPY", f"{stage.name}: COPY {args} below the torch layer"
+            if kw == "COPY":
+                assert copy_sources(args) == (["requirements/torch.txt"], False), f"{stage.name}: COPY {args}"
             if kw == "RUN":
                 mounts = re.findall(r"--mount=(\S+)", args)
                 assert all("from=torch-wheels" in m for m in mounts), mounts
     runs = [args for kw, args in STAGES["torch"].instructions if kw == "RUN"]
     assert len(runs) == 1, "torch is installed in one layer"
-    # Offline from a bind-mounted wheel folder (TORCH_FROM=wheels), else from the index.
+    # Offline from a bind-mounted wheel folder (TORCH_FROM=wheels), else from the index; the lock's files both.
     assert "--mount=type=bind,from=torch-wheels" in runs[0]
-    assert "--no-index --find-links /tmp/torch-wheels ${TORCH_REQUIREMENTS}" in runs[0]
+    assert "--no-index --find-links /tmp/torch-wheels --require-hashes --no-deps -r /tmp/torch.txt" in runs[0]
     assert STAGES["torch-wheels"].base == "scratch"
     assert not STAGES["torch-wheels"].instructions, "an empty stage that --build-context replaces"
 
 
-def test_torch_requirements_default_to_the_train_extra() -> None:
-    default = re.search(r'^ARG TORCH_REQUIREMENTS="([^"]+)"$', TEXT, flags=re.MULTILINE)
-    assert default
-    assert default[1].split() == PYPROJECT["project"]["optional-dependencies"]["train"]
+def test_every_install_is_locked() -> None:
+    """Each `pip install` takes the lock's exported files by hash, or the phalanx wheel with no index (which
+    fails if the lock left out anything the wheel needs); the one exception is a torch build from another
+    index that the builder asks for by TORCH_INDEX_URL."""
+    installs = [
+        line.strip()
+        for stage in STAGES.values()
+        for kw, args in stage.instructions
+        if kw == "RUN"
+        for line in re.split(r";|&&", args)
+        if "pip install" in line
+    ]
+    assert installs
+    for line in installs:
+        locked = "--require-hashes --no-deps -r /tmp/" in line
+        wheel = '--no-index "${wheel}[' in line
+        other_torch = '--extra-index-url "${TORCH_INDEX_URL}" -r /tmp/pins.txt' in line
+        assert locked or wheel or other_torch, f"an install outside the lock: {line}"
+    exported = {p.name for p in (ROOT / "requirements").glob("*.txt")}
+    copied = {
+        Path(src).name
+        for stage in STAGES.values()
+        for kw, args in stage.instructions
+        if kw == "COPY"
+        for src in copy_sources(args)[0]
+        if src.startswith("requirements/")
+    }
+    assert copied == exported == {"base.txt", "torch.txt", "train.txt", "build.txt"}
+    assert "--no-build-isolation" in TEXT, "the wheel is built by the locked hatchling, not the newest one"
 
 
 def test_context_of_scripts_images_is_what_dockerignore_lets_in() -> None:
@@ -175,6 +202,8 @@ def test_extras_exist_and_base_stays_free_of_torch() -> None:
         PYPROJECT["project"]["dependencies"] + [r for e in base for r in optional[e]]
     )
     assert "torch" not in base_requirements, "the base image (operator, master) must not install torch"
+    base_file = (ROOT / "requirements" / "base.txt").read_text()
+    assert not re.search(r"^(torch|nvidia-)", base_file, flags=re.MULTILINE), "requirements/base.txt has torch"
     assert any(r.startswith("torch") for r in optional["train"])
     assert "train" in train
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from k8s_harness.controlplane import ControlPlane, find_binaries
@@ -39,6 +39,19 @@ def start(state: Path, *, node_monitor_grace_s: int = 50) -> Started:
         stop((cp, nodes, images))
         raise
     return cp, nodes, images
+
+
+def import_images(state: Path, progress: Callable[[str], None]) -> None:
+    """Builds the images if they changed and imports them into every node's containerd root, starting no
+    cluster: what a cold machine's first cluster would otherwise spend inside a test's timeout."""
+    images = built_images()
+    # No Kubernetes binary runs here: `make test` imports while they are still being built (a clean-up of
+    # what a killed run left uses kube-proxy when it is there).
+    cp = ControlPlane(bin_dir=find_binaries() or state / "no-binaries", state_dir=state)
+    nodes = ContainerNodes(
+        cp, images=[i.tarball for i in images.values()], pause_image=images["phalanx-pause"].ref
+    )
+    nodes.import_images(progress)
 
 
 def stop(started: Started) -> None:

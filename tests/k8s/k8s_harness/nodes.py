@@ -204,7 +204,8 @@ class ContainerNodes:
         if subprocess.run(["iptables", "-C", *guard], capture_output=True, check=False).returncode != 0:
             _run("iptables", "-I", *guard)
 
-    def start(self) -> ContainerNodes:
+    def _take_machine(self) -> None:
+        """The machine's one cluster lock, then a clean-up of whatever a killed run left."""
         LOCK.parent.mkdir(parents=True, exist_ok=True)
         self._lock = LOCK.open("w")
         try:
@@ -213,18 +214,41 @@ class ContainerNodes:
             raise RuntimeError(f"another container-node cluster runs on this machine ({LOCK})") from None
         clean_machine(self.cp.bin_dir)
         STATE_NOTE.write_text(str(self.state))
-        self.prepare_network()
         self.state.mkdir(parents=True, exist_ok=True)
-        self._cluster_dns()
+
+    def _add_nodes(self) -> None:
         for i, name in enumerate(self.names):
-            node = Node(
-                name=name,
-                index=i,
-                state=self.state / name,
-                ip=f"10.244.0.{2 + i}",
-                pod_range=(f"10.244.{1 + i}.2", f"10.244.{1 + i}.254"),
+            self.nodes.append(
+                Node(
+                    name=name,
+                    index=i,
+                    state=self.state / name,
+                    ip=f"10.244.0.{2 + i}",
+                    pod_range=(f"10.244.{1 + i}.2", f"10.244.{1 + i}.254"),
+                )
             )
-            self.nodes.append(node)
+
+    def import_images(self, progress: Callable[[str], None] = lambda line: None) -> None:
+        """Imports the images into every node's containerd root and stops there, starting no cluster: the
+        part of a cold machine's first start that takes minutes (the worker image is gigabytes, unpacked by
+        each node). `make test` runs it before pytest, so no test's timeout pays for it."""
+        self._take_machine()
+        try:
+            self._add_nodes()
+            for node in self.nodes:
+                started = time.monotonic()
+                self._make_node_dirs(node)
+                self._prepare_images(node)
+                progress(f"{node.name}: images ready in {time.monotonic() - started:.0f}s")
+        finally:
+            self.stop()
+
+    def start(self) -> ContainerNodes:
+        self._take_machine()
+        self.prepare_network()
+        self._cluster_dns()
+        self._add_nodes()
+        for node in self.nodes:
             self.start_node(node)
         self.wait_ready(self.names)
         # After the Nodes exist: kube-proxy reads its node's addresses at start and exits when they change.
@@ -326,10 +350,14 @@ class ContainerNodes:
         self._spawn("kube-proxy", argv, cgroup="/phalanx-kube-proxy")
 
     # --- one node -------------------------------------------------------------------------------------
-    def start_node(self, node: Node) -> None:
+    @staticmethod
+    def _make_node_dirs(node: Node) -> None:
         for d in (node.state, node.root, node.state / "containerd", node.state / "net.d"):
             d.mkdir(parents=True, exist_ok=True)
         _make_cgroup(f"{node.cgroup}/system")
+
+    def start_node(self, node: Node) -> None:
+        self._make_node_dirs(node)
         if f" {node.ip}/32 " not in _run("ip", "-o", "-4", "addr", "show", "dev", BRIDGE):
             _run("ip", "addr", "add", f"{node.ip}/32", "dev", BRIDGE)  # where its kubelet listens
         self._write_cni(node)
