@@ -2,7 +2,8 @@
 
 Runs inside the worker process (so it may import torch). It pre-imports the heavy modules, then waits on
 stdin for one JSON line ``{"env": {...}, "stack_file": "..."}`` carrying the worker's round; it then
-installs a faulthandler on SIGUSR1 that dumps all threads' stacks to the stack file, and runs the target
+installs a faulthandler on SIGUSR1 that dumps all threads' stacks to the stack file, instruments the
+process (:mod:`phalanx.instrument`: steps and collectives without the script's help), and runs the target
 exactly as ``python script.py args`` (or ``python -m module args``) would. This lets the agent keep warm
 spares that have already paid for ``import torch`` when a round completes. End of input without a line
 means the spare is not needed: exit 0 quietly.
@@ -26,6 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import phalanx
+from phalanx import instrument
 from phalanx.agent import script_imports
 
 _PR_SET_PDEATHSIG = 1
@@ -98,6 +101,8 @@ def main(argv: list[str]) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     if mode == "--exec":
         os.execvp(target, [target, *args])  # noqa: S606 - the user asked for --no-python
+    phalanx.announce()  # the beacon at step -1: the agent and fault injection know the pid before any step
+    instrument.install()  # steps and collectives without the script's help, unless it is off
     if mode == "--module":
         sys.argv = [target, *args]
         sys.path[0] = _path_entry(mode, target)

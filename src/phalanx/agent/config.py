@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-hang-detection", action="store_true", help="Do not detect hung workers.")
     add("--no-warm-spares", action="store_true", help="Start workers cold instead of from pre-warmed spares.")
     add(
+        "--no-instrument",
+        action="store_true",
+        help="Do not record the workers' steps and collectives unless the script does (phalanx.instrument).",
+    )
+    add(
         "--no-warm-probes",
         action="store_true",
         help="Start each health probe cold, not forked from a probe server that has imported torch.",
@@ -175,6 +180,7 @@ def _from_flags(args: argparse.Namespace, env: Mapping[str, str]) -> AgentSettin
             warm_spares=False if args.no_warm_spares else None,
             warm_probes=False if args.no_warm_probes else None,
             checkpoint_host=False if args.no_checkpoint_host else None,
+            instrument=False if args.no_instrument else None,
         ),
     )
 

@@ -39,6 +39,8 @@ from phalanx.local.watch import MasterWatch
 __all__ = ["LocalCluster", "LocalOptions"]  # LocalOptions lives in .options: the fleet reads it too
 
 POLL_S = 0.05
+UNPLACED_EXIT = 3
+"""The exit code of a run that would have passed but left a fault it was asked for uninjected."""
 
 
 class LocalCluster:
@@ -188,8 +190,22 @@ class LocalCluster:
                 if end.exit:
                     self.summary.exit = end.exit
                 self.summary.reason = end.reason
-                return end.code
+                return self._unplaced(end.code)
             time.sleep(POLL_S)
+
+    def _unplaced(self, code: int) -> int:
+        """A fault the run asked for and never placed fails the run (exit 3 where it would have passed):
+        a test or a benchmark that asked for a fault must not pass without it."""
+        missed = [inj.spec for inj in self.faults.pending]
+        if not missed:
+            return code
+        self.summary.not_injected = missed
+        self.console.say(f"ERROR: never injected (the run ended first): {', '.join(missed)}")
+        if code == 0:
+            self.summary.exit = "failed"
+            self.summary.reason = f"{len(missed)} fault(s) never injected: {', '.join(missed)}"
+            return UNPLACED_EXIT
+        return code
 
     def _finish(self) -> None:
         s, job = self.summary, self.watch.job

@@ -99,6 +99,9 @@ class Summary:
     evictions: list[dict[str, Any]] = field(default_factory=list)
     started_unix: float = 0.0
     """When the run began (the "at" times are seconds after it)."""
+    not_injected: list[str] = field(default_factory=list)
+    """The ``--inject`` specs that never fired (the run ended first, or their target never came to be): an
+    error of the run, never a silent omission."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -111,6 +114,7 @@ class Summary:
             "rounds": self.rounds,
             "failures": [f.to_json() for f in self.failures],
             "evictions": self.evictions,
+            "not_injected": self.not_injected,
         }
 
 
@@ -125,6 +129,7 @@ def table(summary: Summary) -> str:
         f"{summary.steps_completed} steps, {summary.rounds} rounds"
         + (f" - {summary.reason}" if summary.reason else ""),
     ]
+    lines += [f"NOT INJECTED: {spec}" for spec in summary.not_injected]
     if not summary.failures:
         lines.append("no faults injected")
         return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""Instrumentation by default: what a script run by ``phalanx-run`` reports without importing phalanx.
+
+The worker bootstrap calls :func:`install` before the script runs; ``phalanx-run --no-instrument`` (or
+``PHALANX_INSTRUMENT=0``) turns it off. (The bootstrap tells the agent the worker's pid either way, through
+:func:`phalanx.announce`.) It uses torch's own hooks only: nothing of torch is patched, and the one DDP comm
+hook a script may register stays the script's.
+
+- **Steps** come from the optimizer: torch's global optimizer-step post hook publishes a step each time the
+  first optimizer that stepped steps again (two optimizers of one training step count once). The number is
+  the optimizer's own ``step`` state where it keeps one on the CPU (Adam and its kin: a resumed script carries
+  on from its step), else a count from 0. A script that calls :func:`phalanx.report_step` itself keeps its own
+  numbering: the automatic steps stop at its first call.
+- **Collectives** come from c10d's collective hooks (``ProcessGroup.register_pre_hook`` and
+  ``register_post_hook``): a collective starts when it is issued and ends when its Work's future completes
+  (on a GPU, when it is issued: the device side is the CUDA step markers' and the flight recorder's). The
+  hooks are put on every process group at each step boundary, in the training thread between collectives as
+  c10d asks, so every rank records a group's collectives from the same point on and their sequence numbers
+  agree.
+- **The interval recorder** (:mod:`phalanx.intervals`) is turned on at the first step, when the script has
+  set up its devices, so step boundaries and collectives reach the agent's hang detection (a rank that waits
+  in a recorded collective is judged by the 10 s floor, not the 60 s idle floor) and, on a GPU, the CUDA
+  device markers catch a stuck kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections.abc import Callable, Mapping
+from importlib.abc import Loader, MetaPathFinder
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any
+
+import phalanx
+from phalanx import intervals
+from phalanx.api import beacon
+
+ENV_VAR = "PHALANX_INSTRUMENT"
+"""``0`` turns the instrumentation off (``phalanx-run --no-instrument`` sets it for its workers)."""
+HOOK_ID = 0x50484C58
+"""The id this module's c10d hooks are registered under (a script's own hooks use other ids)."""
+OP_NAMES = {
+    "ALLREDUCE": "all_reduce",
+    "ALLREDUCE_COALESCED": "all_reduce_coalesced",
+    "ALLGATHER": "all_gather",
+    "ALLGATHER_BASE": "all_gather_into_tensor",
+    "ALLGATHER_COALESCED": "all_gather_coalesced",
+    "ALLGATHER_INTO_TENSOR_COALESCED": "all_gather_into_tensor_coalesced",
+    "REDUCE_SCATTER": "reduce_scatter",
+    "REDUCE_SCATTER_BASE": "reduce_scatter_tensor",
+    "REDUCE_SCATTER_TENSOR_COALESCED": "reduce_scatter_tensor_coalesced",
+    "ALLTOALL": "all_to_all",
+    "ALLTOALL_BASE": "all_to_all_single",
+}
+"""c10d's hook op names as torch.distributed's functions are called (the rest: lower case)."""
+
+
+def install(env: Mapping[str, str] = os.environ) -> bool:
+    """Instruments this process (see the module docstring); False when it is off or not under phalanx-run."""
+    if env.get(ENV_VAR, "1") == "0" or not env.get(beacon.ENV_VAR):
+        return False
+    if "torch" in sys.modules:
+        _hook_torch()
+    else:  # workers started cold (no warm spare imported torch): hook torch when the script imports it
+        sys.meta_path.insert(0, _AfterImport("torch", _hook_torch))
+    return True
+
+
+def _hook_torch() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_steps.on_step)
+
+
+class _Steps:
+    """The optimizer-step post hook and what it keeps between steps."""
+
+    def __init__(self) -> None:
+        self.pacer: weakref.ref[Any] | None = None
+        """The optimizer whose steps are the training steps: the first that stepped (while it lives)."""
+        self.count = -1
+        self.groups = _Groups()
+
+    def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        del args, kwargs
+        pacer = self.pacer() if self.pacer is not None else None
+        if pacer is None:
+            self.pacer, pacer = weakref.ref(optimizer), optimizer
+            intervals.enable()
+        if optimizer is not pacer:
+            return
+        step = optimizer_step(optimizer)
+        self.count = step if step is not None else self.count + 1
+        phalanx.auto_step(self.count)
+        self.groups.hook_new()
+
+
+def optimizer_step(optimizer: Any) -> int | None:
+    """The step the optimizer just completed, 0-based, from its own ``step`` state when it keeps one on the
+    CPU (reading one on a GPU would wait for the device); None otherwise (SGD keeps none)."""
+    for state in optimizer.state.values():
+        value = state.get("step") if isinstance(state, dict) else None
+        if value is None:
+            return None
+        device = getattr(value, "device", None)
+        if device is not None and device.type != "cpu":
+            return None
+        return int(value) - 1
+    return None
+
+
+class _Groups:
+    """c10d's collective hooks on every process group, put on at step boundaries."""
+
+    def __init__(self) -> None:
+        self.hooked: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.seen = 0
+        """How many groups c10d had at the last look: a step with no new group costs one len()."""
+
+    def hook_new(self) -> None:
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        if c10d is None or not c10d.is_initialized():
+            return
+        groups = c10d._world.pg_map  # c10d's own table of live groups (no public way to list them)
+        if len(groups) == self.seen:
+            return
+        self.seen = len(groups)
+        for pg in list(groups):
+            if pg not in self.hooked and hasattr(pg, "register_pre_hook"):
+                self._hook(pg)
+                self.hooked.add(pg)
+
+    @staticmethod
+    def _hook(pg: Any) -> None:
+        rec = intervals.recorder()
+        if rec is None:
+            return
+        group = intervals.group_of(pg)
+        open_ops: dict[int, intervals.Token] = {}
+
+        def pre(args: Any) -> None:
+            open_ops[args.op_id] = rec.begin(op_name(args.name.name), group)
+
+        def post(args: Any) -> None:
+            token = open_ops.pop(args.op_id, None)
+            if token is None:
+                return
+            work = args.work
+            if work is None or rec.cuda:
+                rec.writer.end_now(token)
+                return
+            try:
+                work.get_future().add_done_callback(lambda _: rec.writer.end_now(token))
+            except RuntimeError:  # a Work without a future: its end is its issue
+                rec.writer.end_now(token)
+
+        pg.register_pre_hook(HOOK_ID, pre)
+        pg.register_post_hook(HOOK_ID, post)
+
+
+def op_name(hook_name: str) -> str:
+    """A c10d hook op name (``ALLREDUCE``) as torch.distributed calls it (``all_reduce``)."""
+    return OP_NAMES.get(hook_name, hook_name.lower())
+
+
+class _AfterImport(MetaPathFinder, Loader):
+    """Runs ``then`` once module ``name`` has been imported, then steps out of the import system."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name, self.then = name, then
+        self._spec: ModuleSpec | None = None
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
+        if fullname != self.name or self._spec is not None:
+            return None
+        sys.meta_path.remove(self)  # the real finders find it; this one only wraps what they found
+        import importlib.util
+
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return None
+        self._spec = spec
+        inner: Any = spec.loader
+        spec.loader = self
+        self._inner = inner
+        return spec
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        module: ModuleType | None = self._inner.create_module(spec)
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = module.__spec__.loader = self._inner  # type: ignore[union-attr]
+        self._inner.exec_module(module)
+        self.then()
+
+
+_steps = _Steps()

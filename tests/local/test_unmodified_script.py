@@ -1,0 +1,128 @@
+"""An unmodified DDP script (tests/local/plain_ddp.py: it never imports phalanx) under `phalanx local` with
+default settings gets what a script that calls phalanx gets, from phalanx-run's instrumentation
+(phalanx.instrument): its steps reach the launcher and the master; a SIGSTOPped rank, then a rank that never
+enters an all-reduce, are each caught within max(10 s, 3 x p99 step); the failure names the collective the
+peer waits in and the suspect; training resumes. `--no-instrument` turns all of it off."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.agent.helpers import phalanx_local, steps
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+SCRIPT = Path(__file__).with_name("plain_ddp.py")
+TIMEOUT_S = 10.0  # max(10 s, 3 x p99 step) with 0.1 s steps: the default floor
+
+
+def test_an_unmodified_script_is_caught_hung_and_blamed_like_an_instrumented_one(tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    d = tmp_path / "d"
+    proc = phalanx_local(
+        [
+            "--heartbeat-timeout", "2s", "--agent-arg=--grace-period=1s",
+            "--workdir", str(tmp_path / "wd"), "--summary-json", str(summary),
+            "--nodes", "2", "--nproc-per-node", "1",
+            # step= is the optimizer's step: the script reports none itself
+            "--inject", "hang-worker@step=10,node=1,rank=0",
+            "--", str(SCRIPT), "--dir", str(d), "--steps", "45", "--step-time", "0.1",
+            "--stall-at", "30", "--stall-node", "node-0",
+        ],
+        cwd=tmp_path,
+        timeout=140,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert summary.exists(), out
+    s = json.loads(summary.read_text())
+    assert proc.returncode == 0, out
+    assert s["exit"] == "succeeded", s
+    assert s["steps_completed"] >= 10, s  # the launcher saw the optimizer's steps
+
+    (f,) = s["failures"]
+    assert f["kind"] == "hang-worker"
+    assert f["detected_at"] is not None, out
+    assert TIMEOUT_S - 0.5 < f["detected_at"] - f["injected_at"] < TIMEOUT_S + 4, f
+    assert f["recovered_at"] is not None
+
+    failures = [line for line in out.splitlines() if re.search(r"event failure\b", line)]
+    suspect = re.compile(
+        r"suspects: rank\(s\) (\d+) never entered all_reduce #\d+ of pg:0,1; .* on (node-\d)"
+    )
+    nodes = [node for _, node in (m.groups() for m in map(suspect.search, failures) if m)]
+    assert nodes, failures
+    assert nodes[-1] == "node-0", failures  # the rank that slept before the all-reduce its peer waits in
+    blamed = re.findall(r"event hang_analysis .*counted against (node-\d)", out)
+    assert blamed[0] == "node-1", out
+    assert blamed[-1] == "node-0", out
+    assert max(e["step"] for e in steps(d)) == 44  # training resumed after both hangs
+
+
+def test_no_instrument_leaves_an_unmodified_script_unseen(tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    proc = phalanx_local(
+        [
+            "--workdir", str(tmp_path / "wd"), "--summary-json", str(summary),
+            "--nodes", "1", "--nproc-per-node", "1", "--agent-arg=--no-instrument",
+            "--", str(SCRIPT), "--dir", str(tmp_path / "d"), "--steps", "20", "--step-time", "0.01",
+        ],
+        cwd=tmp_path,
+        timeout=100,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert json.loads(summary.read_text())["steps_completed"] == 0, out
+
+
+def test_a_time_based_fault_fires_on_a_script_that_reports_nothing(tmp_path: Path) -> None:
+    """Without instrumentation the script reports no step at all; the worker's pid is known from its start, so
+    an `after=` fault fires on time (or, due before the worker runs, as soon as it does) and the job
+    recovers."""
+    summary = tmp_path / "summary.json"
+    proc = phalanx_local(
+        [
+            "--workdir", str(tmp_path / "wd"), "--summary-json", str(summary),
+            "--nodes", "1", "--nproc-per-node", "2", "--agent-arg=--no-instrument",
+            "--inject", "kill-worker@after=6s,rank=1",
+            "--", str(SCRIPT), "--dir", str(tmp_path / "d"), "--steps", "120", "--step-time", "0.1",
+        ],
+        cwd=tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    s = json.loads(summary.read_text())
+    (f,) = s["failures"]
+    assert f["kind"] == "kill-worker", s
+    first_step = min(e["time"] for e in steps(tmp_path / "d"))
+    injected = s["started_unix"] + f["injected_at"]
+    assert f["injected_at"] >= 6.0, f
+    assert injected < max(s["started_unix"] + 6.0, first_step) + 2.0, (f, first_step - s["started_unix"])
+    # With no steps reported the launcher cannot time the recovery; the script's own log shows it.
+    assert s["rounds"] >= 2, s
+    assert max(e["step"] for e in steps(tmp_path / "d")) == 119
+    assert s["not_injected"] == [], s
+
+
+def test_a_fault_that_never_fires_fails_the_run(tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    spec = "kill-worker@step=100000"
+    proc = phalanx_local(
+        [
+            "--workdir", str(tmp_path / "wd"), "--summary-json", str(summary),
+            "--nodes", "1", "--nproc-per-node", "1", "--inject", spec,
+            "--", str(SCRIPT), "--dir", str(tmp_path / "d"), "--steps", "5", "--step-time", "0.01",
+        ],
+        cwd=tmp_path,
+        timeout=100,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out
+    s = json.loads(summary.read_text())
+    assert s["not_injected"] == [spec], s
+    assert s["exit"] == "failed", s
+    assert f"NOT INJECTED: {spec}" in out, out
