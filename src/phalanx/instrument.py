@@ -1,9 +1,9 @@
 """Instrumentation by default: what a script run by ``phalanx-run`` reports without importing phalanx.
 
 The worker bootstrap calls :func:`install` before the script runs; ``phalanx-run --no-instrument`` (or
-``PHALANX_INSTRUMENT=0``) turns it off. (The bootstrap tells the agent the worker's pid either way, through
-:func:`phalanx.announce`.) It uses torch's own hooks only: nothing of torch is patched, and the one DDP comm
-hook a script may register stays the script's.
+``PHALANX_HANG_INSTRUMENT=0``) turns it off. (The bootstrap tells the agent the worker's pid either way,
+through :func:`phalanx.announce`.) It uses torch's own hooks only: nothing of torch is patched, and the one
+DDP comm hook a script may register stays the script's.
 
 - **Steps** come from the optimizer: torch's global optimizer-step post hook publishes a step each time the
   first optimizer that stepped steps again (two optimizers of one training step count once). The number is
@@ -36,9 +36,8 @@ from typing import Any
 import phalanx
 from phalanx import intervals
 from phalanx.api import beacon
+from phalanx.api import intervals as ring
 
-ENV_VAR = "PHALANX_INSTRUMENT"
-"""``0`` turns the instrumentation off (``phalanx-run --no-instrument`` sets it for its workers)."""
 HOOK_ID = 0x50484C58
 """The id this module's c10d hooks are registered under (a script's own hooks use other ids)."""
 OP_NAMES = {
@@ -59,7 +58,7 @@ OP_NAMES = {
 
 def install(env: Mapping[str, str] = os.environ) -> bool:
     """Instruments this process (see the module docstring); False when it is off or not under phalanx-run."""
-    if env.get(ENV_VAR, "1") == "0" or not env.get(beacon.ENV_VAR):
+    if env.get(ring.INSTRUMENT_ENV_VAR, "1") == "0" or not env.get(beacon.ENV_VAR):
         return False
     if "torch" in sys.modules:
         _hook_torch()

@@ -193,6 +193,20 @@ def test_worker_pod_wraps_the_template_in_phalanx_run() -> None:
     assert "affinity" not in pod["spec"]
 
 
+@pytest.mark.parametrize("instrument", [None, True, False])
+def test_spec_hang_instrument_reaches_the_agent_as_parsed_by_phalanx_run(instrument: bool | None) -> None:
+    """``spec.hang.instrument: false`` turns off the instrumentation of unmodified scripts: the worker's
+    command line, read by phalanx-run's own parser, says so; unset or true leaves it on."""
+    from phalanx.agent.config import parse
+
+    j = job(**({"hang": {"instrument": instrument}} if instrument is not None else {}))
+    cmd = builders.worker_pod(j, parse_spec(j["spec"]), slot=0, incarnation=0, settings=SETTINGS)["spec"][
+        "containers"
+    ][0]["command"]
+    config = parse(cmd[1:], {})
+    assert config.hang.instrument is (instrument is not False)
+
+
 def test_workers_know_their_job_s_namespace_and_uid() -> None:
     """Two jobs ``j`` in two namespaces on one node must not share the flash checkpoint's files."""
     j = job()

@@ -96,7 +96,7 @@ def test_torch_layer_comes_before_anything_of_the_repository() -> None:
                 assert all("from=torch-wheels" in m for m in mounts), mounts
     runs = [args for kw, args in STAGES["torch"].instructions if kw == "RUN"]
     assert len(runs) == 1, "torch is installed in one layer"
-    # Offline from a bind-mounted wheel folder (TORCH_FROM=wheels), else from the index; the lock's files both.
+    # Offline from a bind-mounted wheel folder (TORCH_FROM=wheels), else from the index: the lock's files.
     assert "--mount=type=bind,from=torch-wheels" in runs[0]
     assert "--no-index --find-links /tmp/torch-wheels --require-hashes --no-deps -r /tmp/torch.txt" in runs[0]
     assert STAGES["torch-wheels"].base == "scratch"
@@ -203,7 +203,9 @@ def test_extras_exist_and_base_stays_free_of_torch() -> None:
     )
     assert "torch" not in base_requirements, "the base image (operator, master) must not install torch"
     base_file = (ROOT / "requirements" / "base.txt").read_text()
-    assert not re.search(r"^(torch|nvidia-)", base_file, flags=re.MULTILINE), "requirements/base.txt has torch"
+    assert not re.search(r"^(torch|nvidia-)", base_file, flags=re.MULTILINE), (
+        "requirements/base.txt has torch"
+    )
     assert any(r.startswith("torch") for r in optional["train"])
     assert "train" in train
 

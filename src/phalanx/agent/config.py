@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--no-instrument",
         action="store_true",
-        help="Do not record the workers' steps and collectives unless the script does (phalanx.instrument).",
+        help=_doc("hang.instrument") + " This flag turns it off.",
     )
     add(
         "--no-warm-probes",
@@ -151,6 +151,7 @@ def _from_flags(args: argparse.Namespace, env: Mapping[str, str]) -> AgentSettin
         base.hang,
         **_given(
             enabled=False if args.no_hang_detection else None,
+            instrument=False if args.no_instrument else None,
             factor=float(args.hang_factor) if args.hang_factor is not None else None,
             **duration,
         ),
@@ -180,7 +181,6 @@ def _from_flags(args: argparse.Namespace, env: Mapping[str, str]) -> AgentSettin
             warm_spares=False if args.no_warm_spares else None,
             warm_probes=False if args.no_warm_probes else None,
             checkpoint_host=False if args.no_checkpoint_host else None,
-            instrument=False if args.no_instrument else None,
         ),
     )
 

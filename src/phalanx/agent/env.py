@@ -35,10 +35,6 @@ FR_ENV, FR_LEGACY_ENV, FR_ENTRIES = "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BU
 """torch's flight-recorder size, its older name (still read, with a warning), and the agent's default."""
 
 
-INSTRUMENT_ENV = "PHALANX_INSTRUMENT"
-"""``0``: the worker's bootstrap leaves the script uninstrumented (phalanx.instrument)."""
-
-
 def static_env(
     base: Mapping[str, str],
     *,
@@ -51,7 +47,7 @@ def static_env(
     """The part of a worker's environment that does not depend on the round."""
     env = dict(base)
     if not instrument:
-        env[INSTRUMENT_ENV] = "0"
+        env[intervals.INSTRUMENT_ENV_VAR] = "0"
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default: N processes must not each take all cores
     # NCCL's flight recorder, which a hung rank dumps into its hang evidence (phalanx.intervals); 2000 entries
     # cost a few MiB per process. Set it (by either name) to 0 to turn it off.

@@ -106,7 +106,7 @@ class WorkerPool:
             local_world_size=self.config.nproc_per_node,
             job_id=self.config.job_id,
             node_id=self.config.node_id,
-            instrument=self.config.instrument,
+            instrument=self.config.hang.instrument,
         )
         self._spawned += 1
         return workers.spawn(

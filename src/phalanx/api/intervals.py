@@ -56,6 +56,9 @@ from typing import TypeAlias
 from phalanx.api import limits
 
 ENV_VAR = "PHALANX_INTERVALS_FILE"
+INSTRUMENT_ENV_VAR = "PHALANX_HANG_INSTRUMENT"
+"""``0``: the worker's bootstrap leaves the script uninstrumented (``phalanx.instrument``); the agent's own
+setting of that name (``hang.instrument``) sets it for its workers."""
 MAGIC = 0x50484C5849563032  # "PHLXIV02": 5-word slots whose intervals end in place, and a text table
 DEFAULT_CAPACITY = 4096
 """Records a ring holds: at 10 records a step and 10 steps a second, four seconds of history, far more than

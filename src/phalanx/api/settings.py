@@ -188,11 +188,6 @@ class AgentSettings:
         True, doc="Fork each health probe from a probe server that imported torch beforehand."
     )
     checkpoint_host: bool = setting(True, doc="Run the node's flash-checkpoint host.")
-    instrument: bool = setting(
-        True,
-        doc="Record the workers' steps (from the optimizer) and collectives (from c10d's hooks) without "
-        "the script's help, for hang detection and progress (phalanx.instrument).",
-    )
     hang: HangSettings = group(HangSettings, doc="Hang detection.")
     logs: LogSettings = group(LogSettings, doc="Log shipping limits.")
     checkpoint: CheckpointSettings = group(CheckpointSettings, doc="Flash checkpoint.")

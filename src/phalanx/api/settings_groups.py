@@ -99,6 +99,11 @@ class HangSettings:
     recorder), where a healthy rank may be saving a checkpoint or evaluating."""
 
     enabled: bool = setting(True, doc="Detect hung workers from stale progress beacons.")
+    instrument: bool = setting(
+        True,
+        doc="Record the workers' steps (from the optimizer) and collectives (from c10d's hooks) without the "
+        "script's help, for hang detection and progress (phalanx.instrument).",
+    )
     floor_s: float = setting(
         10.0,
         doc="Shortest time a rank may wait in a recorded collective, or on GPU work, before it counts as "

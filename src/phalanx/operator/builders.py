@@ -257,6 +257,7 @@ def _agent_command(
         "--hang-factor", f"{spec.hang.factor:g}",
         "--hang-startup", _dur(spec.hang.startup_s),
         *(["--no-hang-detection"] if not spec.hang.enabled else []),
+        *(["--no-instrument"] if not spec.hang.instrument else []),
         *training_entry(container),
     ]  # fmt: skip
 

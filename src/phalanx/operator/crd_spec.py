@@ -184,6 +184,7 @@ def _hang() -> dict[str, Any]:
         "Hang detection from progress beacons.",
         {
             "enabled": setting_prop(("hang", "enabled")),
+            "instrument": setting_prop(("hang", "instrument")),
             "floor": setting_prop(("hang", "floor")),
             "idleFloor": setting_prop(("hang", "idleFloor")),
             "factor": setting_prop(("hang", "factor"), minimum=1, maximum=MAX_HANG_FACTOR),

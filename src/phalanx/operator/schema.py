@@ -26,6 +26,7 @@ SETTINGS_FIELDS: dict[tuple[str, ...], tuple[type, str]] = {
     ("heartbeat", "interval"): (s.HeartbeatSettings, "interval_s"),
     ("heartbeat", "timeout"): (s.HeartbeatSettings, "timeout_s"),
     ("hang", "enabled"): (s.HangSettings, "enabled"),
+    ("hang", "instrument"): (s.HangSettings, "instrument"),
     ("hang", "floor"): (s.HangSettings, "floor_s"),
     ("hang", "idleFloor"): (s.HangSettings, "idle_floor_s"),
     ("hang", "factor"): (s.HangSettings, "factor"),

@@ -327,6 +327,7 @@ def _hang(hg: Mapping[str, Any]) -> HangSettings:
     default = HangSettings()
     return HangSettings(
         enabled=bool(hg.get("enabled", default.enabled)),
+        instrument=bool(hg.get("instrument", default.instrument)),
         floor_s=_dur(hg, "floor", default.floor_s, "hang"),
         idle_floor_s=_dur(hg, "idleFloor", default.idle_floor_s, "hang"),
         factor=_factor(hg.get("factor", default.factor)),
