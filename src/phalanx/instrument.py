@@ -24,6 +24,8 @@ DDP comm hook a script may register stays the script's.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import sys
 import weakref
@@ -117,6 +119,17 @@ class _Groups:
         self.hooked: weakref.WeakSet[Any] = weakref.WeakSet()
         self.seen = 0
         """How many groups c10d had at the last look: a step with no new group costs one len()."""
+        atexit.register(self.unhook_all)
+
+    def unhook_all(self) -> None:
+        """Takes the hooks off every group still alive, while Python is: a group that outlives the
+        interpreter (a script that never destroys it, as the Trainer's) would otherwise free the Python
+        callbacks after Python itself is gone, and the process ends with SIGSEGV."""
+        for pg in list(self.hooked):
+            with contextlib.suppress(RuntimeError):
+                pg.unregister_pre_hook(HOOK_ID)
+                pg.unregister_post_hook(HOOK_ID)
+        self.hooked = weakref.WeakSet()
 
     def hook_new(self) -> None:
         c10d = sys.modules.get("torch.distributed.distributed_c10d")

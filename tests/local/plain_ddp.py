@@ -2,7 +2,8 @@
 recorder, no comm hook, no ``report_step``). Each step is one forward, one backward (DDP all-reduces the
 gradients) and an optimizer step; rank 0 checkpoints the step (a JSON file) so a restarted round resumes;
 every rank appends one JSON line per step to ``<dir>/steps-<pid>.jsonl``. What phalanx knows of it comes from
-``phalanx-run``'s instrumentation (phalanx.instrument).
+``phalanx-run``'s instrumentation (phalanx.instrument). ``--wrap fsdp2`` shards the model with FSDP2
+(``fully_shard``, per layer and whole) and steps AdamW instead: the same loop as an FSDP2 script.
 
 ``--stall-at S --stall-node N`` makes local rank 0 of node N sleep before step S's backward pass, once (a
 marker file remembers it): it never enters that step's all-reduce, the way a rank stuck in its data loader
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -30,6 +32,7 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.1)
     p.add_argument("--stall-at", type=int, default=-1)
     p.add_argument("--stall-node", default="")
+    p.add_argument("--wrap", choices=("ddp", "fsdp2"), default="ddp")
     args = p.parse_args()
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -37,8 +40,16 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     node = os.environ["PHALANX_NODE_ID"]
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    if args.wrap == "fsdp2":
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        model: nn.Module = fully_shard(net)
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    else:
+        model = DistributedDataParallel(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ckpt = d / "ckpt.json"
     start = json.loads(ckpt.read_text())["step"] + 1 if ckpt.exists() else 0
     log = (d / f"steps-{os.getpid()}.jsonl").open("a")

@@ -7,12 +7,17 @@ peer waits in and the suspect; training resumes. `--no-instrument` turns all of 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.agent.helpers import phalanx_local, steps
+from tests.eventually import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -126,3 +131,41 @@ def test_a_fault_that_never_fires_fails_the_run(tmp_path: Path) -> None:
     assert s["not_injected"] == [spec], s
     assert s["exit"] == "failed", s
     assert f"NOT INJECTED: {spec}" in out, out
+
+
+def test_phalanx_status_shows_the_steps_and_step_times_of_an_unmodified_script(tmp_path: Path) -> None:
+    workdir = tmp_path / "wd"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "local", "--nodes", "2", "--nproc-per-node", "1",
+         "--job-id", "plain-status", "--workdir", str(workdir), "--timeout", "120s", "--",
+         str(SCRIPT), "--dir", str(tmp_path / "d"), "--steps", "100000", "--step-time", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # "job ...: master at ... (http HOST:PORT); ..."
+        found = re.search(r"\(http ([0-9.:]+)\)", first)
+        assert found, first
+        url = f"http://{found[1]}"
+
+        def scored() -> dict[str, Any] | None:
+            status = subprocess.run(
+                [sys.executable, "-m", "phalanx", "status", "--master", url,
+                 "--token-file", str(workdir / "token"), "-o", "json"],
+                capture_output=True, text=True, timeout=30, check=False,
+            )  # fmt: skip
+            if status.returncode != 0:
+                return None
+            view: dict[str, Any] = json.loads(status.stdout)
+            nodes = view["nodes"]
+            ok = len(nodes) == 2 and all((n["step"] or 0) >= 20 and n["step_time_s"] for n in nodes)
+            return view if ok else None
+
+        view = eventually(scored, timeout=90, what="both nodes' steps and step times in phalanx status")
+        for node in view["nodes"]:
+            assert node["step_time_s"] > 0.04, node  # the script's 0.05 s steps, as measured
+            assert node["straggler_score"] is not None, node
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
