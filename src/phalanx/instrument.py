@@ -151,9 +151,10 @@ class _Groups:
             return
         group = intervals.group_of(pg)
         open_ops: dict[int, intervals.Token] = {}
+        begin, names = rec.writer.begin, _op_names()
 
         def pre(args: Any) -> None:
-            open_ops[args.op_id] = rec.begin(op_name(args.name.name), group)
+            open_ops[args.op_id] = begin(names[args.name], group)
 
         def post(args: Any) -> None:
             token = open_ops.pop(args.op_id, None)
@@ -175,6 +176,14 @@ class _Groups:
 def op_name(hook_name: str) -> str:
     """A c10d hook op name (``ALLREDUCE``) as torch.distributed calls it (``all_reduce``)."""
     return OP_NAMES.get(hook_name, hook_name.lower())
+
+
+def _op_names() -> dict[Any, str]:
+    """c10d's hook op enum -> :func:`op_name`: one dict lookup a collective, not an enum's name and a
+    string's lower()."""
+    from torch._C._distributed_c10d import HookOpName
+
+    return {member: op_name(name) for name, member in HookOpName.__members__.items()}
 
 
 class _AfterImport(MetaPathFinder, Loader):
