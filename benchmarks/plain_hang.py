@@ -79,13 +79,14 @@ def phalanx(fault: str, work: Path, give_up: float) -> float | None:
 
 
 def torchrun(fault: str, work: Path, give_up: float) -> float | None:
-    d = work / "d"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         "--max-restarts", "1", *_script(d, fault)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=work,
-        env={**os.environ, "PHALANX_NODE_ID": "node-0"}, start_new_session=True,
-    )  # fmt: skip
+    d, log = work / "d", work / "torchrun.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+             "--max-restarts", "1", *_script(d, fault)],
+            stdout=subprocess.DEVNULL, stderr=out, cwd=work,
+            env={**os.environ, "PHALANX_NODE_ID": "node-0"}, start_new_session=True,
+        )  # fmt: skip
     try:
         deadline = time.monotonic() + give_up + 60
         if fault == "sigstop":
@@ -97,12 +98,8 @@ def torchrun(fault: str, work: Path, give_up: float) -> float | None:
         if faulted is None:
             return None
         # torchrun acts when a worker exits: the gloo timeout (30 min) ends the waiting rank's collective.
-        assert proc.stderr is not None
-        os.set_blocking(proc.stderr.fileno(), False)
-        seen = ""
         while time.time() - faulted < give_up:
-            seen += proc.stderr.read() or ""
-            if proc.poll() is not None or re.search(r"Restarting|failed \(exitcode", seen):
+            if proc.poll() is not None or re.search(r"Restarting|failed \(exitcode", log.read_text()):
                 return time.time() - faulted
             time.sleep(0.1)
         return None

@@ -11,8 +11,9 @@ DDP comm hook a script may register stays the script's.
   on from its step), else a count from 0. A script that calls :func:`phalanx.report_step` itself keeps its own
   numbering: the automatic steps stop at its first call.
 - **Collectives** come from c10d's collective hooks (``ProcessGroup.register_pre_hook`` and
-  ``register_post_hook``): a collective starts when it is issued and ends when its Work's future completes
-  (on a GPU, when it is issued: the device side is the CUDA step markers' and the flight recorder's). The
+  ``register_post_hook``): a collective starts when it is issued and ends when its Work completes, as the
+  recorder's watcher thread sees it within milliseconds (on a GPU, when it is issued: the device side is the
+  CUDA step markers' and the flight recorder's). The
   hooks are put on every process group at each step boundary, in the training thread between collectives as
   c10d asks, so every rank records a group's collectives from the same point on and their sequence numbers
   agree.
@@ -163,11 +164,8 @@ class _Groups:
             work = args.work
             if work is None or rec.cuda:
                 rec.writer.end_now(token)
-                return
-            try:
-                work.get_future().add_done_callback(lambda _: rec.writer.end_now(token))
-            except RuntimeError:  # a Work without a future: its end is its issue
-                rec.writer.end_now(token)
+            else:
+                rec.end_when_done(token, work)
 
         pg.register_pre_hook(HOOK_ID, pre)
         pg.register_post_hook(HOOK_ID, post)
