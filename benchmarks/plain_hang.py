@@ -139,7 +139,7 @@ def main() -> None:
         "note": args.note,
         "runs": runs,
         "headline": {
-            f"{name}_{fault}_s": median(runs[name][fault]) for name in runs for fault in FAULTS
+            f"{name}_{fault}_s_median": median(runs[name][fault]) for name in runs for fault in FAULTS
         },  # null: not detected within give_up_s in every run
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
