@@ -24,7 +24,8 @@ and stopping the per-node owner process), ``server`` (that process's request han
 ``messages`` (its typed requests and replies), ``protocol`` (its socket), ``connection`` (a training
 process's connection to it), ``persist_queue`` (a training process's persist requests), ``report``
 (ReportCheckpoint to the master) are torch-free; ``codec``, ``slots``, ``engine``, ``structure``,
-``restore`` and ``sampler`` run in training processes.
+``restore`` and ``sampler`` run in training processes, and so does ``dcp``: a torch.distributed.checkpoint
+storage writer and reader over the Checkpointer (``dcp.save(state, storage_writer=FlashWriter(step=s))``).
 """
 
 from __future__ import annotations

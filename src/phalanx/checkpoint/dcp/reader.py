@@ -1,0 +1,220 @@
+"""The reader: :class:`FlashReader` finds the newest step every rank holds, builds DCP's metadata from the
+ranks' descriptions, and copies each chunk and value DCP asks for from the snapshot that holds it."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from phalanx.api.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from phalanx.checkpoint.dcp.collectives import all_gather_bytes, decode_descriptions, encode_description
+from phalanx.checkpoint.dcp.metadata import Snapshot, build_metadata, snapshot_of, snapshot_problem
+from phalanx.checkpoint.dcp.process import checkpointer, warn
+from phalanx.checkpoint.dcp.sources import Located, Sources, committed_on, memoryless_like, peek_description
+from phalanx.checkpoint.engine import Checkpointer
+
+
+def _narrow(tensor: torch.Tensor, offsets: Iterable[int], lengths: Iterable[int]) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _load_chunk(planner: LoadPlanner, item: ReadItem, snapshot: Snapshot) -> None:
+    index = item.storage_index
+    chunk = snapshot.chunks.get((index.fqn, tuple(index.offset or ())))
+    if chunk is None:
+        raise CheckpointCorruptError(
+            f"{index.fqn}: rank {snapshot.rank}'s snapshot lacks its chunk at {list(index.offset or ())}"
+        )
+    try:
+        source = _narrow(chunk, item.storage_offsets, item.lengths)
+    except (RuntimeError, IndexError, ValueError) as exc:
+        raise CheckpointCorruptError(
+            f"{index.fqn}: the chunk does not hold the part asked for: {exc}"
+        ) from exc
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != source.size():
+        raise CheckpointCorruptError(
+            f"{index.fqn}: the checkpoint holds {list(source.size())} where the state has "
+            f"{list(target.size())}"
+        )
+    with torch.no_grad():
+        target.copy_(source)
+    planner.commit_tensor(item, target)
+
+
+def _load_value(planner: LoadPlanner, item: ReadItem, snapshot: Snapshot) -> None:
+    fqn = item.storage_index.fqn
+    if fqn not in snapshot.values:
+        raise CheckpointCorruptError(f"{fqn}: rank {snapshot.rank}'s snapshot lacks this value")
+    encoded = io.BytesIO()
+    torch.save(snapshot.values[fqn], encoded)  # made and loaded in this process: DCP's planner loads bytes
+    encoded.seek(0)
+    planner.load_bytes(item, encoded)
+
+
+class FlashReader(StorageReader):
+    """A DCP storage reader of the newest step every rank holds, from memory when this node kept it, else
+    from storage (see :mod:`phalanx.checkpoint.dcp`). :meth:`locate` finds it; ``dcp.load`` calls it when the
+    script did not. Every rank of the default process group must load. One reader per load.
+
+    After the load: ``step``; ``source``, where this rank's snapshot came from ("memory" or "storage");
+    ``foreign``, the other ranks' snapshots it read, and from where; ``last_load``, the Checkpointer's
+    report (with ``storage_reads``)."""
+
+    def __init__(self, *, checkpointer: Checkpointer | None = None) -> None:
+        self._given = checkpointer
+        self._located: Located | None = None
+        self._searched = False
+        self._error: BaseException | None = None
+        self.step: int | None = None
+        self.source: str | None = None
+        self.foreign: dict[int, str] = {}
+        self.last_load: dict[str, Any] = {}
+
+    def _checkpointer(self) -> Checkpointer:
+        return self._given if self._given is not None else checkpointer()
+
+    def locate(self) -> int | None:
+        """The step to load, or None when no step is held by every rank. A collective: every rank calls it
+        (or ``dcp.load``). It reads this rank's snapshot and gathers every rank's description of its own;
+        it raises CheckpointCorruptError, on every rank, when they do not make one whole checkpoint."""
+        if not self._searched:
+            self._searched = True
+            try:
+                self._locate()
+            except BaseException as exc:
+                self._error = exc
+                raise
+        if self._error is not None:
+            raise self._error
+        return self.step
+
+    def _locate(self, ckpt: Checkpointer | None = None, memoryless: Path | None = None) -> None:
+        ckpt = ckpt if ckpt is not None else self._checkpointer()
+        loaded = ckpt.load()
+        self.last_load = dict(ckpt.last_load)
+        if loaded is None:
+            return
+        step, state = loaded
+        problem = snapshot_problem(state, with_data=True)
+        mine = {"problem": problem, "description": None if problem else encode_description(state)}
+        # Every rank sends its description, a broken snapshot its problem: none raises before the others
+        # have gathered, so none is left waiting in the collective.
+        descriptions = decode_descriptions(all_gather_bytes(json.dumps(mine).encode()), step)
+        saves = sorted({(d["world_size"], d["round"]) for d in descriptions})
+        if len(saves) > 1 and memoryless is None:
+            # A rank killed while it copied step S in a later round keeps step S of an earlier one: the
+            # ranks' snapshots of S come from two histories, never to be mixed. The memory of the older
+            # steps is overwritten by then; storage commits a step only from one save (see storage).
+            warn(
+                f"the ranks' snapshots of step {step} in memory come from different saves (world size, "
+                f"round: {saves}); loading the newest step committed on storage instead"
+            )
+            blind, empty = memoryless_like(ckpt)
+            try:
+                self._locate(blind, empty)
+            finally:
+                if self._located is None:  # nothing found, or an error: nothing will read through it
+                    blind.close()
+                    shutil.rmtree(empty, ignore_errors=True)
+            if self._located is None:  # every rank alike: they gathered the same descriptions
+                raise CheckpointCorruptError(
+                    f"the ranks' snapshots of step {step} in memory come from different saves, and storage "
+                    "holds no committed step: not starting from scratch"
+                )
+            return
+        descriptions += self._absent_descriptions(ckpt, step, descriptions)
+        metadata = build_metadata(descriptions)
+        own = snapshot_of(state)
+        self._located = Located(step, state["round"], own, metadata, ckpt=ckpt, memoryless=memoryless)
+        self.step, self.source = step, self.last_load.get("source")
+
+    @staticmethod
+    def _absent_descriptions(
+        ckpt: Checkpointer, step: int, present: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """The descriptions of the saving ranks no rank of this world loaded (a smaller world than the one
+        that saved): from their slots in this node's memory, else from their manifests on storage."""
+        saved = max(int(d.get("world_size", 0)) for d in present)
+        absent = sorted(set(range(saved)) - {d.get("rank") for d in present})
+        if not absent:
+            return []
+        committed = committed_on(ckpt.storage)
+        found, lacking = [], []
+        for rank in absent:
+            description = peek_description(ckpt, rank, step, committed)
+            if description is None:
+                lacking.append(rank)
+            else:
+                found.append(description)
+        if lacking:
+            raise CheckpointError(
+                f"step {step} was saved by {saved} ranks, and the snapshots of ranks {lacking} are neither "
+                "in this node's memory nor on storage"
+            )
+        return found
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None:
+            raise ValueError("FlashReader loads the newest step every rank holds: pass no checkpoint_id")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # never picked from a checkpoint_id: a FlashReader is passed explicitly
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None and self._error is not None:
+            raise self._error  # DCP asks for rank-local metadata after the global one failed: the same error
+        step = self.locate()
+        if step is None or self._located is None:
+            self._error = CheckpointNotFoundError(
+                "no checkpoint step is held by every rank, in memory or on storage: nothing to load"
+            )
+            raise self._error
+        return self._located.metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._located is None or metadata is not self._located.metadata:
+            raise CheckpointError("FlashReader loads only the metadata its read_metadata returned")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        located = self._located
+        if located is None or located.own is None:
+            raise CheckpointError("this FlashReader has loaded already, or found nothing: make one per load")
+        sources = Sources(located.ckpt, located, self.foreign)
+        try:
+            for item in plan.items:
+                snapshot = sources.holding(item.storage_index)
+                if item.type == LoadItemType.BYTE_IO:
+                    _load_value(planner, item, snapshot)
+                else:
+                    _load_chunk(planner, item, snapshot)
+        finally:
+            located.own = None  # a copy of the whole snapshot: freed once the state holds what it needs
+            if located.memoryless is not None:
+                located.ckpt.close()
+                shutil.rmtree(located.memoryless, ignore_errors=True)
+        self.last_load["foreign"] = dict(self.foreign)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
