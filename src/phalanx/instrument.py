@@ -83,20 +83,27 @@ class _Steps:
         self.pacer: weakref.ref[Any] | None = None
         """The optimizer whose steps are the training steps: the first that stepped (while it lives)."""
         self.count = -1
+        self.seen_steps = 0
         self.groups = _Groups()
 
     def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del args, kwargs
+        if phalanx._reports_itself:  # an instrumented script: it records what it wants itself
+            return
         pacer = self.pacer() if self.pacer is not None else None
         if pacer is None:
             self.pacer, pacer = weakref.ref(optimizer), optimizer
-            intervals.enable()
         if optimizer is not pacer:
             return
+        self.seen_steps += 1
         step = optimizer_step(optimizer)
         self.count = step if step is not None else self.count + 1
         phalanx.auto_step(self.count)
-        self.groups.hook_new()
+        # From the second step on: a script that reports its own steps has said so by then (it calls
+        # report_step after its first optimizer step), and its own recorder choices stand.
+        if self.seen_steps >= 2:
+            intervals.enable()
+            self.groups.hook_new()
 
 
 def optimizer_step(optimizer: Any) -> int | None:

@@ -301,7 +301,7 @@ def test_sigterm_to_every_agent_commits_the_newest_step(tmp_path: Path) -> None:
     assert not _job_leftovers(job), _job_leftovers(job)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_a_local_run_cut_short_persists_its_newest_step_and_the_next_run_resumes_there(
     tmp_path: Path,
 ) -> None:
@@ -331,7 +331,7 @@ def test_a_local_run_cut_short_persists_its_newest_step_and_the_next_run_resumes
         _wait_for(log, step=12, timeout_s=150)
     finally:
         first.send_signal(signal.SIGINT)  # Ctrl-C
-        out, _ = first.communicate(timeout=90)
+        out, _ = first.communicate(timeout=180)
     assert first.returncode == 130, out
     reached = max(json.loads(line)["step"] for line in log.read_text().splitlines())
     committed = _committed_steps(storage)
