@@ -17,10 +17,11 @@ DDP comm hook a script may register stays the script's.
   hooks are put on every process group at each step boundary, in the training thread between collectives as
   c10d asks, so every rank records a group's collectives from the same point on and their sequence numbers
   agree.
-- **The interval recorder** (:mod:`phalanx.intervals`) is turned on at the first step, when the script has
-  set up its devices, so step boundaries and collectives reach the agent's hang detection (a rank that waits
-  in a recorded collective is judged by the 10 s floor, not the 60 s idle floor) and, on a GPU, the CUDA
-  device markers catch a stuck kernel.
+- **The interval recorder** (:mod:`phalanx.intervals`) is turned on, and the c10d hooks put on, from the
+  second step, when the script has set up its devices and, if it reports its own steps, has said so (the
+  instrumentation then stands aside entirely), so step boundaries and collectives reach the agent's hang
+  detection (a rank that waits in a recorded collective is judged by the 10 s floor, not the 60 s idle
+  floor) and, on a GPU, the CUDA device markers catch a stuck kernel.
 """
 
 from __future__ import annotations
