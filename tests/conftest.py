@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from phalanx.api.ports import free_port as _free_port
+from tests import cpu_usage
 from tests.eventually import eventually
 from tests.gotools import go_built
 
@@ -45,6 +46,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The cluster's unit is the longest, so it goes first: the other lane takes the rest meanwhile,
     instead of idling through the cluster's tail."""
     items.sort(key=lambda item: _lane_unit(item.nodeid) != "cluster")
+
+
+_CPU = cpu_usage.Report()
+"""The CPU seconds of every test, summed by module and printed at the end of the run (tests/cpu_usage.py)."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    cpu_usage.start(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if call.when == "teardown":
+        cpu_usage.finish(item, report)
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        _CPU.add(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _CPU.by_module:
+        terminalreporter.section("CPU time")
+        for line in _CPU.lines():
+            terminalreporter.write_line(line)
 
 
 @contextlib.contextmanager

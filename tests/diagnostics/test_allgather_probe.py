@@ -34,14 +34,14 @@ def _listens(port: int) -> bool:
     return True
 
 
-def args_for(rank: int, port: int, *, pairs: bool) -> list[str]:
+def args_for(rank: int, port: int, *, pairs: bool, seconds: float = 0.6) -> list[str]:
     return allgather_args(
         rank=rank,
         node_ids=NODES,
         store_host="127.0.0.1",
         store_port=port,
         nbytes=1 << 20,
-        seconds=0.6,
+        seconds=seconds,
         pairs=pairs,
         timeout_s=TIMEOUT_S,
     )
@@ -114,8 +114,18 @@ def test_peer_that_dies_or_hangs_after_joining_fails_its_pairs_not_a_hang(fault:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     port = free_port()
+    # Each pair measures for 3 s, not 0.6: the fault must land while the probe runs, and this thread, which
+    # watches for c's arrival, may be starved for a second or more on a loaded machine (the whole probe was
+    # seen to end before it looked again).
+    seconds = 3.0
     victim = subprocess.Popen(
-        [sys.executable, "-m", "phalanx.diagnostics.probe", "allgather", *args_for(2, port, pairs=True)],
+        [
+            sys.executable,
+            "-m",
+            "phalanx.diagnostics.probe",
+            "allgather",
+            *args_for(2, port, pairs=True, seconds=seconds),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -126,7 +136,7 @@ def test_peer_that_dies_or_hangs_after_joining_fails_its_pairs_not_a_hang(fault:
                     run_probe,
                     kind="allgather",
                     python=sys.executable,
-                    args=args_for(r, port, pairs=True),
+                    args=args_for(r, port, pairs=True, seconds=seconds),
                     timeout_s=RUNNER_TIMEOUT_S,
                 )
                 for r in (0, 1)

@@ -87,9 +87,10 @@ def test_action_whose_answer_was_lost_in_a_cut_is_repeated(tmp_path: Path) -> No
     proc = subprocess.Popen(
         _argv(
             tmp_path,
-            "--nodes", "2", "--nproc-per-node", "2", *PROBES,
+            # A probe starts its server (imports torch) on a node starved by the other tests: 45 s for it.
+            "--nodes", "2", "--nproc-per-node", "2", *PROBES, "--master-arg=--probes-timeout-s=45",
             "--inject", "partition-node@step=15,node=1,for=6s",
-            workload=["--steps", "220", "--step-time", "0.1"],
+            workload=["--steps", "450", "--step-time", "0.1"],
         ),
         cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

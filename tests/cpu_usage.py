@@ -1,0 +1,81 @@
+"""Where `make test`'s time goes: the CPU seconds each test module spent, and how busy the machine was.
+
+On a 2-core machine the suite's wall time is bounded by the CPU work of its tests more than by their
+waits; this report, at the end of every run, names the modules that cost the most so that cutting the
+suite's time starts from a measurement. Each test's figure is its lane process's own CPU time plus that
+of the child processes it reaped (``RUSAGE_CHILDREN``: an agent's workers count once the agent has
+waited for them), from its set-up to its teardown. Processes the test did not reap are not counted: a
+Kubernetes control plane started once per session, containers run by containerd, daemons.
+
+The hooks are :mod:`tests.conftest`'s, so they cover the tests under ``tests/`` (the e2e scenarios' work is
+in their containers anyway).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+CPU_PROPERTY = "cpu_s"
+_STARTED = pytest.StashKey[float]()
+
+
+def cpu_seconds() -> float:
+    """This process's CPU time and that of its reaped children, user and system."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def machine_busy() -> tuple[float, float] | None:
+    """(busy, total) jiffies of every CPU since boot (``/proc/stat``); None where there is no such file."""
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class Report:
+    """Collects each test's CPU seconds (in the process that prints the summary: xdist's controller)."""
+
+    def __init__(self) -> None:
+        self.by_module: dict[str, float] = defaultdict(float)
+        self.machine_at_start = machine_busy()
+        self.started = time.monotonic()
+
+    def add(self, report: pytest.TestReport) -> None:
+        for name, value in report.user_properties:
+            if name == CPU_PROPERTY and isinstance(value, float):
+                self.by_module[report.nodeid.partition("::")[0]] += value
+
+    def lines(self, *, top: int = 15) -> list[str]:
+        total = sum(self.by_module.values())
+        out = [f"tests' own CPU: {total:.0f} s in all; the modules that cost the most:"]
+        for module, seconds in sorted(self.by_module.items(), key=lambda kv: -kv[1])[:top]:
+            out.append(f"  {seconds:7.1f} s  {module}")
+        end = machine_busy()
+        if self.machine_at_start is not None and end is not None:
+            busy = end[0] - self.machine_at_start[0]
+            total_jiffies = end[1] - self.machine_at_start[1]
+            if total_jiffies > 0:
+                out.append(
+                    f"the machine's CPUs were busy {100 * busy / total_jiffies:.0f}% of the "
+                    f"{time.monotonic() - self.started:.0f} s run (everything on it, not only the tests)"
+                )
+        return out
+
+
+def start(item: pytest.Item) -> None:
+    item.stash[_STARTED] = cpu_seconds()
+
+
+def finish(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Puts the test's CPU seconds on its teardown report, which xdist carries to the controller."""
+    started = item.stash.get(_STARTED, None)
+    if started is not None:
+        report.user_properties.append((CPU_PROPERTY, round(cpu_seconds() - started, 2)))
