@@ -12,6 +12,7 @@ install` of charts/phalanx (the operator Deployment, its RBAC, the CRD).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tests import release
 
 from e2e.kube import Helm, Kube
 
@@ -100,7 +102,9 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
             storage=lambda namespace: _host_claim(kube, shared, Path("/shared"), namespace),
         )  # fmt: skip
         return
-    yield from _own_cluster(home)
+    own = _own_cluster(home)
+    release.when_done("e2e/", own.close)  # idle after the scenarios, the cluster would load the other tests
+    yield from own
 
 
 def _host_claim(kube: Kube, here: Path, on_nodes: Path, namespace: str) -> str:
@@ -160,24 +164,29 @@ def _own_cluster(home: Path) -> Iterator[Target]:
     helm = _helm_binary()
     state = Path(tempfile.mkdtemp(prefix="phalanx-e2e-"))
     # A lost node is noticed after 20 s rather than the default 50 s: a scenario waits for it.
-    with containers.running(state, node_monitor_grace_s=20) as (cp, nodes, images):
-        kube = Kube(str(cp.bin_dir / "kubectl"), cp.kubeconfig)
-        yield Target(
-            kube,
-            Helm(helm, home, cp.kubeconfig),
-            images["phalanx"].ref,
-            images["phalanx-train"].ref,
-            # Nothing is ever pulled: a missing image is an error, not a pull. The operator runs on the first
-            # node, so a scenario can lose the other one without losing it.
-            ("image.pullPolicy=Never", f"operator.nodeSelector.kubernetes\\.io/hostname={nodes.names[0]}"),
-            power_off=nodes.power_off,
-            power_on=nodes.power_on,
-            storage=lambda namespace: _host_claim(kube, state / "volumes", state / "volumes", namespace),
-        )
-    if os.environ.get("PHALANX_K8S_KEEP") == "1":
-        print(f"\nkept the e2e control plane's state in {state}")
-    else:
-        shutil.rmtree(state, ignore_errors=True)
+    try:
+        with containers.running(state, node_monitor_grace_s=20) as (cp, nodes, images):
+            kube = Kube(str(cp.bin_dir / "kubectl"), cp.kubeconfig)
+            yield Target(
+                kube,
+                Helm(helm, home, cp.kubeconfig),
+                images["phalanx"].ref,
+                images["phalanx-train"].ref,
+                # Nothing is ever pulled: a missing image is an error, not a pull. The operator runs on the
+                # first node, so a scenario can lose the other one without losing it.
+                (
+                    "image.pullPolicy=Never",
+                    f"operator.nodeSelector.kubernetes\\.io/hostname={nodes.names[0]}",
+                ),
+                power_off=nodes.power_off,
+                power_on=nodes.power_on,
+                storage=lambda namespace: _host_claim(kube, state / "volumes", state / "volumes", namespace),
+            )
+    finally:  # also when the generator is closed early (tests/release.py)
+        if os.environ.get("PHALANX_K8S_KEEP") == "1":
+            print(f"\nkept the e2e control plane's state in {state}")
+        else:
+            shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -196,10 +205,17 @@ def phalanx(target: Target) -> Iterator[Target]:
         "--set", "operator.masterTLS.enabled=true",
         *(arg for value in target.chart_values for arg in ("--set", value)),
     )  # fmt: skip
-    try:
+    with contextlib.ExitStack() as stop:
+        stop.callback(
+            target.helm, "uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait", "--timeout", "60s"
+        )
+        release.when_done("e2e/", stop.close)  # before the cluster it runs on (tests/release.py)
         target.kube(
             "rollout", "status", f"deployment/{RELEASE}-operator", "-n", RELEASE_NAMESPACE, "--timeout=120s"
         )
         yield target
-    finally:
-        target.helm("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait", "--timeout", "60s")
+
+
+@pytest.hookimpl(trylast=True)  # after the scenario's own fixtures (its namespace) were torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    release.leaving(item.nodeid, nextitem.nodeid if nextitem is not None else None)

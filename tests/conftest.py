@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from phalanx.api.ports import free_port as _free_port
-from tests import cpu_usage
+from tests import cpu_usage, release
 from tests.eventually import eventually
 from tests.gotools import go_built
 
@@ -63,6 +63,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when == "teardown":
         cpu_usage.finish(item, report)
     return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    cpu_usage.teardown_starts(item, last=nextitem is None)
+
+
+@pytest.hookimpl(specname="pytest_runtest_teardown", trylast=True)  # after the test's own fixtures' teardown
+def pytest_runtest_teardown_release(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    before = cpu_usage.cpu_seconds()
+    if stopped := release.leaving(item.nodeid, nextitem.nodeid if nextitem is not None else None):
+        cpu_usage.released(item, " and ".join(stopped), cpu_usage.cpu_seconds() - before)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

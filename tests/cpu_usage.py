@@ -4,8 +4,10 @@ On a 2-core machine the suite's wall time is bounded by the CPU work of its test
 waits; this report, at the end of every run, names the modules that cost the most so that cutting the
 suite's time starts from a measurement. Each test's figure is its lane process's own CPU time plus that
 of the child processes it reaped (``RUSAGE_CHILDREN``: an agent's workers count once the agent has
-waited for them), from its set-up to its teardown. Processes the test did not reap are not counted: a
-Kubernetes control plane started once per session, containers run by containerd, daemons.
+waited for them), from its set-up to its teardown. A session fixture's processes are reaped when it stops:
+the Kubernetes clusters after their folder's last test (tests/release.py), the rest after a lane's last
+test; each has a line of its own rather than counting for the test it stopped after. Processes nobody
+here reaps are not counted: containers run by containerd.
 
 The hooks are :mod:`tests.conftest`'s, so they cover the tests under ``tests/`` (the e2e scenarios' work is
 in their containers anyway).
@@ -21,7 +23,11 @@ from pathlib import Path
 import pytest
 
 CPU_PROPERTY = "cpu_s"
+FIXTURES_PROPERTY = "cpu_fixtures"
+"""(what, seconds): session fixtures stopped after the test, whose CPU is not the test's."""
 _STARTED = pytest.StashKey[float]()
+_TEARDOWN = pytest.StashKey[tuple[float, bool]]()
+_RELEASED = pytest.StashKey[list[tuple[str, float]]]()
 
 
 def cpu_seconds() -> float:
@@ -52,10 +58,13 @@ class Report:
         for name, value in report.user_properties:
             if name == CPU_PROPERTY and isinstance(value, float):
                 self.by_module[report.nodeid.partition("::")[0]] += value
+            elif name == FIXTURES_PROPERTY and isinstance(value, (list, tuple)):
+                what, seconds = value
+                self.by_module[f"session fixtures: {what}"] += float(seconds)
 
     def lines(self, *, top: int = 15) -> list[str]:
         total = sum(self.by_module.values())
-        out = [f"tests' own CPU: {total:.0f} s in all; the modules that cost the most:"]
+        out = [f"CPU of the tests and their session fixtures: {total:.0f} s in all; the most:"]
         for module, seconds in sorted(self.by_module.items(), key=lambda kv: -kv[1])[:top]:
             out.append(f"  {seconds:7.1f} s  {module}")
         end = machine_busy()
@@ -74,8 +83,29 @@ def start(item: pytest.Item) -> None:
     item.stash[_STARTED] = cpu_seconds()
 
 
+def teardown_starts(item: pytest.Item, *, last: bool) -> None:
+    """``last``: no test follows in this process, so its teardown stops every session fixture too."""
+    item.stash[_TEARDOWN] = (cpu_seconds(), last)
+
+
+def released(item: pytest.Item, what: str, seconds: float) -> None:
+    """Session fixtures (``what``) stopped after ``item`` cost ``seconds``."""
+    item.stash.setdefault(_RELEASED, []).append((what, seconds))
+
+
 def finish(item: pytest.Item, report: pytest.TestReport) -> None:
-    """Puts the test's CPU seconds on its teardown report, which xdist carries to the controller."""
+    """Puts the test's CPU seconds on its teardown report, which xdist carries to the controller, and
+    those of the session fixtures stopped after it apart."""
     started = item.stash.get(_STARTED, None)
-    if started is not None:
-        report.user_properties.append((CPU_PROPERTY, round(cpu_seconds() - started, 2)))
+    if started is None:
+        return
+    now = cpu_seconds()
+    fixtures = list(item.stash.get(_RELEASED, []))
+    own = now - started - sum(seconds for _, seconds in fixtures)
+    teardown_at, last = item.stash.get(_TEARDOWN, (now, False))
+    if last:  # the teardown stopped every session fixture left: theirs, not the test's
+        fixtures.append(("the rest, at the lane's end", own - (teardown_at - started)))
+        own = teardown_at - started
+    report.user_properties.append((CPU_PROPERTY, round(own, 2)))
+    for what, seconds in fixtures:
+        report.user_properties.append((FIXTURES_PROPERTY, (what, round(seconds, 2))))

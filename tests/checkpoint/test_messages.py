@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from phalanx.checkpoint import host as host_mod
-from phalanx.checkpoint import messages
+from phalanx.checkpoint import messages, protocol
 
 
 def test_every_request_survives_the_wire() -> None:
@@ -78,4 +78,27 @@ def test_the_host_answers_malformed_lines_with_an_error_and_keeps_serving(
             assert reply["error"].startswith("bad request: "), reply
         sock.sendall(b'{"op": "ping"}\n')  # the same connection still serves
         assert json.loads(reader.readline()) == {"ok": True, "pid": host.pid, "storage": host.storage}
+    assert host.alive()
+
+
+def test_a_line_that_never_ends_closes_its_connection_not_the_host(host: host_mod.HostHandle) -> None:
+    """A client that streams bytes without a newline would otherwise grow the host's buffer without end."""
+
+    def closed_by_the_host(sock: socket.socket) -> bool:
+        try:
+            for _ in range(4 * protocol.MAX_LINE_BYTES // 65536):
+                sock.sendall(b"x" * 65536)
+            return sock.recv(1) == b""  # a host that buffers on answers nothing: the timeout fails the test
+        except (BrokenPipeError, ConnectionResetError):
+            return True
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(host.socket_path))
+        sock.settimeout(10)
+        assert closed_by_the_host(sock)
+    with socket.socket(socket.AF_UNIX) as sock:  # and the host serves the next client
+        sock.connect(str(host.socket_path))
+        sock.settimeout(10)
+        sock.sendall(b'{"op": "ping"}\n')
+        assert json.loads(sock.makefile("rb").readline())["pid"] == host.pid
     assert host.alive()

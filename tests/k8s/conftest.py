@@ -7,6 +7,7 @@ reason, except under CI=true, where a missing control plane fails the session.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from k8s_harness.cluster import METRICS_TOKEN, Cluster
 from k8s_harness.controlplane import ControlPlane, find_binaries
+from tests import release
 from tests.eventually import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,17 +54,21 @@ def control_plane() -> Iterator[ControlPlane]:
     assert bin_dir is not None
     state = Path(tempfile.mkdtemp(prefix="phalanx-k8s-"))
     cp = ControlPlane(bin_dir=bin_dir, state_dir=state)
-    try:
+    with contextlib.ExitStack() as stop:
+        stop.callback(_stop_control_plane, cp)
+        release.when_done("tests/k8s/", stop.close)  # idle after its tests, it would load the rest
         cp.start()
         cp.kubectl("apply", "--server-side", "-f", str(CRD))
         _wait_established(cp, "elasticjobs.phalanx.dev")
         yield cp
-    finally:
-        cp.stop()
-        if os.environ.get("PHALANX_K8S_KEEP") == "1":  # keep logs and certificates for debugging
-            print(f"\nkept the control plane's state in {state}")
-        else:
-            cp.remove()
+
+
+def _stop_control_plane(cp: ControlPlane) -> None:
+    cp.stop()
+    if os.environ.get("PHALANX_K8S_KEEP") == "1":  # keep logs and certificates for debugging
+        print(f"\nkept the control plane's state in {cp.state_dir}")
+    else:
+        cp.remove()
 
 
 @pytest.fixture(scope="session")
@@ -73,10 +79,10 @@ def cluster(control_plane: ControlPlane) -> Iterator[Cluster]:
     token_file = control_plane.state_dir / "metrics-token"
     token_file.write_text(METRICS_TOKEN + "\n")
     c.extra_env["PHALANX_OPERATOR_METRICS_TOKEN_FILE"] = str(token_file)
-    try:
+    with contextlib.ExitStack() as stop:
+        stop.callback(c.stop)
+        release.when_done("tests/k8s/", stop.close)
         c.start_kubelet()
         c.install_operator_rbac()
         c.start_operator()
         yield c
-    finally:
-        c.stop()

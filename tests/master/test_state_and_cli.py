@@ -14,7 +14,7 @@ from phalanx.api.v1 import master_pb2 as pb
 from phalanx.cli import main as cli_main
 from phalanx.cli.master import build_settings, register
 from phalanx.master.job import Job
-from phalanx.master.logstore import LogStore
+from phalanx.master.logstore import MAX_RINGS_PER_NODE, LogStore
 from phalanx.master.state import FileStateStore
 
 from .sim import settings
@@ -58,6 +58,22 @@ def test_log_store_rings_limits_and_file(tmp_path: Path) -> None:
     assert "n0 r1 out| l0" in text
     assert "2 lines dropped" in text
     assert len(text.splitlines()) == 8
+
+
+def test_a_node_naming_any_rank_makes_a_bounded_number_of_rings() -> None:
+    """The rank of a log line is the sender's word: a script with the job token naming a million ranks must
+    not grow the master's memory with them. The node keeps its newest rings; other nodes lose nothing."""
+    logs = LogStore(ring_lines=2, max_line_bytes=16, path=None)
+    logs.add("n1", [pb.LogLine(rank=0, text="kept")], dropped=0, now=1.0)
+    named = range(5 * MAX_RINGS_PER_NODE)
+    for batch in range(0, len(named), 64):
+        logs.add("n0", [pb.LogLine(rank=r, text="x") for r in named[batch : batch + 64]], dropped=0, now=1.0)
+    ranks = {r for r in named if logs.tail(node="n0", rank=r)}
+    assert len(ranks) == MAX_RINGS_PER_NODE
+    assert min(ranks) == len(named) - MAX_RINGS_PER_NODE  # the newest rings stayed
+    assert [line["text"] for line in logs.tail(node="n1")] == ["kept"]
+    logs.add("n0", [pb.LogLine(rank=max(ranks), text="again")], dropped=0, now=2.0)  # an existing ring
+    assert [line["text"] for line in logs.tail(node="n0", rank=max(ranks))] == ["x", "again"]
 
 
 def parse(*argv: str) -> argparse.Namespace:

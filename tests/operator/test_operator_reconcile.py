@@ -205,6 +205,21 @@ def test_vanished_worker_is_replaced_without_reusing_its_name() -> None:
     assert c.job["status"]["replacements"] == 1
 
 
+def test_pods_named_like_workers_the_operator_never_makes_are_not_its_workers() -> None:
+    """Anyone who may create Pods can name one after the job (and give it the job's ownerReference): a slot
+    of 80 million would size the pass's lists by it (about 640 MB), and an incarnation that makes the name
+    longer than a DNS label would name every later replacement beyond one. Neither counts as a worker."""
+    c = started()
+    for name in ("j-worker-80000000-0", "j-worker-1-" + "9" * 60):
+        c.pods[name] = PodView(name=name, role="worker", phase="Running", node_name="m1")
+    actions = c.step()
+    assert c.job["status"]["workerIncarnations"] == [0, 0]
+    assert not [a for a in actions if isinstance(a, (Create, DeletePod))], "nothing made, nothing touched"
+    del c.pods["j-worker-1-0"]
+    c.step()
+    assert "j-worker-1-1" in c.pods, "the real slot 1 is replaced under the name that follows its own"
+
+
 def test_replacement_budget_exhausted_fails_the_job() -> None:
     c = FakeCluster(job_obj(restart={"maxEvictions": 1}))
     c.step()

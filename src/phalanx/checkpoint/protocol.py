@@ -113,6 +113,16 @@ def send(sock: socket.socket, message: Message) -> None:
     sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
 
 
+MAX_LINE_BYTES = 1 << 20
+"""The longest control message read: requests are a few hundred bytes, replies a few kilobytes (the data
+itself goes through shared memory)."""
+
+
+class LineTooLong(ConnectionError):
+    """The peer sent more than :data:`MAX_LINE_BYTES` without ending the line: it does not speak the
+    protocol, and the connection is dropped rather than buffered without end."""
+
+
 class LineReader:
     """Reads JSON lines from a socket."""
 
@@ -121,8 +131,12 @@ class LineReader:
         self._buf = b""
 
     def read(self) -> Message | None:
-        """The next message, or None when the peer closed the connection."""
+        """The next message, or None when the peer closed the connection. Raises :class:`LineTooLong`
+        (an OSError: the connection is unusable) for a line beyond :data:`MAX_LINE_BYTES`, ValueError for
+        one that is not a JSON object."""
         while b"\n" not in self._buf:
+            if len(self._buf) > MAX_LINE_BYTES:
+                raise LineTooLong(f"a control message longer than {MAX_LINE_BYTES} bytes")
             chunk = self._sock.recv(65536)
             if not chunk:
                 return None

@@ -1,7 +1,9 @@
 """Log aggregation: worker output shipped by the agents, kept for ``/v1/logs`` and in a job log file.
 
-Each (node, rank) has a bounded ring of the newest ``ring_lines`` lines. Every line is also appended to
-the job log file (``<log dir>/<job id>.log``), one line per worker line::
+Each (node, rank) has a bounded ring of the newest ``ring_lines`` lines, and a node at most
+``MAX_RINGS_PER_NODE`` rings: the rank of a line is whatever the node's agent (or a script holding the job
+token) sends, so the rings a node can make are bounded, not the ranks it may name. Every line is also
+appended to the job log file (``<log dir>/<job id>.log``), one line per worker line::
 
     2026-01-02T03:04:05.678Z node-1 r3 err| the worker's text
 
@@ -26,6 +28,8 @@ __all__ = ["LogStore", "open_private"]
 
 _STREAMS = {pb.LOG_STREAM_STDOUT: "out", pb.LOG_STREAM_STDERR: "err"}
 _CONTROL = {i: f"\\x{i:02x}" for i in range(32) if i != 9}
+MAX_RINGS_PER_NODE = 256
+"""More ranks than any one machine runs; a node naming more loses the rings it made first."""
 
 
 def _clip(text: str, max_bytes: int) -> str:
@@ -58,6 +62,8 @@ class LogStore:
         self.lines_total = 0
         self.dropped_total = 0
         self._rings: dict[tuple[str, int], deque[tuple[float, int, str, str]]] = {}
+        self._ranks: dict[str, deque[int]] = {}
+        """Each node's ranks that have a ring, oldest first."""
         self._buffer: list[str] = []
         self._file: IO[str] | None = None
 
@@ -69,7 +75,7 @@ class LogStore:
             unix = line.unix_ns / 1e9 if line.unix_ns else now
             ring = self._rings.get((node_id, line.rank))
             if ring is None:
-                ring = self._rings[(node_id, line.rank)] = deque(maxlen=self.ring_lines)
+                ring = self._new_ring(node_id, line.rank)
             ring.append((unix, line.local_rank, stream, text))
             self.lines_total += 1
             if self.path is not None:
@@ -79,6 +85,14 @@ class LogStore:
                 self._buffer.append(f"{stamp} {node_id} r{line.rank} {stream}| {text}\n")
         if dropped > 0 and self.path is not None:
             self._buffer.append(f"[{node_id}: {dropped} lines dropped by the agent's rate limit]\n")
+
+    def _new_ring(self, node_id: str, rank: int) -> deque[tuple[float, int, str, str]]:
+        ranks = self._ranks.setdefault(node_id, deque())
+        if len(ranks) >= MAX_RINGS_PER_NODE:
+            del self._rings[(node_id, ranks.popleft())]
+        ranks.append(rank)
+        ring = self._rings[(node_id, rank)] = deque(maxlen=self.ring_lines)
+        return ring
 
     def tail(self, *, node: str = "", rank: int | None = None, tail: int = 100) -> list[dict[str, Any]]:
         """The newest ``tail`` lines of the matching rings, oldest first."""

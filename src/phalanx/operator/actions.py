@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.api import elasticjob
+from phalanx.operator.admission import MAX_NODES
+
+MAX_POD_NAME = 63
+"""A worker Pod's name is its hostname too, a DNS label (the job name's bound keeps the operator's within)."""
 
 LIVE_PHASES = ("Pending", "Running", "Unknown")
 
@@ -31,17 +35,28 @@ class PodView:
 
     @property
     def slot(self) -> int | None:
-        parsed = elasticjob.parse_worker(self.name)
+        parsed = _worker(self.name)
         return parsed[0] if parsed else None
 
     @property
     def incarnation(self) -> int:
-        parsed = elasticjob.parse_worker(self.name)
+        parsed = _worker(self.name)
         return parsed[1] if parsed else 0
 
     @property
     def live(self) -> bool:
         return not self.terminating and self.phase in LIVE_PHASES
+
+
+def _worker(name: str) -> tuple[int, int] | None:
+    """(slot, incarnation) of a worker Pod's name, or None for a name the operator never gives: a slot at or
+    beyond the largest ``nodes.max`` admission accepts, or a name longer than a DNS label. Anyone who may
+    create Pods can name one after a job, and a pass sizes its lists by the slots it sees: bounded here, one
+    job's forged Pod cannot take the operator's memory from every other job. (A forged incarnation within
+    the label still moves that job's next Pod names on; only someone who may create Pods in its namespace
+    can do that, and they could delete the job as well.)"""
+    parsed = elasticjob.parse_worker(name) if len(name) <= MAX_POD_NAME else None
+    return parsed if parsed is not None and parsed[0] < MAX_NODES else None
 
 
 @dataclass(frozen=True, kw_only=True)
