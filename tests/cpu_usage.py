@@ -36,14 +36,17 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def machine_busy() -> tuple[float, float] | None:
-    """(busy, total) jiffies of every CPU since boot (``/proc/stat``); None where there is no such file."""
+def machine_busy() -> tuple[float, float, float] | None:
+    """(busy, stolen, total) jiffies of every CPU since boot (``/proc/stat``: user, nice, system, idle,
+    iowait, irq, softirq, steal; the guest times are in user already); None where there is no such file."""
     try:
-        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     except (OSError, ValueError):
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle and iowait
-    return sum(fields) - idle, sum(fields)
+    if len(fields) < 8:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq, steal, sum(fields)
 
 
 class Report:
@@ -67,15 +70,14 @@ class Report:
         out = [f"CPU of the tests and their session fixtures: {total:.0f} s in all; the most:"]
         for module, seconds in sorted(self.by_module.items(), key=lambda kv: -kv[1])[:top]:
             out.append(f"  {seconds:7.1f} s  {module}")
-        end = machine_busy()
-        if self.machine_at_start is not None and end is not None:
-            busy = end[0] - self.machine_at_start[0]
-            total_jiffies = end[1] - self.machine_at_start[1]
-            if total_jiffies > 0:
-                out.append(
-                    f"the machine's CPUs were busy {100 * busy / total_jiffies:.0f}% of the "
-                    f"{time.monotonic() - self.started:.0f} s run (everything on it, not only the tests)"
-                )
+        end, start = machine_busy(), self.machine_at_start
+        if start is not None and end is not None and end[2] > start[2]:
+            busy, stolen, total_jiffies = (e - s for e, s in zip(end, start, strict=True))
+            out.append(
+                f"the machine's CPUs were busy {100 * busy / total_jiffies:.0f}% of the "
+                f"{time.monotonic() - self.started:.0f} s run, and taken by the host (steal) "
+                f"{100 * stolen / total_jiffies:.0f}% (everything on the machine, not only the tests)"
+            )
         return out
 
 
