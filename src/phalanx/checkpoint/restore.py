@@ -85,11 +85,13 @@ def _warn(message: str) -> None:
     warnings.warn(message, CheckpointWarning, stacklevel=3)
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
+    """Whether this process is in an initialised default process group."""
     return dist.is_available() and dist.is_initialized()
 
 
-def _device() -> torch.device:
+def collective_device() -> torch.device:
+    """Where a collective's tensors go: the current GPU under NCCL, else the CPU."""
     return (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend() == "nccl"
@@ -98,9 +100,9 @@ def _device() -> torch.device:
 
 
 def _all_reduce(value: int, op: Any, group: Any = None) -> int:
-    if not _distributed():
+    if not distributed():
         return value
-    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=op, group=group)
     return int(t.item())
 
@@ -109,15 +111,15 @@ def agree(candidates: set[int], *, held_by_any: bool = False) -> int | None:
     """The newest step in every rank's candidate set (None when there is none). ``held_by_any``: the newest
     step in any rank's set, for replicated state, which a rank holding it hands to the others."""
     if held_by_any:
-        newest = _all_reduce(max(candidates, default=-1), dist.ReduceOp.MAX if _distributed() else None)
+        newest = _all_reduce(max(candidates, default=-1), dist.ReduceOp.MAX if distributed() else None)
         return newest if newest >= 0 else None
     upper = 2**62
     while True:
         mine = max((c for c in candidates if c <= upper), default=-1)
-        proposal = _all_reduce(mine, dist.ReduceOp.MIN if _distributed() else None)
+        proposal = _all_reduce(mine, dist.ReduceOp.MIN if distributed() else None)
         if proposal < 0:
             return None
-        if _all_reduce(int(proposal in candidates), dist.ReduceOp.MIN if _distributed() else None):
+        if _all_reduce(int(proposal in candidates), dist.ReduceOp.MIN if distributed() else None):
             return proposal
         upper = proposal - 1
 
@@ -294,7 +296,7 @@ def _decode_shard(data: bytearray, meta: dict[str, Any]) -> tuple[dict[str, Any]
 def _broadcast_shard(
     got: tuple[dict[str, Any], list[torch.Tensor]] | None, *, src: int, group: Any
 ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-    device = _device()
+    device = collective_device()
     is_src = dist.get_rank() == src
     status = torch.tensor([1 if got is not None else 0], dtype=torch.int64, device=device)
     dist.broadcast(status, src=src, group=group)
@@ -354,7 +356,7 @@ def _read_step(
                 _warn(f"skipping the persisted checkpoint step {step}: {exc}")
         return None, "memory" if step in memory else "storage"
 
-    if replica_group is None or not _distributed():
+    if replica_group is None or not distributed():
         return local()
     if not _all_reduce(int(step not in memory), dist.ReduceOp.MAX, replica_group):
         return local()  # every member holds it in memory
@@ -441,7 +443,7 @@ def load(
         memory = _any_replica(ckpt, memory)
     # Storage is listed once every rank got here: a node whose workers restart in place while a newcomer
     # joins starts them only after its save at breakpoint is on storage, and the newcomer must see it.
-    _all_reduce(0, dist.ReduceOp.MAX if _distributed() else None)
+    _all_reduce(0, dist.ReduceOp.MAX if distributed() else None)
     on_storage = _stored_steps(ckpt.storage, memory=memory)
     candidates = set(memory) | on_storage
     bad: list[int] = []
@@ -474,7 +476,7 @@ def load(
                 _warn(f"skipping checkpoint step {step}: its structure is malformed ({exc})")
                 got = None
         if (
-            _all_reduce(int(got is not None), dist.ReduceOp.MIN if _distributed() else None)
+            _all_reduce(int(got is not None), dist.ReduceOp.MIN if distributed() else None)
             and got is not None
         ):
             return LoadReport(

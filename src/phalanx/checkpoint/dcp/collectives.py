@@ -12,26 +12,15 @@ import torch.distributed as dist
 from phalanx.api.errors import CheckpointCorruptError
 from phalanx.checkpoint import codec
 from phalanx.checkpoint.dcp.metadata import describe
+from phalanx.checkpoint.restore import collective_device, distributed
 from phalanx.checkpoint.structure import MALFORMED
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
 
 
 def all_gather_bytes(blob: bytes) -> list[bytes]:
     """Every rank's ``blob``, in rank order."""
-    if not _distributed():
+    if not distributed():
         return [blob]
-    device = _device()
+    device = collective_device()
     length = torch.tensor([len(blob)], dtype=torch.int64, device=device)
     lengths = [torch.zeros_like(length) for _ in range(dist.get_world_size())]
     dist.all_gather(lengths, length)
