@@ -134,7 +134,8 @@ def lonely_allgather_under_way(
         )
     )
     thread.start()
-    eventually(lambda: kills, timeout=30, what="the probe started", interval=0.01)
+    # The server imports torch first: seen to take over 30 s on the loaded 2-core machine.
+    eventually(lambda: kills, timeout=60, what="the probe started", interval=0.01)
     return thread, result
 
 
