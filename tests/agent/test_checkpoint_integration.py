@@ -416,7 +416,9 @@ def test_a_restart_in_place_does_not_wait_for_a_hung_storage(tmp_path: Path) -> 
             # breakpoint step's own snapshot (superseded by then), which the test would then miss.
             with environment(env):
                 stored = storage_lib.open_storage(f"s3://{bucket}/run")
-                eventually(lambda: 0 in storage_lib.committed_steps(stored), timeout=60, what="step 0 persisted")
+                eventually(
+                    lambda: 0 in storage_lib.committed_steps(stored), timeout=60, what="step 0 persisted"
+                )
             server.send_signal(signal.SIGSTOP)
             try:
                 os.kill(int((pids / "rank1.pid").read_text()), signal.SIGKILL)
