@@ -25,6 +25,8 @@ from tests.eventually import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "elasticjobs.phalanx.dev.yaml"
+ADMISSION = ROOT / "deploy" / "elasticjob-admission.yaml"
+"""Installed with the CRD, as a real install does: without it the operator refuses privileged templates."""
 
 
 def _missing(reason: str) -> None:
@@ -60,6 +62,7 @@ def control_plane() -> Iterator[ControlPlane]:
         cp.start()
         cp.kubectl("apply", "--server-side", "-f", str(CRD))
         _wait_established(cp, "elasticjobs.phalanx.dev")
+        cp.kubectl("apply", "-f", str(ADMISSION))
         yield cp
 
 

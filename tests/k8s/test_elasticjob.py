@@ -21,9 +21,8 @@ from k8s_harness.controlplane import ControlPlane
 from k8s_harness.kubelet import IMAGE_USER
 from kubernetes import config as k8s_config
 
-from phalanx.api.settings import OperatorSettings
-from phalanx.operator import executor as executor_module
-from phalanx.operator.executor import Executor
+from phalanx.operator import discovery as discovery_module
+from phalanx.operator.discovery import Discovery
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 
@@ -652,6 +651,16 @@ def test_a_gang_is_placed_all_at_once_or_not_at_all(cluster: Cluster) -> None:
     cluster.cp.kubectl("delete", "namespace", ns, "--wait=false")
 
 
+def test_the_operator_finds_its_admission_policy_with_its_own_rights(cluster: Cluster) -> None:
+    """With deploy/operator-rbac.yaml's rights alone, the operator reads its admission policy and binding
+    (installed with the CRD); a policy of another name reads as missing (its rights name only its own), and
+    the operator then refuses privileged templates (tests/operator: AdmissionPolicyMissing)."""
+    api = k8s_config.new_client_from_config(str(cluster.operator_kubeconfig))
+    assert Discovery(api).admission_policy_found("phalanx-elasticjob-templates")
+    assert not Discovery(api).admission_policy_found("someone-elses-policy")
+    assert Discovery(api).admission_policy_found(""), "no policy named: nothing to check"
+
+
 def test_the_operator_discovers_whether_the_cluster_serves_pod_groups(
     control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -659,6 +668,6 @@ def test_the_operator_discovers_whether_the_cluster_serves_pod_groups(
     (GenericWorkload on); an API version it does not serve reads as absent, which fails a gang job with
     GangSchedulingUnavailable instead of placing its Pods one by one."""
     api = k8s_config.new_client_from_config(str(control_plane.kubeconfig))
-    assert Executor(api=api, settings=OperatorSettings())._serves_pod_groups()
-    monkeypatch.setattr(executor_module, "POD_GROUP_VERSION", "v1alpha9")
-    assert not Executor(api=api, settings=OperatorSettings())._serves_pod_groups()
+    assert Discovery(api).serves_pod_groups()
+    monkeypatch.setattr(discovery_module, "POD_GROUP_VERSION", "v1alpha9")
+    assert not Discovery(api).serves_pod_groups()

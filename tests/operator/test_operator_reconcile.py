@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.api.settings import OperatorSettings
+from phalanx.operator import workers as workers_module
 from phalanx.operator.actions import (
     Action,
     CordonNode,
@@ -51,6 +52,7 @@ class FakeCluster:
     deleted_job: list[DeleteJob] = field(default_factory=list)
     pod_group: dict[str, Any] | None = None
     pod_group_api: bool = True
+    admission_policy: bool = True
     settings: OperatorSettings = SETTINGS
     """The operator's settings, its trust switches (cordon_nodes, network_policy) included."""
     foreign: set[tuple[str, str]] = field(default_factory=set)
@@ -67,6 +69,7 @@ class FakeCluster:
             existing=frozenset(self.objects),
             pod_group=copy.deepcopy(self.pod_group),
             pod_group_api=self.pod_group_api,
+            admission_policy=self.admission_policy,
             foreign=frozenset(self.foreign),
         )
         actions = reconcile(observed, now=self.now, settings=self.settings, new_token="tok")
@@ -409,6 +412,70 @@ def test_the_network_policy_and_the_metrics_secret_are_supporting_objects_when_s
     ]
     assert ("Secret", "j-metrics") not in plain
     assert ("NetworkPolicy", "j-master") not in plain
+
+
+def test_worker_pods_are_created_in_batches_that_double_up_to_a_cap() -> None:
+    """Kubernetes' slow start: a pass holds at most MAX_CREATES_PER_PASS Pods built from the template, and a
+    refused template costs a batch of requests, not nodes.max of them."""
+    c = FakeCluster(job_obj(nodes={"min": 1, "max": 200}))
+    batches = []
+    while len(c.workers()) < 200:
+        c.step()
+        batches.append(len(c.workers()))
+        assert len(batches) < 10, batches
+    assert batches == [16, 32, 64, 128, 192, 200]
+    assert c.job["status"]["workerIncarnations"] == [0] * 200
+    assert not [a for a in c.step() if isinstance(a, Create)]
+
+
+def test_an_evicted_pod_waits_with_its_slot_for_a_pass_that_may_create_its_replacement() -> None:
+    c = FakeCluster(job_obj(nodes={"min": 1, "max": 40}, restart={"maxEvictions": 50}))
+    for _ in range(3):
+        c.step()
+    c.run_all()
+    assert len(c.workers()) == 40
+    # 30 Pods vanished (10 are left: this pass may create 16) and the last slot's Pod is evicted.
+    for slot in range(30):
+        del c.pods[f"j-worker-{slot}-0"]
+    c.job["status"]["evictions"] = [{"nodeId": "j-worker-39-0", "reason": "slow"}]
+    actions = c.step()
+    assert len([a for a in actions if isinstance(a, Create)]) == 16
+    assert "j-worker-39-0" in c.workers(), "kept until its replacement exists"
+    assert not c.deletes
+    actions = c.step()
+    assert [type(a).__name__ for a in actions if isinstance(a, Create | DeletePod)][-2:] == [
+        "Create",
+        "DeletePod",
+    ]
+    assert [d.name for d in c.deletes] == ["j-worker-39-0"]
+    assert len(c.workers()) == 40
+    assert "j-worker-39-1" in c.workers()
+
+
+def test_refused_creates_hold_a_pass_to_the_first_batch() -> None:
+    assert workers_module.create_budget(existing=500, refused=True) == workers_module.SLOW_START_CREATES
+    assert workers_module.create_budget(existing=0, refused=False) == workers_module.SLOW_START_CREATES
+    assert workers_module.create_budget(existing=40, refused=False) == 40
+    assert workers_module.create_budget(existing=5000, refused=False) == workers_module.MAX_CREATES_PER_PASS
+
+
+def test_without_its_admission_policy_the_operator_refuses_privileged_templates() -> None:
+    host = {"spec": {"hostNetwork": True, "containers": [{"name": "t", "image": "i", "command": ["t"]}]}}
+    c = FakeCluster(job_obj(template=host), admission_policy=False)
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, Create)], "nothing is made from the template"
+    assert c.job["status"]["phase"] == "Failed"
+    failed = c.condition("Failed")
+    assert failed["reason"] == "AdmissionPolicyMissing"
+    assert "spec.template.spec.hostNetwork" in failed["message"]
+    assert "phalanx-elasticjob-templates" in failed["message"]
+    # An ordinary template runs without the policy; a privileged one runs with it.
+    plain = FakeCluster(job_obj(), admission_policy=False)
+    plain.step()
+    assert len(plain.workers()) == 2
+    trusted = FakeCluster(job_obj(template=host))
+    trusted.step()
+    assert len(trusted.workers()) == 2
 
 
 def test_scaling_down_deletes_the_highest_slots() -> None:

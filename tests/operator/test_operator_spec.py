@@ -241,3 +241,19 @@ def test_a_spec_past_a_bound_is_refused_by_the_operator_too(
         parse_spec(spec(**fields))
     assert field in str(exc.value)
     assert message in str(exc.value)
+
+
+def test_a_template_too_large_to_copy_for_every_node_is_refused_with_what_to_do() -> None:
+    """40,000 tolerations (1.4 MB): before, the operator built nodes.max copies of it in one pass."""
+    tolerations = [{"key": f"k{i}", "operator": "Exists"} for i in range(40_000)]
+    big = spec()
+    big["template"]["spec"]["tolerations"] = tolerations
+    with pytest.raises(
+        ConfigError, match=r"^spec\.template: is \d+ KiB as JSON, at most 256 KiB: .*ConfigMap"
+    ):
+        parse_spec(big)
+    with pytest.raises(ConfigError, match=r"^spec\.master\.template: is \d+ KiB"):
+        parse_spec(spec(master={"template": {"spec": {"tolerations": tolerations}}}))
+    fits = spec()
+    fits["template"]["spec"]["tolerations"] = tolerations[:1000]  # about 40 KiB
+    assert parse_spec(fits).template["spec"]["tolerations"] == tolerations[:1000]

@@ -107,6 +107,8 @@ def test_default_render(helm: Helm) -> None:
             "ServiceAccount",
             "ClusterRole",  # the operator's rules; no cluster-scoped one without operator.cordonNodes
             "ClusterRoleBinding",
+            "ClusterRole",  # reading its own admission policy, by name (fail closed without it)
+            "ClusterRoleBinding",
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
             "Role",
@@ -301,22 +303,31 @@ def test_the_operator_has_a_liveness_probe_and_its_own_pod_monitor(helm: Helm) -
 
 def test_a_namespaced_operator_gets_a_role_and_only_the_cluster_rules_it_needs(helm: Helm) -> None:
     """operator.watchNamespace: the rules on namespaced objects (Secrets included) are a Role there, and
-    nothing is cluster-wide (no CRDs, no namespaces: the operator watches jobs and Pods only); nodes only
-    with operator.cordonNodes."""
+    nothing is cluster-wide (no CRDs, no namespaces: the operator watches jobs and Pods only) but reading its
+    own admission policy by name; nodes only with operator.cordonNodes."""
     objs = helm.render("operator.watchNamespace=team-a")
     role = _one(objs, "Role", "rel-phalanx-operator")
     assert role["metadata"]["namespace"] == "team-a"
     assert role["rules"] == _deploy("ClusterRole")["rules"]
     binding = _one(objs, "RoleBinding", "rel-phalanx-operator")
     assert (binding["metadata"]["namespace"], binding["roleRef"]["kind"]) == ("team-a", "Role")
-    assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    (check,) = [o for o in objs if o["kind"] == "ClusterRole"]
+    assert check["rules"] == [
+        {
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["validatingadmissionpolicies", "validatingadmissionpolicybindings"],
+            "resourceNames": ["rel-phalanx-elasticjob-templates"],
+            "verbs": ["get"],
+        }
+    ]
     cordoning = helm.render("operator.watchNamespace=team-a", "operator.cordonNodes=true")
-    (cluster,) = [o for o in cordoning if o["kind"] == "ClusterRole"]
+    cluster = _one(cordoning, "ClusterRole", "rel-phalanx-operator-cluster")
     assert cluster["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
-    (bound,) = [o for o in cordoning if o["kind"] == "ClusterRoleBinding"]
+    bound = _one(cordoning, "ClusterRoleBinding", "rel-phalanx-operator-cluster")
     assert bound["roleRef"]["name"] == cluster["metadata"]["name"]
     everywhere = [o for o in helm.render() if o["kind"] == "ClusterRole"]
-    assert [o["metadata"]["name"] for o in everywhere] == ["rel-phalanx-operator"]
+    names = [o["metadata"]["name"] for o in everywhere]
+    assert names == ["rel-phalanx-operator", "rel-phalanx-operator-admission-check"]
     resources = {r for o in everywhere for rule in o["rules"] for r in rule["resources"]}
     assert not resources & {"nodes", "namespaces", "customresourcedefinitions"}
 
@@ -396,3 +407,16 @@ def test_master_tls_gives_the_operator_its_ca_and_prometheus_https(helm: Helm) -
         for e in _one(own, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert env["PHALANX_OPERATOR_TLS_CA_SECRET"] == "corp-ca"
+
+
+def test_the_operator_is_told_its_admission_policy_unless_job_authors_are_trusted(helm: Helm) -> None:
+    def env(objs: list[dict[str, Any]]) -> dict[str, str]:
+        (container,) = _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e.get("value", "") for e in container["env"]}
+
+    objs = helm.render()
+    assert env(objs)["PHALANX_OPERATOR_ADMISSION_POLICY"] == "rel-phalanx-elasticjob-templates"
+    assert _one(objs, "ValidatingAdmissionPolicy")["metadata"]["name"] == "rel-phalanx-elasticjob-templates"
+    trusted = helm.render("operator.trustJobAuthors=true")
+    assert env(trusted)["PHALANX_OPERATOR_ADMISSION_POLICY"] == ""
+    assert not [o for o in trusted if o["metadata"]["name"].endswith("-admission-check")]

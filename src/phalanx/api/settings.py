@@ -298,6 +298,13 @@ class OperatorSettings:
         "of the CA that signs each job's master certificate, made by the operator when it does not exist. "
         "Workers get the CA certificate only. Empty: masters speak plain text.",
     )
+    admission_policy: str = setting(
+        "phalanx-elasticjob-templates",
+        doc="The ValidatingAdmissionPolicy (and its binding of the same name) that keeps a job's templates "
+        "within its author's rights. While the operator cannot find both, it fails every job whose templates "
+        "ask for host access, privileges, another service account or a node. Empty: no check (every job "
+        "author is trusted with the operator's rights).",
+    )
     monitoring_namespace: str = setting(
         "monitoring",
         doc="Namespace (its kubernetes.io/metadata.name label) whose Pods may scrape every master's /metrics "

@@ -29,6 +29,7 @@ from grpc import aio
 
 from phalanx.api import auth
 from phalanx.api.errors import ConfigError
+from phalanx.api.httpguard import GuardedH11Protocol
 from phalanx.api.settings import MasterSettings
 from phalanx.master.http import create_app
 from phalanx.master.job import Job
@@ -190,6 +191,26 @@ async def run_master(
     return 0
 
 
+MAX_AGENTS = 5000
+"""The most nodes a job has (an ElasticJob's ``nodes.max``), each one agent."""
+
+MAX_CONCURRENT_RPCS = 4 * MAX_AGENTS
+"""RPCs the agents' server runs at once; beyond it a call is refused (RESOURCE_EXHAUSTED, which an agent
+retries) instead of queued without bound. Every agent has at most a few calls under way."""
+
+GRPC_CONNECTION_LIMITS = (
+    # Connections beyond this are closed as they come: one per agent, and room to spare.
+    ("grpc.max_allowed_incoming_connections", 2 * MAX_AGENTS),
+    # A connection that has not finished its HTTP/2 (and TLS) handshake in 10 s is closed (gRPC: 120 s).
+    ("grpc.server_handshake_timeout_ms", 10_000),
+    # A connection without a call for 5 minutes is closed; an agent's heartbeat calls every few seconds.
+    ("grpc.max_connection_idle_ms", 300_000),
+    ("grpc.max_concurrent_streams", 64),
+)
+"""Bounds on the connections of the agents' port: a Pod holding thousands open cannot exhaust the master's
+descriptors, and the agents (one connection each, their calls a few at a time) never meet them."""
+
+
 def _grpc_server(settings: MasterSettings, rt: Runtime, *, token: str) -> tuple[aio.Server, int]:
     """The agents' gRPC server, every call checked against the job token; TLS when the settings name a
     certificate. Bound, not started; returns it and its port."""
@@ -199,7 +220,9 @@ def _grpc_server(settings: MasterSettings, rt: Runtime, *, token: str) -> tuple[
             ("grpc.max_receive_message_length", settings.max_request_bytes),
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
             ("grpc.so_reuseport", 0),
+            *GRPC_CONNECTION_LIMITS,
         ],
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
     )
     add_to_server(grpc_server, rt)
     tls = _tls_pair(settings)
@@ -225,6 +248,7 @@ def _http_server(settings: MasterSettings, rt: Runtime, *, token: str, metrics_t
             access_log=False,
             lifespan="off",
             log_config=None,
+            http=GuardedH11Protocol,  # idle and trickling connections closed; a flood never locks one out
             ssl_certfile=settings.tls_cert_file or None,
             ssl_keyfile=settings.tls_key_file or None,
         )

@@ -73,6 +73,9 @@ class Observed:
     """The job's PodGroup as read (``spec.gangScheduling`` only); None when it does not exist."""
     pod_group_api: bool = True
     """Whether the API server serves PodGroups (read only for jobs that ask for gang scheduling)."""
+    admission_policy: bool = True
+    """Whether the operator's admission policy and its binding exist (read only for jobs whose templates
+    ask for privileges: :mod:`phalanx.operator.privileged`)."""
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from phalanx.api import elasticjob
 from phalanx.api.elasticjob import FINISHED_PHASES, GROUP, PLURAL, SCHEDULED_ANNOTATION, VERSION
 from phalanx.api.errors import KubernetesError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import names, refusals, tls
+from phalanx.operator import names, privileged, refusals, tls
 from phalanx.operator.actions import (
     Action,
     CordonNode,
@@ -36,6 +36,7 @@ from phalanx.operator.builders import (
 )
 from phalanx.operator.ca import load_authority
 from phalanx.operator.conditions import set_condition
+from phalanx.operator.discovery import Discovery
 from phalanx.operator.events import Aggregator, record_event
 from phalanx.operator.observe import owned_by, ownership, pod_view, read_metadata
 from phalanx.operator.reconcile import managed_here, reconcile
@@ -76,7 +77,7 @@ class Executor:
         self.rbac: Any = client.RbacAuthorizationV1Api(api)
         self.networking: Any = client.NetworkingV1Api(api)
         self.custom: Any = client.CustomObjectsApi(api)
-        self._pod_group_api = False
+        self.discovery = Discovery(api)
         self._events = Aggregator()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._dirty: set[tuple[str, str]] = set()
@@ -219,9 +220,11 @@ class Executor:
         owned = [p for p in pods if owned_by(p.metadata.owner_references, job["metadata"]["uid"])]
         group, serves = None, True
         if gang_enabled(job.get("spec") or {}):
-            serves = self._serves_pod_groups()
+            serves = self.discovery.serves_pod_groups()
             group = self._pod_group(namespace, name) if serves else None
         existing, foreign = self._existing(namespace, name, job["metadata"]["uid"])
+        asks = privileged.requests(job.get("spec") or {})
+        policy = not asks or self.discovery.admission_policy_found(self.settings.admission_policy)
         return Observed(
             job=job,
             pods=[pod_view(p) for p in owned],
@@ -229,26 +232,8 @@ class Executor:
             foreign=foreign,
             pod_group=group,
             pod_group_api=serves,
+            admission_policy=policy,
         )
-
-    def _serves_pod_groups(self) -> bool:
-        """Whether the API server serves PodGroups (API discovery). A yes is kept for the life of the
-        process; a no is asked again, so a cluster whose administrator is enabling the API is not judged by
-        a stale answer."""
-        from kubernetes.client.exceptions import ApiException
-
-        if self._pod_group_api:
-            return True
-        try:
-            found = self.custom.get_api_resources(POD_GROUP_GROUP, POD_GROUP_VERSION)
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise KubernetesError(
-                f"cannot discover the {POD_GROUP_GROUP}/{POD_GROUP_VERSION} API: {exc.reason}"
-            ) from exc
-        self._pod_group_api = any(r.name == POD_GROUP_PLURAL for r in found.resources or [])
-        return self._pod_group_api
 
     def _pod_group(self, namespace: str, name: str) -> Mapping[str, Any] | None:
         from kubernetes.client.exceptions import ApiException

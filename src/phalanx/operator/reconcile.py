@@ -61,7 +61,7 @@ from phalanx.api import elasticjob
 from phalanx.api.elasticjob import Phase
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import builders, lifecycle, names, refusals
+from phalanx.operator import builders, lifecycle, names, privileged, refusals
 from phalanx.operator.actions import Action, Create, DeleteJob, DeletePod, Event, Observed, PatchPodGroup
 from phalanx.operator.admission import MANAGED_BY
 from phalanx.operator.conditions import get_condition, is_true, parse_rfc3339, rfc3339
@@ -157,6 +157,10 @@ def _runnable_spec(ctx: Pass) -> JobSpec | None:
         builders.training_entry(spec.template["spec"]["containers"][0])
     except ConfigError as exc:
         lifecycle.fail(ctx, reason="InvalidSpec", message=str(exc))
+        return None
+    if not ctx.observed.admission_policy and (asked := privileged.requests(ctx.job.get("spec") or {})):
+        message = privileged.refusal(asked, policy=ctx.settings.admission_policy)
+        lifecycle.fail(ctx, reason=privileged.REASON, message=message, spec=spec)
         return None
     if spec.gang_min_nodes is not None and not ctx.observed.pod_group_api:
         lifecycle.fail(ctx, reason="GangSchedulingUnavailable", message=NO_POD_GROUP_API, spec=spec)

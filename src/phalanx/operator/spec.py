@@ -8,6 +8,7 @@ CRD) fails with the settings' own message instead of a crash later.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,12 @@ from phalanx.operator.admission import (
     MAX_RESTART_BUDGET,
     MAX_SHARED_MEMORY,
 )
+
+MAX_TEMPLATE_BYTES = 256 * 1024
+"""The largest worker or master template, as compact JSON. The operator builds a Pod from the worker
+template for every node (up to :data:`phalanx.operator.workers.MAX_CREATES_PER_PASS` at a time) and the
+schema cannot bound a template's lists: without this, one job's 40,000 tolerations cost the operator of
+every tenant gigabytes. A real template is a few KiB."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,6 +386,22 @@ def _suspend(spec: Mapping[str, Any]) -> bool:
     return suspend
 
 
+def _check_template_sizes(spec: Mapping[str, Any]) -> None:
+    master = spec.get("master")
+    templates = {
+        "spec.template": spec.get("template"),
+        "spec.master.template": master.get("template") if isinstance(master, Mapping) else None,
+    }
+    for where, template in templates.items():
+        size = len(json.dumps(template or {}, separators=(",", ":"), default=str))
+        if size > MAX_TEMPLATE_BYTES:
+            raise ConfigError(
+                f"is {size // 1024} KiB as JSON, at most {MAX_TEMPLATE_BYTES // 1024} KiB: a Pod is built "
+                "from it for every node; put large data in a ConfigMap or Secret the Pod mounts",
+                field=where,
+            )
+
+
 def _first_container(spec: Mapping[str, Any]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
     """(the worker template, its first container: the one that runs phalanx-run)."""
     template = spec.get("template") or {}
@@ -415,6 +438,7 @@ def _parallelism(par: Mapping[str, Any], *, nproc: int, unit: int) -> tuple[int,
 def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     """Builds a :class:`JobSpec` from an ElasticJob's ``spec``; raises ConfigError naming the field. The
     checks run in a fixed order, so a spec with several mistakes always names the same one first."""
+    _check_template_sizes(spec)  # first: nothing else walks a template too large to handle
     nodes = _group(spec, "nodes")
     try:
         rendezvous = _rendezvous(nodes)

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import socket
 import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
+import uvicorn
+from fastapi import FastAPI, Header
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from phalanx.api.elasticjob import Phase
+from phalanx.api.httpguard import GuardedH11Protocol
 
 PHASES = tuple(phase.value for phase in Phase if phase is not Phase.PENDING)
 
@@ -102,6 +105,26 @@ def loop_answers(loop: asyncio.AbstractEventLoop, *, timeout_s: float = 5.0) -> 
     return True
 
 
+class TelemetryServer:
+    """The health and metrics server, running on its own thread and event loop."""
+
+    def __init__(self, server: uvicorn.Server, sock: socket.socket) -> None:
+        self._server = server
+        self._sock = sock
+        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="operator-http",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    @property
+    def server_address(self) -> tuple[str, int]:
+        host, port = self._sock.getsockname()[:2]
+        return str(host), int(port)
+
+    def shutdown(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
 def serve(
     *,
     port: int,
@@ -109,37 +132,30 @@ def serve(
     healthy: Callable[[], bool],
     token: str,
     host: str = "0.0.0.0",
-) -> ThreadingHTTPServer:
-    """Starts the health and metrics server in a daemon thread; returns it (``server_address`` has the
-    port when ``port`` is 0)."""
+) -> TelemetryServer:
+    """Starts the health and metrics server on a daemon thread; returns it (``server_address`` has the
+    port when ``port`` is 0). uvicorn with :mod:`phalanx.api.httpguard`'s protocol: connections that send no
+    request are closed, and however many a Pod opens the kubelet's probe still gets in."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path == "/healthz":
-                ok = healthy()
-                self._reply(
-                    200 if ok else 503, b"ok\n" if ok else b"the operator's event loop does not answer\n"
-                )
-            elif self.path == "/metrics" and token:
-                given = self.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                    self._reply(401, b"unauthorized\n")
-                    return
-                self._reply(200, generate_latest(metrics.registry), "text/plain; version=0.0.4")
-            else:
-                self._reply(404, b"not found\n")
+    @app.get("/healthz")
+    async def healthz() -> PlainTextResponse:
+        if await asyncio.to_thread(healthy):  # blocks up to loop_answers' timeout: off this loop
+            return PlainTextResponse("ok\n")
+        return PlainTextResponse("the operator's event loop does not answer\n", status_code=503)
 
-        def _reply(self, code: int, body: bytes, content_type: str = "text/plain") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    @app.get("/metrics")
+    async def prometheus(authorization: str = Header(default="")) -> Response:
+        if not token:
+            return PlainTextResponse("not found\n", status_code=404)
+        if not hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
+            return PlainTextResponse("unauthorized\n", status_code=401)
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
-        def log_message(self, format: str, *args: Any) -> None:
-            return
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="operator-http", daemon=True).start()
-    return server
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(app, http=GuardedH11Protocol, log_level="warning", access_log=False,
+                            lifespan="off", log_config=None)  # fmt: skip
+    return TelemetryServer(uvicorn.Server(config), sock)

@@ -18,6 +18,15 @@ from phalanx.operator.actions import CordonNode, Create, DeletePod, Event, Patch
 from phalanx.operator.context import Pass
 from phalanx.operator.spec import JobSpec
 
+SLOW_START_CREATES = 16
+"""Worker Pods a job's first pass may create; each later pass may create as many as the job has, so the
+creates double pass by pass (Kubernetes' ReplicaSet slow start) up to :data:`MAX_CREATES_PER_PASS`."""
+MAX_CREATES_PER_PASS = 64
+"""The most worker Pods one pass creates. A pass holds every Pod it builds until it ends, each a copy of the
+template: this bounds the operator's memory whatever ``nodes.max`` says (with the template's own bound,
+:data:`phalanx.operator.spec.MAX_TEMPLATE_BYTES`), and a template the API server refuses (a quota, an
+admission webhook) costs a few refused requests per pass, not ``nodes.max`` of them."""
+
 EVICTED_GRACE_S = 10
 """Seconds an evicted worker Pod gets beyond restart.gracePeriod: its agent stops its workers, has its
 persist refused by the master at once, and exits."""
@@ -40,13 +49,25 @@ def reconcile_workers(ctx: Pass, spec: JobSpec, *, resuming: bool = False) -> in
         if w.slot is not None:
             by_slot.setdefault(w.slot, []).append(w)
     replaced = 0
+    creates_left = create_budget(existing=len(workers), refused=bool(ctx.refused))
     for slot in range(spec.max_nodes):
         pods = sorted(by_slot.get(slot, []), key=lambda w: w.incarnation)
-        replaced += _keep_slot(ctx, spec, slot, pods, incarnations, evicted=evicted, excluded=excluded,
-                               resuming=resuming)  # fmt: skip
+        slot_replaced, created = _keep_slot(ctx, spec, slot, pods, incarnations, evicted=evicted,
+                                            excluded=excluded, resuming=resuming,
+                                            may_create=creates_left > 0)  # fmt: skip
+        replaced += slot_replaced
+        creates_left -= created
     _scale_down(ctx, spec, by_slot)
     ctx.out["workerIncarnations"] = incarnations
     return replaced
+
+
+def create_budget(*, existing: int, refused: bool) -> int:
+    """How many worker Pods this pass may create, given how many the job has: the slow start above. While
+    the API server refuses some of the job's Pods, no more than the first pass's share is asked for."""
+    if refused:
+        return SLOW_START_CREATES
+    return min(MAX_CREATES_PER_PASS, max(SLOW_START_CREATES, existing))
 
 
 def _exclude_evicted_machines(
@@ -92,8 +113,11 @@ def _keep_slot(
     evicted: Mapping[str, Mapping[str, Any]],
     excluded: list[str],
     resuming: bool,
-) -> int:
-    """One slot's actions (its Pods sorted by incarnation); returns 1 when it replaced a lost Pod."""
+    may_create: bool,
+) -> tuple[int, int]:
+    """One slot's actions (its Pods sorted by incarnation); returns (1 when it replaced a lost Pod, 1 when
+    it created a Pod). A slot that needs a Pod when ``may_create`` is false waits for a later pass, whole:
+    its evicted Pod is deleted only after its replacement was created."""
     newest = incarnations[slot]
     live = [w for w in pods if w.live]
     done = [w for w in pods if w.phase == "Succeeded" and not w.terminating]
@@ -105,8 +129,11 @@ def _keep_slot(
         and elasticjob.worker(ctx.name, slot=slot, incarnation=newest) in ctx.refused
         and not any(w.incarnation == newest for w in pods)
     )
-    replaced = 0
+    replaced = created = 0
     if not keep and not done:
+        if not may_create:
+            return 0, 0
+        created = 1
         cause = _replacement_cause(pods, evict, evicted, newest=newest, live=bool(live), retry=retry,
                                    resuming=resuming)  # fmt: skip
         inc = newest if retry else newest + 1
@@ -131,7 +158,7 @@ def _keep_slot(
     for w in pods:  # failed Pods of older incarnations are garbage once a newer one exists
         if not w.live and not w.terminating and w.phase != "Succeeded" and w.incarnation < incarnations[slot]:
             ctx.actions.append(DeletePod(w.name, grace_period_s=0))
-    return replaced
+    return replaced, created
 
 
 def _replacement_cause(

@@ -1,0 +1,63 @@
+"""What the cluster serves and holds that the operator's decisions depend on, read through the API
+server: the PodGroup API (gang scheduling) and the operator's own admission policy
+(:mod:`phalanx.operator.privileged`). A "yes", which only an administrator's hand changes, is cached; a
+"no" is asked again."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from phalanx.api.errors import KubernetesError
+from phalanx.operator.builders import POD_GROUP_GROUP, POD_GROUP_PLURAL, POD_GROUP_VERSION
+
+POLICY_SEEN_FOR_S = 60.0
+"""How long a found admission policy is taken to exist before it is read again."""
+
+
+class Discovery:
+    def __init__(self, api: Any) -> None:
+        from kubernetes import client
+
+        self.custom: Any = client.CustomObjectsApi(api)
+        self.admission: Any = client.AdmissionregistrationV1Api(api)
+        self._pod_group_api = False
+        self._policy_seen_until = 0.0
+
+    def serves_pod_groups(self) -> bool:
+        """Whether the API server serves PodGroups (API discovery). A yes is kept for the life of the
+        process; a no is asked again, so a cluster whose administrator is enabling the API is not judged by
+        a stale answer."""
+        from kubernetes.client.exceptions import ApiException
+
+        if self._pod_group_api:
+            return True
+        try:
+            found = self.custom.get_api_resources(POD_GROUP_GROUP, POD_GROUP_VERSION)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise KubernetesError(
+                f"cannot discover the {POD_GROUP_GROUP}/{POD_GROUP_VERSION} API: {exc.reason}"
+            ) from exc
+        self._pod_group_api = any(r.name == POD_GROUP_PLURAL for r in found.resources or [])
+        return self._pod_group_api
+
+    def admission_policy_found(self, name: str) -> bool:
+        """Whether the ValidatingAdmissionPolicy ``name`` and its binding of the same name exist ("": no
+        check, True). A yes is kept for a minute; a no (either is missing, or the operator may not read them)
+        is asked again at each pass that needs it. Any other error fails the pass: a job is never failed for
+        an API server's hiccup."""
+        from kubernetes.client.exceptions import ApiException
+
+        if not name or time.monotonic() < self._policy_seen_until:
+            return True
+        try:
+            self.admission.read_validating_admission_policy(name)
+            self.admission.read_validating_admission_policy_binding(name)
+        except ApiException as exc:
+            if exc.status in (403, 404):
+                return False
+            raise KubernetesError(f"cannot read the admission policy {name}: {exc.reason}") from exc
+        self._policy_seen_until = time.monotonic() + POLICY_SEEN_FOR_S
+        return True
