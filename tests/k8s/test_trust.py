@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -418,6 +419,65 @@ def test_a_job_past_the_bounds_or_breaking_a_pass_fails_alone(cluster: Cluster, 
         timeout=60,
     )  # fmt: skip
     assert _pods(cluster, ns, "huge") == [], "nothing was created for the oversized job"
+
+
+def _peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory (VmHWM): what it needed at its worst, not only now."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def test_a_huge_template_and_a_forged_pod_leave_the_operator_small_and_other_jobs_running(
+    cluster: Cluster, trust_ns: str
+) -> None:
+    """The two OOM attacks of before: nodes.max 200 with a template of 30,000 tolerations (about 1.1 MB; the
+    operator once built a copy per slot in one pass, 1.5 GB at 1.4 MB), and a Pod its author named
+    <job>-worker-80000000-0 and gave the job's ownerReference (once a list of 640 MB). The operator's peak
+    memory stays far under its 512Mi limit, and a job created after both runs."""
+    cp, ns = cluster.cp, trust_ns
+    assert cluster.operator is not None
+    fat = _sim_job("fat", ns, nodes={"min": 1, "max": 200})
+    fat["spec"]["template"]["spec"]["tolerations"] += [
+        {"key": f"phalanx.dev/pad-{i}", "operator": "Exists"} for i in range(30_000)
+    ]
+    cp.kubectl("create", "-f", "-", input_text=json.dumps(fat))
+    cp.kubectl("create", "-f", "-", input_text=json.dumps(_sim_job("forged", ns)))
+    cluster.wait_for("the forged job's worker", lambda: _pods(cluster, ns, "forged", "worker"), timeout=60)
+    uid = cluster.get_json("elasticjob", "forged", "-n", ns)["metadata"]["uid"]
+    forged = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "forged-worker-80000000-0",
+            "namespace": ns,
+            "labels": {"phalanx.dev/job": "forged", "phalanx.dev/role": "worker"},
+            "ownerReferences": [
+                {"apiVersion": "phalanx.dev/v1alpha1", "kind": "ElasticJob", "name": "forged", "uid": uid}
+            ],
+        },
+        "spec": {**copy.deepcopy(SIMULATED), "containers": [{"name": "t", "image": "x"}]},
+    }
+    cp.kubectl("create", "-f", "-", input_text=json.dumps(forged))
+    cp.kubectl("create", "-f", "-", input_text=json.dumps(_sim_job("after", ns)))
+
+    failed = cluster.wait_for(
+        "the fat job Failed", lambda: _condition(cluster, ns, "fat", "Failed"), timeout=60
+    )
+    assert failed["reason"] == "InvalidSpec"
+    assert re.search(r"spec\.template: is \d+ KiB as JSON, at most 256 KiB", failed["message"]), failed
+    cluster.wait_for("the later job's worker Running", lambda: _running(cluster, ns, "after"), timeout=90)
+    assert _pods(cluster, ns, "fat", "worker") == [], "no Pod was built from the fat template"
+    workers = {p["metadata"]["name"] for p in _pods(cluster, ns, "forged", "worker")}
+    # The forged Pod is neither taken as a worker (no slot 80,000,000) nor touched.
+    assert workers == {"forged-worker-0-0", "forged-worker-80000000-0"}, workers
+    assert cluster.operator.poll() is None, "the operator died"
+    peak = _peak_rss_mb(cluster.operator.pid)
+    print(f"\noperator peak memory after both attacks: {peak:.0f} MB")
+    assert peak < 300, f"the operator peaked at {peak:.0f} MB (limit 512Mi)"
+    for job in ("fat", "forged", "after"):
+        cp.kubectl("delete", "elasticjob", job, "-n", ns, "--wait=false")
 
 
 def test_workers_never_hold_the_metrics_token(cluster: Cluster, trust_ns: str) -> None:
