@@ -73,6 +73,27 @@ def test_commit_only_when_every_rank_is_present_and_retention(tmp_path: Path) ->
     assert not [p for p in tmp_path.rglob(".*")]  # no temporary files remain
 
 
+def test_a_retention_cut_short_leaves_no_committed_step_without_its_shards(tmp_path: Path) -> None:
+    """The removal of an old step fails halfway (its directory cannot be deleted): the step is no longer
+    committed, so no restore takes it for whole; the next retention removes what is left."""
+
+    class FailingRemoval(storage.LocalStorage):
+        def remove_dir(self, path: str) -> None:
+            raise OSError(f"{path}: the disk went away")
+
+    store = FailingRemoval(tmp_path)
+    for step in (1, 2, 3):
+        for rank in (0, 1):
+            write_shard(store, step, rank)
+        assert storage.try_commit(store, step=step, world_size=2)
+    with pytest.raises(OSError, match="went away"):
+        storage.apply_retention(store, keep_last=2)
+    assert storage.committed_steps(store) == [2, 3]
+    assert storage.step_dirs(store) == [1, 2, 3], "step 1's shards are still there, uncommitted"
+    assert storage.apply_retention(storage.LocalStorage(tmp_path), keep_last=2) == [1]
+    assert storage.step_dirs(store) == [2, 3]
+
+
 def test_background_copy_is_bitwise_and_completes_once_whoever_copies_the_last_chunk() -> None:
     big = torch.randn(3 * copier.CHUNK // 4 + 5)  # several chunks, the last one short
     strided = torch.arange(40.0).view(5, 8).t()  # not contiguous: copied by torch, not memmove

@@ -128,6 +128,15 @@ class S3Storage:
             names.update(o["Key"].rsplit("/", 1)[-1] for o in page.get("Contents", []))
         return sorted(names)
 
+    def remove_file(self, path: str) -> None:
+        """Deletes one object (S3 answers a missing key with success too)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(path))
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error(exc, path) from exc
+
     def remove_dir(self, path: str) -> None:
         """Deletes every object under a prefix, a thousand per request; an OSError names what stayed."""
         from botocore.exceptions import BotoCoreError, ClientError

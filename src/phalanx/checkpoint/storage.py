@@ -99,6 +99,9 @@ class Storage(Protocol):
     def list(self, path: str) -> list[str]:
         """Names directly under a directory ([] when it does not exist)."""
 
+    def remove_file(self, path: str) -> None:
+        """Deletes one file; a missing one is no error."""
+
     def remove_dir(self, path: str) -> None:
         """Deletes a directory and everything under it."""
 
@@ -193,6 +196,13 @@ class LocalStorage:
             return sorted(p.name for p in (self.root / path).iterdir())
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def remove_file(self, path: str) -> None:
+        """Deletes one file, durably (its directory synced); a missing one is no error."""
+        target = self.root / path
+        target.unlink(missing_ok=True)
+        if target.parent.exists():
+            self._fsync_dir(target.parent)
 
     def remove_dir(self, path: str) -> None:
         """Deletes a directory tree."""
@@ -385,10 +395,14 @@ def apply_retention(storage: Storage, *, keep_last: int) -> list[int]:
     Steps newer than the oldest kept one are never touched: another node may still be writing them.
     """
     committed = committed_steps(storage)
-    if len(committed) <= keep_last:
+    if not committed or len(committed) < keep_last:
         return []
     oldest_kept = committed[-keep_last]
     removed = [s for s in step_dirs(storage) if s < oldest_kept]
     for s in removed:
+        # The marker first: a removal cut short (a crash, an S3 batch half applied) leaves an uncommitted
+        # leftover, which restore skips and the next retention removes, never a "committed" step missing
+        # its shards.
+        storage.remove_file(f"{step_dir(s)}/{COMMIT}")
         storage.remove_dir(step_dir(s))
     return removed
