@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from phalanx.agent import checkpointing
 from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import Checkpointer, protocol, shm, storage
 from phalanx.checkpoint import host as host_mod
+from tests.eventually import eventually
 
 OTHER_UID = 10001
 as_root = pytest.mark.skipif(
@@ -226,6 +228,37 @@ def test_the_host_answers_only_its_own_user(tmp_path: Path) -> None:
                 assert client.call({"op": "ping"}, timeout_s=5)["pid"] == handle.pid
         finally:
             handle.stop()
+    finally:
+        shutil.rmtree(open_dir, ignore_errors=True)
+
+
+@as_root
+def test_a_client_talks_only_to_a_host_of_its_own_user(tmp_path: Path) -> None:
+    """Whoever binds a socket at the host's path as another user (uid 10001) does not get a training
+    process's requests: the client reads the server's uid (SO_PEERCRED) and refuses it."""
+    open_dir = Path(tempfile.mkdtemp(prefix="phx-open-"))
+    open_dir.chmod(0o777)
+    path = open_dir / "h.sock"
+
+    def impostor() -> str:
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(open_dir / "binding"))
+            server.listen(1)
+            os.rename(open_dir / "binding", path)  # appears only once it listens
+            server.settimeout(20)
+            conn, _ = server.accept()
+            conn.close()
+        return "accepted"
+
+    answered: list[str] = []
+    thread = threading.Thread(target=lambda: answered.append(as_other_user(impostor)))
+    thread.start()
+    try:
+        eventually(path.exists, timeout=10, what="the impostor's socket")
+        with pytest.raises(CheckpointError, match=r"runs as uid 10001, not as this user"):
+            protocol.HostClient(str(path))
+        thread.join(20)
+        assert answered == ["accepted"]
     finally:
         shutil.rmtree(open_dir, ignore_errors=True)
 

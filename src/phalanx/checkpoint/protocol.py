@@ -7,7 +7,7 @@ training process where its host is.
 
 The socket lives in the user's 0700 directory of the temporary directory (:func:`socket_path`, the one
 place its name is made), and the host answers only a peer of its own user, or root (:func:`peer_allowed`,
-from ``SO_PEERCRED``).
+from ``SO_PEERCRED``); a client in turn talks only to a host of its own user, or root.
 """
 
 from __future__ import annotations
@@ -170,6 +170,14 @@ class HostClient:
         except OSError as exc:
             self._sock.close()
             raise CheckpointError(f"cannot reach the checkpoint host at {path}: {exc}") from exc
+        # Both ways: the host answers only its own user, and a training process gives its tensors' shared
+        # memory only to a host of its own user (or root), never to whoever bound a socket at that path.
+        if not peer_allowed(host_uid := peer_uid(self._sock), os.getuid()):
+            self._sock.close()
+            raise CheckpointError(
+                f"the process answering at {path} runs as uid {host_uid}, not as this user ({os.getuid()}) "
+                "or root: it is not this node's checkpoint host"
+            )
         self._sock.settimeout(None)
         self._reader = LineReader(self._sock)
 
