@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from phalanx.api import elasticjob
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import workers as workers_module
 from phalanx.operator.actions import (
@@ -384,6 +385,22 @@ def test_a_foreign_object_of_the_jobs_name_blocks_the_job_and_is_never_touched()
     assert created["status"] == "True"
     assert ("Secret", "j-token") in c.objects
     assert "j-master" in c.pods
+
+
+def test_a_foreign_pod_group_of_the_jobs_name_blocks_a_gang_job() -> None:
+    """A PodGroup named like the job's but not its own (the executor reads its ownerReferences) would take
+    the job's Pods into someone else's gang: the job waits, creating nothing, until it is gone."""
+    group = ("PodGroup", elasticjob.pod_group("j"))
+    c = FakeCluster(job_obj(gangScheduling={"enabled": True}), foreign={group})
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, Create | DeletePod | PatchPodGroup)]
+    assert f"PodGroup ns/{group[1]} already exists and is not this job's" in c.condition("Created")["message"]
+    c.foreign.clear()
+    c.step()
+    assert c.pod_group is not None
+    plain = FakeCluster(job_obj(), foreign={group})  # no gang: the name is nothing of the job's
+    plain.step()
+    assert "j-master" in plain.pods
 
 
 def test_a_recorded_pass_error_is_cleared_by_the_next_pass_that_succeeds() -> None:

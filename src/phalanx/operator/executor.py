@@ -223,6 +223,10 @@ class Executor:
             serves = self.discovery.serves_pod_groups()
             group = self._pod_group(namespace, name) if serves else None
         existing, foreign = self._existing(namespace, name, job["metadata"]["uid"])
+        if group is not None and not any(
+            r.get("uid") == job["metadata"]["uid"] for r in group["metadata"].get("ownerReferences") or []
+        ):  # a PodGroup of the job's name that is not the job's: never adopted, read or patched
+            foreign, group = foreign | {("PodGroup", elasticjob.pod_group(name))}, None
         asks = privileged.requests(job.get("spec") or {})
         policy = not asks or self.discovery.admission_policy_found(self.settings.admission_policy)
         return Observed(

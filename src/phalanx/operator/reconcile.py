@@ -67,7 +67,7 @@ from phalanx.operator.admission import MANAGED_BY
 from phalanx.operator.conditions import get_condition, is_true, parse_rfc3339, rfc3339
 from phalanx.operator.context import FINISHED_PHASES, Pass
 from phalanx.operator.schema import format_duration
-from phalanx.operator.spec import JobSpec, parse_spec
+from phalanx.operator.spec import JobSpec, gang_enabled, parse_spec
 from phalanx.operator.supporting import master_address, supporting_names, supporting_objects
 from phalanx.operator.workers import finished_slots, pod_exit, reconcile_workers
 
@@ -182,7 +182,10 @@ def _supporting_objects_blocked(
     that is not the job's (the job then waits)."""
     job = ctx.job
     wanted = supporting_objects(job, settings=ctx.settings, token=new_token, metrics_token=metrics_token)
-    if foreign := sorted(set(supporting_names(wanted)) & ctx.observed.foreign):
+    names = set(supporting_names(wanted))
+    if gang_enabled(job.get("spec") or {}):  # its PodGroup too: a foreign one would take the job's Pods in
+        names.add(("PodGroup", elasticjob.pod_group(ctx.name)))
+    if foreign := sorted(names & ctx.observed.foreign):
         _blocked_by_foreign(ctx, foreign)
         return True
     for obj in wanted:
