@@ -198,6 +198,8 @@ def test_the_server_refuses_a_malformed_request_and_serves_the_next(tmp_path: Pa
 def test_a_server_stopped_during_a_probe_is_replaced(warm: WarmProbes) -> None:
     """SIGSTOP the server while its probe runs: the probe times out and is killed, the stopped server
     cannot report it, so it is not trusted with the next probe; a new server takes that one."""
+    # Started first: a run's timeout counts the server's start (its torch import, over 10 s under load).
+    assert warm.run(kind="matmul", args=matmul_args(seconds=0.2, size=256), timeout_s=60) is not None
     thread, result = lonely_allgather_under_way(warm, timeout_s=10)
     stopped = warm.server_pid
     assert stopped is not None

@@ -205,7 +205,8 @@ GRPC_CONNECTION_LIMITS = (
     ("grpc.server_handshake_timeout_ms", 10_000),
     # A connection without a call for 5 minutes is closed; an agent's heartbeat calls every few seconds.
     ("grpc.max_connection_idle_ms", 300_000),
-    ("grpc.max_concurrent_streams", 64),
+    # No cap on streams per connection: a client that opens many calls at once before it has read the
+    # server's settings has them refused (RST_STREAM), and MAX_CONCURRENT_RPCS bounds them all anyway.
 )
 """Bounds on the connections of the agents' port: a Pod holding thousands open cannot exhaust the master's
 descriptors, and the agents (one connection each, their calls a few at a time) never meet them."""

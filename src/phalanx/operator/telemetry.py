@@ -15,10 +15,9 @@ import hmac
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Header
-from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -135,22 +134,28 @@ def serve(
 ) -> TelemetryServer:
     """Starts the health and metrics server on a daemon thread; returns it (``server_address`` has the
     port when ``port`` is 0). uvicorn with :mod:`phalanx.api.httpguard`'s protocol: connections that send no
-    request are closed, and however many a Pod opens the kubelet's probe still gets in."""
-    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    request are closed, and however many a Pod opens the kubelet's probe still gets in. Two plain routes
+    need no framework: FastAPI's import would lengthen every operator start (a standby's takeover)."""
 
-    @app.get("/healthz")
-    async def healthz() -> PlainTextResponse:
-        if await asyncio.to_thread(healthy):  # blocks up to loop_answers' timeout: off this loop
-            return PlainTextResponse("ok\n")
-        return PlainTextResponse("the operator's event loop does not answer\n", status_code=503)
+    async def answer(path: str, authorization: bytes) -> tuple[int, bytes, bytes]:
+        if path == "/healthz":
+            if await asyncio.to_thread(healthy):  # blocks up to loop_answers' timeout: off this loop
+                return 200, b"ok\n", b"text/plain"
+            return 503, b"the operator's event loop does not answer\n", b"text/plain"
+        if path != "/metrics" or not token:
+            return 404, b"not found\n", b"text/plain"
+        if not hmac.compare_digest(authorization, f"Bearer {token}".encode()):
+            return 401, b"unauthorized\n", b"text/plain"
+        return 200, generate_latest(metrics.registry), b"text/plain; version=0.0.4"
 
-    @app.get("/metrics")
-    async def prometheus(authorization: str = Header(default="")) -> Response:
-        if not token:
-            return PlainTextResponse("not found\n", status_code=404)
-        if not hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
-            return PlainTextResponse("unauthorized\n", status_code=401)
-        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+    async def app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            return
+        authorization = dict(scope["headers"]).get(b"authorization", b"")
+        status, body, content_type = await answer(scope["path"], authorization)
+        headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
