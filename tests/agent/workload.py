@@ -23,6 +23,16 @@ def spin(cpu_s: float) -> None:
         pass
 
 
+def start_together(d: Path, round_no: int, rank: int, world: int, timeout_s: float = 60.0) -> None:
+    """A file barrier: each rank marks its start in ``d`` and waits for the world's marks of this round."""
+    (d / f"started-{round_no}-{rank}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(d.glob(f"started-{round_no}-*"))) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the other ranks of round {round_no} did not start")
+        time.sleep(0.02)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
@@ -52,6 +62,12 @@ def main() -> None:
         help="finish as soon as a round with a newcomer is written (the last step of a synchronous job "
         "coinciding with it); a newcomer's ranks then never complete a step, as their peers are gone",
     )
+    p.add_argument(
+        "--start-together",
+        action="store_true",
+        help="wait for every rank of the round before step 0, as a trainer's first collective does; the "
+        "ranks then step in lock step, whatever the load on the machine did to their start",
+    )
     args = p.parse_args()
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -67,6 +83,8 @@ def main() -> None:
         print(f"rank {rank}/{world} joined round {first.round}; waiting for peers", flush=True)
         while True:
             time.sleep(1.0)
+    if args.start_together:
+        start_together(d, first.round if first else 0, rank, world)
     print(f"rank {rank}/{world} starting at step {start}", flush=True)
     for step in range(start, args.steps):
         if step == args.fail_at:

@@ -190,9 +190,9 @@ def test_user_error_on_every_rank_fails_fast(tmp_path: Path) -> None:
         "2",
         "--nproc-per-node",
         "2",
-        # Step 5 comes 2.5 s into the round: a node whose workers start later (a loaded machine) still
-        # reaches it before the first node's failure could restart the round and stop them short of it.
-        workload=["--steps", "50", "--step-time", "0.5", "--fail-at", "5"],
+        # The ranks start together, as a trainer's first collective makes them: every rank reaches the bad
+        # batch within moments of the others, however late a loaded machine started one node's workers.
+        workload=["--steps", "50", "--step-time", "0.2", "--fail-at", "5", "--start-together"],
     )
     assert code != 0
     assert s["exit"] == "failed"
