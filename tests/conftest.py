@@ -78,6 +78,7 @@ def pytest_runtest_teardown_release(item: pytest.Item, nextitem: pytest.Item | N
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _CPU.timed(report, cluster=_lane_unit(report.nodeid) == "cluster")
     if report.when == "teardown":
         _CPU.add(report)
 

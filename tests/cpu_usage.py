@@ -56,6 +56,21 @@ class Report:
         self.by_module: dict[str, float] = defaultdict(float)
         self.machine_at_start = machine_busy()
         self.started = time.monotonic()
+        self.lanes: dict[str, list[float]] = {}
+        """lane -> [first test's start, last test's end, seconds in tests, seconds in cluster tests]: which
+        lane is the run's critical path, and how much of it the clusters' tests are."""
+
+    def timed(self, report: pytest.TestReport, *, cluster: bool) -> None:
+        """Adds one phase (set-up, call, teardown) of a test to its lane's wall time."""
+        node = getattr(report, "node", None)  # xdist's worker on the controller
+        lane = str(getattr(getattr(node, "gateway", None), "id", "main"))
+        start, stop = float(getattr(report, "start", 0.0)), float(getattr(report, "stop", 0.0))
+        if not start or not stop:
+            return
+        first, last, busy, clusters = self.lanes.get(lane, [start, stop, 0.0, 0.0])
+        took = stop - start
+        in_clusters = clusters + (took if cluster else 0.0)
+        self.lanes[lane] = [min(first, start), max(last, stop), busy + took, in_clusters]
 
     def add(self, report: pytest.TestReport) -> None:
         for name, value in report.user_properties:
@@ -70,6 +85,11 @@ class Report:
         out = [f"CPU of the tests and their session fixtures: {total:.0f} s in all; the most:"]
         for module, seconds in sorted(self.by_module.items(), key=lambda kv: -kv[1])[:top]:
             out.append(f"  {seconds:7.1f} s  {module}")
+        for lane, (first, last, busy, clusters) in sorted(self.lanes.items()):
+            out.append(
+                f"lane {lane}: {last - first:.0f} s from its first test's start to its last one's end, "
+                f"{busy:.0f} s of it in tests ({clusters:.0f} s in the clusters' tests)"
+            )
         end, start = machine_busy(), self.machine_at_start
         if start is not None and end is not None and end[2] > start[2]:
             busy, stolen, total_jiffies = (e - s for e, s in zip(end, start, strict=True))

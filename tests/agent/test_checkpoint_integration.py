@@ -321,14 +321,21 @@ def test_a_local_run_cut_short_persists_its_newest_step_and_the_next_run_resumes
             "--step-time", "0.05", "--step-log", str(log),
         ]  # fmt: skip
 
-    first = subprocess.Popen(
-        [sys.executable, "-m", "phalanx", "local", *args(100000)],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    # Ctrl-C as in a terminal, even when this suite runs as a background job: a shell starts those with SIGINT
+    # ignored, a child inherits that, and its Python then never raises KeyboardInterrupt (the run went on to
+    # its --timeout, once). A handled signal is reset to its default in the child.
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "phalanx", "local", *args(100000)],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     try:
         _wait_for(log, step=12, timeout_s=150)
     finally:
