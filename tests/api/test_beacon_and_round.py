@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.api import beacon
+from phalanx.api import auth, beacon
 from phalanx.api import round as round_file
 
 
@@ -66,11 +66,28 @@ def test_round_file_round_trip_is_atomic_json(tmp_path: Path) -> None:
     info = round_file.RoundInfo(
         round=3, group_rank=1, rank_offset=2, world_size=6, local_world_size=2,
         store_host="127.0.0.1", store_port=29500, restart_count=1, members=["a", "b", "c"], joined=["c"],
+        store_key=auth.store_key("t" * 24, "round/3/127.0.0.1:29500"),
     )  # fmt: skip
     round_file.write(path, info)
     assert round_file.read(path) == info
     assert info.rank(1) == 3
     assert [p.name for p in tmp_path.iterdir()] == ["round.json"]  # no temporary left behind
+    assert path.stat().st_mode & 0o777 == 0o600, "it holds the round's store key"
+
+
+def test_a_store_key_is_the_jobs_own_and_new_for_every_round_and_store() -> None:
+    key = auth.store_key("t" * 24, "round/3/10.0.0.1:29500")
+    assert len(key) == 32
+    int(key, 16)  # hex
+    assert key == auth.store_key("t" * 24, "round/3/10.0.0.1:29500"), "every member derives the same"
+    others = {
+        auth.store_key("u" * 24, "round/3/10.0.0.1:29500"),  # another job's token
+        auth.store_key("t" * 24, "round/4/10.0.0.1:29500"),  # the next round
+        auth.store_key("t" * 24, "round/3/10.0.0.1:29502"),  # another store
+        auth.store_key("t" * 24, "probe/3/10.0.0.1:29500"),  # a probe round of that number
+    }
+    assert key not in others
+    assert len(others) == 4
 
 
 def test_announce_regroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

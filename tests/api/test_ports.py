@@ -3,6 +3,7 @@ outgoing connections cannot take them first (phalanx.api.ports)."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import subprocess
@@ -83,10 +84,21 @@ def test_a_port_picked_by_one_process_is_not_picked_by_another_until_its_hold_en
     assert all(until <= time.time() + ports.HOLD_S for until in held.values())
 
 
-def test_picks_go_on_without_a_ledger_that_cannot_be_opened(tmp_path: Path) -> None:
-    port = ports.free_port(ledger=tmp_path / "no-such-folder" / "ports")
+def test_picks_go_on_without_a_ledger_in_a_folder_others_may_enter(tmp_path: Path) -> None:
+    """The ledger lives in this user's private folder, made 0700 when missing; one that others may enter
+    (planted, or loosened) is not used: a pick goes on without it and writes nothing there."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    port = ports.free_port(ledger=shared / "ports")
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+    assert list(shared.iterdir()) == []
+    made = tmp_path / "made"
+    ports.free_port(ledger=made / "ports")
+    assert made.stat().st_mode & 0o777 == 0o700
+    assert (made / "ports").stat().st_mode & 0o777 == 0o600
+    assert ports.LEDGER.parent.name == f"phalanx-{os.geteuid()}", "the default is this user's folder"
 
 
 def test_a_ledger_that_is_a_link_is_not_followed(tmp_path: Path) -> None:

@@ -312,17 +312,18 @@ def test_an_integer_setting_given_infinity_is_a_clear_error() -> None:
         from_mapping(MasterSettings, {"job_id": "j", "rendezvous": {"min_nodes": math.inf}})
 
 
-def test_the_operators_trust_switches_are_operator_settings_off_unless_the_administrator_sets_them(
+def test_the_operators_trust_switches_are_operator_settings_and_the_safe_value_is_the_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """cordon_nodes, network_policy and monitoring_namespace live in OperatorSettings: one table gives
-    their PHALANX_OPERATOR_* variables (which the chart sets), their flags and their docs."""
+    their PHALANX_OPERATOR_* variables (which the chart sets), their flags and their docs. Cordoning is off
+    and the NetworkPolicies are on unless the administrator says otherwise."""
     from phalanx.cli.main import build_parser
     from phalanx.cli.operator import settings_from
 
     shipped = settings_module.OperatorSettings()
     assert (shipped.cordon_nodes, shipped.network_policy, shipped.monitoring_namespace) == (
-        False, False, "monitoring",
+        False, True, "monitoring",
     )  # fmt: skip
     names = env_names(settings_module.OperatorSettings, prefix="PHALANX_OPERATOR_")
     assert "spec.cordonBadNodes" in names["PHALANX_OPERATOR_CORDON_NODES"]
@@ -334,6 +335,8 @@ def test_the_operators_trust_switches_are_operator_settings_off_unless_the_admin
     assert (on.cordon_nodes, on.network_policy, on.monitoring_namespace) == (True, True, "prom")
     flagged = settings_from(build_parser().parse_args(["operator", "--cordon-nodes", "false"]))
     assert flagged.cordon_nodes is False, "a flag overrides the environment"
+    monkeypatch.setenv("PHALANX_OPERATOR_NETWORK_POLICY", "false")
+    assert settings_from(build_parser().parse_args(["operator"])).network_policy is False
     monkeypatch.setenv("PHALANX_OPERATOR_CORDON_NODES", "maybe")
     with pytest.raises(ConfigError, match="cordon_nodes"):
         settings_from(build_parser().parse_args(["operator"]))

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
 
+from phalanx.api import auth
 from phalanx.api.ports import free_port
 from phalanx.diagnostics.probe_runner import Measurement, allgather_args, run_probe
 from phalanx.diagnostics.stragglers import link_verdicts, suspects
@@ -180,3 +184,56 @@ def test_peer_that_dies_or_hangs_after_joining_fails_its_pairs_not_a_hang(fault:
     assert after_kill < timeout_s * (3 + 2) + 8, after_kill
     report = {NODES[r]: ms for r, ms in results.items()}
     assert suspects(link_verdicts(report, expected=NODES)) == ["c"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "round-key"])
+def test_a_stranger_at_the_probe_store_cannot_forge_the_group_with_the_rounds_key(keyed: bool) -> None:
+    """The probe store authenticates nobody. A stranger who reaches it keeps writing the ``missing`` list
+    that rank 0 decides, naming b: without the round's key b takes it and reports itself late, a healthy
+    node charged with a failed pair (the attack, shown); with the key every probe key lies under a prefix
+    the stranger cannot name, and the pair measures."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    port, nodes = free_port(), ["a", "b"]
+    env = {**os.environ, auth.STORE_KEY_ENV: auth.store_key("t" * 24, f"probe/1/127.0.0.1:{port}")}
+
+    def rank(r: int) -> list[Measurement]:
+        args = allgather_args(
+            rank=r, node_ids=nodes, store_host="127.0.0.1", store_port=port, nbytes=1 << 20,
+            seconds=0.6, pairs=True, timeout_s=TIMEOUT_S,
+        )  # fmt: skip
+        return run_probe(
+            kind="allgather", python=sys.executable, args=args, timeout_s=RUNNER_TIMEOUT_S,
+            env=env if keyed else None,
+        )  # fmt: skip
+
+    stop = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(rank, 0)  # serves the store
+        wait_for_listener(port, timeout_s=60)
+        stranger = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10), wait_for_workers=False)
+
+        def forge() -> None:
+            while not stop.is_set():
+                try:
+                    stranger.set("missing", json.dumps([1]))
+                except RuntimeError:  # the store's server (rank 0) has finished and gone
+                    return
+                time.sleep(0.001)
+
+        forging = pool.submit(forge)
+        try:
+            second = pool.submit(rank, 1)
+            results = {0: first.result(), 1: second.result()}
+        finally:
+            stop.set()
+        forging.result()
+    (b,) = results[1]
+    if keyed:
+        assert b.ok, b.error
+        assert results[0][0].ok, results[0][0].error
+    else:
+        assert not b.ok
+        assert b.error == f"b joined the probe group after it closed ({TIMEOUT_S:g}s)", b.error

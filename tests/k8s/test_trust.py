@@ -35,6 +35,7 @@ ADMISSION = ROOT / "deploy" / "elasticjob-admission.yaml"
 CORDON_RBAC = ROOT / "deploy" / "operator-rbac-cordon.yaml"
 AUTHOR = "alice"  # ElasticJob rights only
 POWER_USER = "bob"  # may create Pods in the namespace too
+CLAIM_MAKER = "carol"  # ElasticJob and the author's read rights, and may create PersistentVolumeClaims
 SIMULATED = {
     "nodeSelector": {"phalanx.dev/test-kubelet": "simulated"},
     "tolerations": [{"key": "phalanx.dev/simulated", "operator": "Exists", "effect": "NoSchedule"}],
@@ -83,6 +84,12 @@ rules:
     resources: [elasticjobs]
     verbs: [get, list, watch, create, update, patch, delete]
   - {{apiGroups: [""], resources: [secrets], resourceNames: [readable], verbs: [get]}}
+  - {{apiGroups: [""], resources: [persistentvolumeclaims], resourceNames: [shared], verbs: [get]}}
+  - {{apiGroups: [""], resources: [persistentvolumeclaims], resourceNames: [own], verbs: [get, update]}}
+  - apiGroups: [resource.k8s.io]
+    resources: [resourceclaimtemplates]
+    resourceNames: [one-gpu]
+    verbs: [get]
 ---
 apiVersion: rbac.authorization.k8s.io/v1
 kind: RoleBinding
@@ -91,6 +98,20 @@ roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: elasticjob-aut
 subjects:
   - {{apiGroup: rbac.authorization.k8s.io, kind: User, name: {AUTHOR}}}
   - {{apiGroup: rbac.authorization.k8s.io, kind: User, name: {POWER_USER}}}
+  - {{apiGroup: rbac.authorization.k8s.io, kind: User, name: {CLAIM_MAKER}}}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {{name: claim-maker, namespace: {ns}}}
+rules:
+  - {{apiGroups: [""], resources: [persistentvolumeclaims], verbs: [create]}}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {{name: claim-makers, namespace: {ns}}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: claim-maker}}
+subjects:
+  - {{apiGroup: rbac.authorization.k8s.io, kind: User, name: {CLAIM_MAKER}}}
 ---
 apiVersion: rbac.authorization.k8s.io/v1
 kind: Role
@@ -209,6 +230,82 @@ REFUSED = [
 ]
 
 
+REFUSED += [
+    (
+        "read-write-claim",  # alice may read the claim `shared`, not change it
+        {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "shared"}}]},
+        "spec.template.spec.volumes: a read-write mount of claim shared needs the right to update it in "
+        "trust-admission",
+    ),
+    (
+        "node-by-name",
+        {"nodeName": "db-node-1"},
+        "spec.template.spec.nodeName: a node by name skips the scheduler",
+    ),
+    (
+        "system-priority",
+        {"priorityClassName": "system-node-critical"},
+        "priorityClassName system-node-critical",
+    ),
+    ("runtime-class", {"runtimeClassName": "unsandboxed"}, "runtimeClassName unsandboxed: a node by name"),
+    (
+        "someone-elses-device",
+        {"resourceClaims": [{"name": "gpu", "resourceClaimName": "bobs-gpu"}]},
+        "spec.template.spec.resourceClaims bobs-gpu: using a ResourceClaim needs the right to update it",
+    ),
+]
+
+
+def _clone(source: dict[str, Any]) -> dict[str, Any]:
+    """A template whose ephemeral volume's claim is filled from ``source`` (dataSourceRef)."""
+    claim = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}, **source}
+    return {"volumes": [{"name": "copy", "ephemeral": {"volumeClaimTemplate": {"spec": claim}}}]}
+
+
+@pytest.mark.parametrize(
+    ("case", "source"),
+    [
+        ("claim", {"dataSource": {"kind": "PersistentVolumeClaim", "name": "db"}}),
+        ("claim-elsewhere",
+         {"dataSourceRef": {"kind": "PersistentVolumeClaim", "name": "shared", "namespace": "db"}}),
+        ("snapshot",
+         {"dataSourceRef": {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "s"}}),
+        ("populator", {"dataSourceRef": {"apiGroup": "example.com", "kind": "Copier", "name": "c"}}),
+    ],
+)  # fmt: skip
+def test_an_ephemeral_claim_filled_from_what_its_author_may_not_read_is_refused(
+    control_plane: ControlPlane, authors: str, case: str, source: dict[str, Any]
+) -> None:
+    """carol may create claims (so an ephemeral volume is hers to make) but not read the claim `db`, any
+    snapshot, or a claim of another namespace; a populator of another kind is refused outright."""
+    out = _create(control_plane, _job(f"clone-{case}", authors, **_clone(source)), user=CLAIM_MAKER)
+    assert "created" not in out, f"{case}: carol got a copy of {source}"
+    assert (
+        "spec.template.spec.volumes copy: an ephemeral claim filled from a claim or VolumeSnapshot" in out
+    ), out
+
+
+@pytest.mark.parametrize(
+    ("case", "annotation"),
+    [
+        ("apparmor", ("container.apparmor.security.beta.kubernetes.io/trainer", "unconfined")),
+        ("seccomp", ("seccomp.security.alpha.kubernetes.io/pod", "unconfined")),
+    ],
+)
+def test_an_unconfined_profile_by_annotation_is_refused_on_either_template(
+    control_plane: ControlPlane, authors: str, case: str, annotation: tuple[str, str]
+) -> None:
+    key, value = annotation
+    job = _job(f"annotated-{case}", authors)
+    job["spec"]["template"]["metadata"] = {"annotations": {key: value}}
+    out = _create(control_plane, job, user=AUTHOR)
+    assert "metadata.annotations: an AppArmor annotation other than runtime/default" in out, out
+    job = _job(f"master-annotated-{case}", authors)
+    job["spec"]["master"] = {"template": {"metadata": {"annotations": {key: value}}}}
+    out = _create(control_plane, job, user=AUTHOR)
+    assert "metadata.annotations: an AppArmor annotation other than runtime/default" in out, out
+
+
 @pytest.mark.parametrize(("case", "pod", "message"), REFUSED, ids=[c[0] for c in REFUSED])
 def test_a_template_beyond_the_authors_rights_is_refused_with_what_to_fix(
     control_plane: ControlPlane, authors: str, case: str, pod: dict[str, Any], message: str
@@ -250,6 +347,26 @@ def test_what_the_author_may_use_or_could_create_is_admitted(
     assert "created" in _create(cp, projected, user=AUTHOR), (
         "a projected and an envFrom Secret alice may read"
     )
+    # What the template may carry with alice's own rights: a claim she may read mounted read-only, one she
+    # may change mounted read-write, a device from a claim template she may read, a priority class of the
+    # team's, the default AppArmor profile by annotation; carol copies a claim she may read.
+    ordinary = _job(
+        "ordinary", authors,
+        volumes=[
+            {"name": "ro", "persistentVolumeClaim": {"claimName": "shared", "readOnly": True}},
+            {"name": "rw", "persistentVolumeClaim": {"claimName": "own"}},
+        ],
+        resourceClaims=[{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
+        priorityClassName="team-a-high",
+    )  # fmt: skip
+    ordinary["spec"]["template"]["metadata"] = {
+        "annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "runtime/default"}
+    }
+    assert "created" in _create(cp, ordinary, user=AUTHOR)
+    copy_of_shared = _job(
+        "copy", authors, **_clone({"dataSource": {"kind": "PersistentVolumeClaim", "name": "shared"}})
+    )
+    assert "created" in _create(cp, copy_of_shared, user=CLAIM_MAKER)
     # bob may create Pods here: he could create a privileged, hostPath or other-account Pod himself.
     mighty = _job(
         "mighty", authors, serviceAccountName="ci-deployer", hostNetwork=True,

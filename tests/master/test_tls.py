@@ -8,6 +8,8 @@ import ipaddress
 import json
 import signal
 import ssl
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -183,3 +185,39 @@ def test_tls_needs_both_files_and_is_off_by_default(tmp_path: Path) -> None:
         MasterSettings(job_id="j", tls_cert_file=str(tmp_path / "c"))
     with pytest.raises(ConfigError, match=r"^PHALANX_TLS_CA_FILE: cannot read"):
         MasterClient(address="127.0.0.1:1", token=TOKEN, ca_file=str(tmp_path / "missing.pem"))
+
+
+def _livez(master: Master, token_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The master Pod's exec liveness probe, as the kubelet runs it."""
+    _, port = master.ports
+    command = [sys.executable, "-m", "phalanx.master.livez", "--host", "127.0.0.1", "--port", str(port)]
+    return subprocess.run(
+        [*command, "--token-file", str(token_file), "--timeout-s", "3", *args],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+
+
+def test_the_liveness_probe_passes_with_the_token_and_ca_and_fails_for_a_stopped_master(
+    tls_master: tuple[Master, Path, Path], tmp_path: Path
+) -> None:
+    master, ca, other_ca = tls_master
+    token, wrong = tmp_path / "token", tmp_path / "wrong"
+    token.write_text(TOKEN + "\n")
+    wrong.write_text("not-the-job-token-at-all\n")
+    verified = ("--ca-file", str(ca), "--server-name", "localhost")
+    ok = _livez(master, token, *verified)
+    assert ok.returncode == 0, ok.stderr
+    refused = _livez(master, wrong, *verified)
+    assert refused.returncode == 1
+    assert "answered /healthz with HTTP/1.1 401" in refused.stderr, refused.stderr
+    untrusted = _livez(master, token, "--ca-file", str(other_ca), "--server-name", "localhost")
+    assert untrusted.returncode == 1
+    assert "did not answer" in untrusted.stderr, untrusted.stderr
+    master.proc.send_signal(signal.SIGSTOP)  # a hung master: its socket still accepts, nothing answers
+    try:
+        hung = _livez(master, token, *verified)
+    finally:
+        master.proc.send_signal(signal.SIGCONT)
+    assert hung.returncode == 1
+    assert "did not answer" in hung.stderr, hung.stderr
+    assert _livez(master, token, *verified).returncode == 0, "answers again once continued"

@@ -98,7 +98,8 @@ def test_the_master_gets_its_key_and_workers_the_ca_certificate_only() -> None:
     command = master["spec"]["containers"][0]["command"]
     assert command[command.index("--tls-cert-file") + 1] == "/var/run/phalanx/tls/tls.crt"
     assert command[command.index("--tls-key-file") + 1] == "/var/run/phalanx/tls/tls.key"
-    assert sorted(_mounted_keys(master)) == ["tls.crt", "tls.key"]
+    # The CA certificate too: the liveness probe verifies the master by it.
+    assert sorted(_mounted_keys(master)) == ["ca.crt", "tls.crt", "tls.key"]
     worker = builders.worker_pod(_job(), spec, slot=0, incarnation=0, settings=TLS)
     assert _mounted_keys(worker) == ["ca.crt"]
     env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}

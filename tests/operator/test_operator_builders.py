@@ -87,6 +87,25 @@ def test_master_pod_runs_phalanx_master_with_k8s_state() -> None:
     assert env["PHALANX_HEARTBEAT_TIMEOUT_S"]["value"] == "10.0"
 
 
+def test_the_master_has_a_liveness_probe_that_carries_no_secret_in_the_pod() -> None:
+    """Every master endpoint wants the token; the probe execs phalanx.master.livez, which reads the mounted
+    token file, so the Pod spec names the file and never the token."""
+    j = job()
+    spec = parse_spec(j["spec"])
+    plain = builders.master_pod(j, spec, settings=SETTINGS)["spec"]["containers"][0]["livenessProbe"]
+    assert plain["exec"]["command"] == [
+        "/opt/bin/python", "-m", "phalanx.master.livez", "--port", str(SETTINGS.master_http_port),
+        "--token-file", "/var/run/phalanx/token/token",
+    ]  # fmt: skip
+    assert plain["periodSeconds"] * plain["failureThreshold"] == 60, "a minute without an answer"
+    with_tls = dataclasses.replace(SETTINGS, tls_ca_secret="phalanx-ca")
+    pod = builders.master_pod(j, spec, settings=with_tls)
+    command = pod["spec"]["containers"][0]["livenessProbe"]["exec"]["command"]
+    assert command[-4:] == ["--ca-file", "/var/run/phalanx/tls/ca.crt", "--server-name", "phalanx-master"]
+    (tls_volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "phalanx-tls"]
+    assert "ca.crt" in [item["key"] for item in tls_volume["secret"]["items"]]
+
+
 def test_the_token_is_readable_by_the_images_user_without_a_fixed_fs_group() -> None:
     """Secret files belong to root and the images run as uid 10001. No Pod names an fsGroup (OpenShift's
     restricted policy assigns its own and refuses others), so the token is world-readable in both: only the
@@ -318,6 +337,22 @@ def test_the_network_policy_admits_the_job_and_monitoring_only() -> None:
     no_monitoring = dataclasses.replace(SETTINGS, monitoring_namespace="")
     bare = supporting.master_network_policy(j, settings=no_monitoring)
     assert bare["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {"phalanx.dev/job": "j"}}}]
+
+
+def test_the_workers_network_policy_admits_the_jobs_own_pods_on_every_port() -> None:
+    """The rendezvous and probe stores of a rank-0 worker authenticate nobody: only the job's Pods reach
+    them."""
+    j = job()
+    policy = supporting.workers_network_policy(j)
+    assert policy["metadata"]["name"] == "j-workers"
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == j["metadata"]["uid"]
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"phalanx.dev/job": "j", "phalanx.dev/role": "worker"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert rule == {"from": [{"podSelector": {"matchLabels": {"phalanx.dev/job": "j"}}}]}, (
+        "every port, no other"
+    )
 
 
 def test_a_template_cannot_take_the_job_label_off_its_pods() -> None:

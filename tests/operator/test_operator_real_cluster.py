@@ -304,7 +304,8 @@ def _pass(j: dict[str, Any], pods: list[PodView], now: float) -> list[Any]:
         existing=frozenset(
             (k, n) for k, n in (("Secret", "j-token"), ("ConfigMap", "j-master-state"),
                                 ("ServiceAccount", "j-master"), ("Role", "j-master"),
-                                ("RoleBinding", "j-master"), ("Service", "j-master"))
+                                ("RoleBinding", "j-master"), ("Service", "j-master"),
+                                ("NetworkPolicy", "j-master"), ("NetworkPolicy", "j-workers"))
         ),
     )  # fmt: skip
     actions = reconcile(observed, now=now, settings=SETTINGS, new_token="tok")

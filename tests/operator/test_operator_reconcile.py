@@ -162,6 +162,8 @@ def test_new_job_gets_everything_once() -> None:
         "Role",
         "RoleBinding",
         "Service",
+        "NetworkPolicy",
+        "NetworkPolicy",
         "Pod",
         "Pod",
         "Pod",
@@ -424,11 +426,14 @@ def test_the_network_policy_and_the_metrics_secret_are_supporting_objects_when_s
     ]  # fmt: skip
     assert ("Secret", "j-metrics") in names
     assert ("NetworkPolicy", "j-master") in names
+    assert ("NetworkPolicy", "j-workers") in names
+    assert OperatorSettings().network_policy, "on by default"
     plain = [
-        (o["kind"], o["metadata"]["name"]) for o in supporting_objects(job, settings=SETTINGS, token="t")
+        (o["kind"], o["metadata"]["name"])
+        for o in supporting_objects(job, settings=OperatorSettings(network_policy=False), token="t")
     ]
     assert ("Secret", "j-metrics") not in plain
-    assert ("NetworkPolicy", "j-master") not in plain
+    assert not [name for kind, name in plain if kind == "NetworkPolicy"]
 
 
 def test_worker_pods_are_created_in_batches_that_double_up_to_a_cap() -> None:
@@ -767,7 +772,10 @@ def test_new_suspended_job_gets_its_master_but_no_workers() -> None:
     c = FakeCluster(job_obj(suspend=True))
     actions = c.step()
     kinds = [a.obj["kind"] for a in actions if isinstance(a, Create)]
-    assert kinds == ["Secret", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service", "Pod"]
+    assert kinds == [
+        "Secret", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service",
+        "NetworkPolicy", "NetworkPolicy", "Pod",
+    ]  # fmt: skip
     assert set(c.pods) == {"j-master"}
     assert c.job["status"]["phase"] == "Created"
     c.run_all()

@@ -4,12 +4,15 @@ the executor's bookkeeping of passes, actions and phases behind it."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -121,3 +124,72 @@ def test_the_executor_counts_its_passes_actions_failures_and_the_jobs_phase(
     with pytest.raises(RuntimeError):
         executor.run_pass(namespace="ns", name="j")
     assert m.passes.labels(result="error")._value.get() == 1
+
+
+FUZZ_EXAMPLES = 300
+_TOKEN_CHARS = st.sampled_from(["", TOKEN, "nope", TOKEN + "x", "Bearer " + TOKEN, "\u00e9" * 40, "x" * 9000])
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """Sends ``request`` as it is over one connection and returns whatever comes back before it closes."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(request)
+        conn.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := conn.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@st.composite
+def _requests(draw: st.DrawFn) -> bytes:
+    """Well-formed requests with any method, path, token and body, or bytes that are no request at all."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(st.binary(max_size=4096))
+    method = draw(
+        st.sampled_from(["GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "G\x00T"])
+    )
+    path = draw(
+        st.one_of(
+            st.sampled_from(
+                ["/healthz", "/metrics", "/", "/metrics/", "/healthz?x=1", "//metrics", "/%2e%2e/"]
+            ),
+            st.text(
+                alphabet=st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=300
+            ).map(lambda t: "/" + t),
+            st.just("/" + "a" * 70000),
+        )
+    )
+    headers = [f"Host: fuzz\r\nAuthorization: Bearer {draw(_TOKEN_CHARS)}"]
+    headers += [f"X-{i}: {draw(st.text(max_size=50))}" for i in range(draw(st.integers(0, 5)))]
+    body = draw(st.binary(max_size=2048))
+    if draw(st.booleans()):
+        headers.append(f"Content-Length: {len(body)}")
+    head = f"{method} {path} HTTP/1.1\r\n" + "\r\n".join(headers) + "\r\n\r\n"
+    return head.encode("utf-8", "surrogateescape") + body
+
+
+def test_no_request_makes_the_operators_port_fail_or_stop_serving() -> None:
+    """Hypothesis over raw sockets (the port has no OpenAPI schema for schemathesis): whatever arrives, the
+    answer is never a server error, /metrics opens with the token only, and the port serves afterwards."""
+    metrics = OperatorMetrics()
+    url = _server(metrics, lambda: True)
+    cases = 0
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None)
+    @given(_requests())
+    def send(request: bytes) -> None:
+        nonlocal cases
+        cases += 1
+        reply = _raw(url, request)
+        status = reply.split(b" ", 2)[1:2]
+        assert not status or not status[0].startswith(b"5"), reply[:300]
+        if status == [b"200"] and b" /metrics" in request.split(b"\r\n", 1)[0]:
+            assert f"Bearer {TOKEN}\r\n".encode() in request, "/metrics opened without the token"
+
+    send()
+    print(f"operator port fuzzing: {cases} cases")
+    assert cases >= FUZZ_EXAMPLES
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200

@@ -63,6 +63,12 @@ def test_an_ordinary_template_asks_for_nothing() -> None:
          "spec.template.spec.containers[0].ports[0].hostPort"),
         ({"containers": [{"name": "t", "securityContext": {"windowsOptions": {"hostProcess": True}}}]},
          "spec.template.spec.containers[0].securityContext.windowsOptions.hostProcess"),
+        ({"runtimeClassName": "unsandboxed"}, "spec.template.spec.runtimeClassName"),
+        ({"priorityClassName": "system-node-critical"}, "spec.template.spec.priorityClassName"),
+        ({"securityContext": {"seccompProfile": {"type": "Unconfined"}}},
+         "spec.template.spec.securityContext.seccompProfile"),
+        ({"containers": [{"name": "t", "securityContext": {"appArmorProfile": {"type": "Unconfined"}}}]},
+         "spec.template.spec.containers[0].securityContext.appArmorProfile"),
     ],
 )  # fmt: skip
 def test_each_privileged_field_is_named_by_its_path(pod: dict[str, Any], path: str) -> None:
@@ -76,3 +82,31 @@ def test_the_master_template_is_read_too_and_the_message_says_what_to_install() 
     assert "and 2 more" in message
     assert "phalanx-elasticjob-templates" in message
     assert "deploy/elasticjob-admission.yaml" in message
+
+
+@pytest.mark.parametrize(
+    ("annotations", "refused"),
+    [
+        ({"container.apparmor.security.beta.kubernetes.io/t": "unconfined"}, True),
+        ({"container.apparmor.security.beta.kubernetes.io/t": "runtime/default"}, False),
+        ({"container.apparmor.security.beta.kubernetes.io/t": "localhost/train"}, False),
+        ({"seccomp.security.alpha.kubernetes.io/pod": "unconfined"}, True),
+        ({"container.seccomp.security.alpha.kubernetes.io/t": "unconfined"}, True),
+        ({"seccomp.security.alpha.kubernetes.io/pod": "runtime/default"}, False),
+        ({"prometheus.io/scrape": "true"}, False),
+    ],
+)
+def test_an_unconfined_profile_by_annotation_is_named_and_others_are_not(
+    annotations: dict[str, str], refused: bool
+) -> None:
+    job = spec({})
+    job["template"]["metadata"] = {"annotations": annotations}
+    (key,) = annotations
+    assert requests(job) == ([f"spec.template.metadata.annotations[{key}]"] if refused else [])
+
+
+def test_a_priority_class_of_ones_own_is_ordinary() -> None:
+    assert requests(spec({"priorityClassName": "team-a-high"}, master={"priorityClassName": "team-a"})) == []
+    assert requests(spec({}, master={"priorityClassName": "system-cluster-critical"})) == [
+        "spec.master.template.spec.priorityClassName"
+    ]

@@ -113,6 +113,8 @@ def test_default_render(helm: Helm) -> None:
             "ValidatingAdmissionPolicyBinding",
             "Role",
             "RoleBinding",
+            "Role",  # operator.masterTLS, on by default: the CA Secret of the release namespace
+            "RoleBinding",
             "Deployment",
             "ConfigMap",
             "ConfigMap",
@@ -128,6 +130,14 @@ def test_default_render(helm: Helm) -> None:
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
         if obj["kind"] in ("ServiceAccount", "Deployment", "ConfigMap"):
             assert obj["metadata"]["namespace"] == NAMESPACE
+
+    # Safe by default: every job's master and workers behind NetworkPolicies, every master over TLS.
+    env = {
+        e["name"]: e.get("value")
+        for e in _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["PHALANX_OPERATOR_NETWORK_POLICY"] == "true"
+    assert env["PHALANX_OPERATOR_TLS_CA_SECRET"] == "rel-phalanx-ca"
 
     # The CRD is a template (so `helm upgrade` upgrades it) that `helm uninstall` keeps: deleting it would
     # delete every ElasticJob in the cluster.
@@ -382,8 +392,11 @@ def test_leader_election_role_is_namespaced_and_leases_only(helm: Helm) -> None:
 
 
 def test_master_tls_gives_the_operator_its_ca_and_prometheus_https(helm: Helm) -> None:
-    assert not [o for o in helm.render() if o["kind"] == "Role" and o["metadata"]["name"].endswith("-tls-ca")]
-    objs = helm.render("operator.masterTLS.enabled=true", "podMonitor.enabled=true")
+    off = helm.render("operator.masterTLS.enabled=false")
+    assert not [o for o in off if o["kind"] == "Role" and o["metadata"]["name"].endswith("-tls-ca")]
+    env = {e["name"] for e in _one(off, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "PHALANX_OPERATOR_TLS_CA_SECRET" not in env
+    objs = helm.render("podMonitor.enabled=true")  # TLS on by default
     container = _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["PHALANX_OPERATOR_TLS_CA_SECRET"] == "rel-phalanx-ca"

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phalanx.api import auth
 from phalanx.api import round as round_file
 from tests.eventually import eventually
 from tests.trainer._procs import ROOT, free_port, worker_env
 
 TRAIN = ROOT / "examples" / "gpt" / "train.py"
+HARNESS_TOKEN = "harness-job-token-0123456789"  # a test job's token
 
 
 class WorkerDied(AssertionError):
@@ -95,6 +97,8 @@ class Cluster:
                 store_port=port,
                 members=list(members),
                 joined=joined,
+                # As an agent derives it from the job token: every key of the round's store under it.
+                store_key=auth.store_key(HARNESS_TOKEN, f"round/{self.round}/127.0.0.1:{port}"),
             )
             if m in hold:
                 self._held[m] = info

@@ -141,11 +141,16 @@ class MasterClient:
         self._channel = auth.master_channel(address, ca_file=ca_file, options=options)
         self._stub = pb_grpc.MasterStub(self._channel)
         self._metadata = auth.metadata(token)
+        self._token = token
         self.stretch = 1.0
         """Multiplies the default deadlines: doubled by each call that ran out of time, halved by each that
         took under a quarter of its deadline, so an agent whose link to the master is slow (seconds each
         way) still registers and joins, where fixed deadlines would fail every attempt. Heartbeats, whose
         deadline the link derives from measured round trips, pass their own."""
+
+    def store_key(self, purpose: str) -> str:
+        """The job's secret prefix for one store (:func:`phalanx.api.auth.store_key`)."""
+        return auth.store_key(self._token, purpose)
 
     def close(self) -> None:
         self._channel.close()

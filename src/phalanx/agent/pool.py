@@ -19,9 +19,19 @@ from phalanx.api import round as round_file
 from phalanx.api.interval_tracker import Tracker
 from phalanx.api.round import RoundInfo
 from phalanx.api.v1 import master_pb2 as pb
+from phalanx.checkpoint import shm
 from phalanx.diagnostics import hang
 
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+"""The node's shared memory: the flash checkpoint's slots, and this user's worker files (below)."""
+
+
+def worker_shm_dir() -> Path:
+    """This user's directory of worker beacons, interval rings and recorder dumps, ``SHM_ROOT/phalanx-<uid>``
+    (0700, refused when another user planted it): on a machine other users share, nobody else reads a job's
+    progress or its NCCL dumps, or plants a file under a name the agent will open."""
+    return shm.check_private_dir(shm.private_dir(SHM_ROOT))
+
 
 NO_ROUND = RoundInfo(
     round=0, group_rank=0, rank_offset=0, world_size=0, local_world_size=0, store_host="", store_port=0
@@ -57,6 +67,7 @@ class WorkerPool:
         self.base_env = base_env
         self.log_dir = log_dir
         self.round_path = log_dir / "round.json"
+        self.shm_dir = worker_shm_dir()
         self._sink = sink
         self._say = say
         self.spec = workers.LaunchSpec(
@@ -82,12 +93,13 @@ class WorkerPool:
 
     def paths(self, info: RoundInfo, local_rank: int) -> worker_env.WorkerPaths:
         d = self.log_dir / f"round{info.round}" / str(local_rank)
+        job, node = self.config.job_id, self.config.node_id
         return worker_env.WorkerPaths(
             beacon=worker_env.beacon_path(
-                shm_dir=SHM_DIR, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=local_rank
+                shm_dir=self.shm_dir, job_id=job, node_id=node, local_rank=local_rank
             ),
             intervals=worker_env.intervals_path(
-                shm_dir=SHM_DIR, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=local_rank
+                shm_dir=self.shm_dir, job_id=job, node_id=node, local_rank=local_rank
             ),
             error_file=d / "error.json",
             stack_file=d / "stacks.txt",
@@ -278,7 +290,7 @@ class WorkerPool:
     def shm_files(self) -> list[Path]:
         """The shared-memory files of the workers: beacons and interval rings."""
         return [
-            where(shm_dir=SHM_DIR, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=lr)
+            where(shm_dir=self.shm_dir, job_id=self.config.job_id, node_id=self.config.node_id, local_rank=lr)
             for lr in range(self.config.nproc_per_node)
             for where in (worker_env.beacon_path, worker_env.intervals_path)
         ]

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from phalanx.agent.client import MasterClient
+from phalanx.api import auth
 from phalanx.api.errors import TransportError
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import probe_runner
@@ -155,7 +156,7 @@ class ProbeExecutor:
             measurements = [probe_runner.Measurement(ok=False, error=p.error)]
         else:
             self.say(f"running the {p.kind} probe (probe round {action.probe_round})")
-            measurements, how = self._measure(p.kind, p)
+            measurements, how = self._measure(p.kind, p, store_key=self.client.store_key(probe_store(action)))
         request = pb.ReportProbeRequest(
             node_id=self.node_id,
             incarnation=self.incarnation,
@@ -173,11 +174,15 @@ class ProbeExecutor:
         return request
 
     def _measure(
-        self, kind: probe_runner.ProbeName, p: ProbePlan
+        self, kind: probe_runner.ProbeName, p: ProbePlan, *, store_key: str
     ) -> tuple[list[probe_runner.Measurement], str]:
-        """The probe's measurements, and how it ran (for the log)."""
+        """The probe's measurements, and how it ran (for the log). ``store_key`` reaches the probe in its
+        environment (:data:`auth.STORE_KEY_ENV`), never on its command line, which any user may read."""
+        secret = {auth.STORE_KEY_ENV: store_key}
         if self._warm is not None:
-            warm = self._warm.run(kind=kind, args=p.args, timeout_s=p.timeout_s, started=self._started)
+            warm = self._warm.run(
+                kind=kind, args=p.args, timeout_s=p.timeout_s, started=self._started, env=secret
+            )
             if warm is not None:
                 return warm, " (warm)"
         # Cold: warm processes are off, or no warm server could take the probe.
@@ -186,7 +191,7 @@ class ProbeExecutor:
             python=self.python,
             args=p.args,
             timeout_s=p.timeout_s,
-            env=self.env,
+            env={**self.env, **secret},
             started=self._started,
         )
         return cold, " (cold)"
@@ -223,6 +228,11 @@ class ProbeExecutor:
             if (left := deadline - time.monotonic()) <= 0:
                 return
             thread.join(min(left, 0.1))
+
+
+def probe_store(action: pb.Action) -> str:
+    """What a probe round's store key is derived from: its round and its store, unique within the job."""
+    return f"probe/{action.probe_round}/{action.probe_store_addr}:{action.probe_store_port}"
 
 
 def _same_probe(a: pb.Action, b: pb.Action) -> bool:

@@ -117,7 +117,12 @@ class MasterSession:
                 )
                 if resp.status == pb.RENDEZVOUS_STATUS_COMPLETE:
                     waiting()  # before the workers start
-                    info = round_info(resp, local_world_size=self.config.nproc_per_node, previous=previous)
+                    info = round_info(
+                        resp,
+                        local_world_size=self.config.nproc_per_node,
+                        previous=previous,
+                        store_key=self.client.store_key(round_store(resp)),
+                    )
                     self.last_round = info.round
                     return info
                 if resp.status == pb.RENDEZVOUS_STATUS_CLOSED:
@@ -128,8 +133,13 @@ class MasterSession:
                     break
 
 
+def round_store(resp: pb.GetRendezvousResponse) -> str:
+    """What a round's store key is derived from: the round and its store, unique within the job."""
+    return f"round/{resp.round}/{resp.store_host}:{resp.store_port}"
+
+
 def round_info(
-    resp: pb.GetRendezvousResponse, *, local_world_size: int, previous: RoundInfo | None
+    resp: pb.GetRendezvousResponse, *, local_world_size: int, previous: RoundInfo | None, store_key: str = ""
 ) -> RoundInfo:
     """The round as the workers see it; ``joined`` names the members new since ``previous``."""
     members = [m.node_id for m in resp.members]
@@ -145,6 +155,7 @@ def round_info(
         restart_count=resp.restart_count,
         members=members,
         joined=[m for m in members if m not in before] if before else [],
+        store_key=store_key,
     )
 
 

@@ -18,7 +18,7 @@ from phalanx.agent.client import MasterClient
 from phalanx.agent.config import AgentConfig
 from phalanx.agent.link import Link, LogShipper
 from phalanx.agent.outcomes import AgentExit, Event, Terminated
-from phalanx.agent.pool import SHM_DIR, WorkerPool
+from phalanx.agent.pool import SHM_ROOT, WorkerPool
 from phalanx.agent.session import MasterSession
 from phalanx.api.errors import RendezvousClosedError, TransportError
 from phalanx.api.round import RoundInfo
@@ -322,7 +322,7 @@ class Supervisor:
             return
         if self.ckpt.start(
             settings=self.config.checkpoint,
-            shm_root=SHM_DIR,
+            shm_root=SHM_ROOT,
             job_id=self.config.job_id,
             node_id=self.config.node_id,
             master_addr=self.config.master_addr,

@@ -5,6 +5,8 @@ so does what a token must be (:func:`check_token`), and how a client reaches a m
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +40,20 @@ def check_token(token: str, *, field: str, source: str = "the token") -> str:
             field=field,
         )
     return token
+
+
+STORE_KEY_ENV = "PHALANX_STORE_KEY"
+"""A store's key for the process that meets its peers there (:func:`store_key`), never on a command line."""
+
+
+def store_key(token: str, purpose: str) -> str:
+    """The secret prefix of one TCPStore's keys: HMAC-SHA256 of ``purpose`` under the job token (32 hex).
+
+    A TCPStore authenticates nobody: whoever reaches its port may read and write any key it can name. Keys
+    under a prefix only the job's members can compute cannot be named by anyone else, so a stranger cannot
+    forge the keys a group forms by (the probe's ``missing`` list, gloo's peer addresses). Each purpose (a
+    probe round, a rendezvous round) gets its own, so a prefix seen on the wire once opens nothing later."""
+    return hmac.new(token.encode(), purpose.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 TLS_CA_ENV = "PHALANX_TLS_CA_FILE"

@@ -52,6 +52,12 @@ def network_policy(job: str) -> str:
     return f"{job}-master"
 
 
+def workers_network_policy(job: str) -> str:
+    """The NetworkPolicy guarding the workers' ports, their rendezvous and probe stores among them (operator
+    setting network_policy)."""
+    return f"{job}-workers"
+
+
 def state_config_map(job: str) -> str:
     """The master's durable state (key :data:`STATE_KEY`): the operator creates it, the master writes it."""
     return f"{job}-master-state"

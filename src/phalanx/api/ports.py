@@ -19,6 +19,7 @@ import fcntl
 import os
 import random
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -31,7 +32,9 @@ NODE_PORTS = 30000
 """Where Kubernetes' NodePort range starts: on a Pod in the host's network (common on GPU nodes, for RDMA),
 kube-proxy's rules would take a connection to a node's port there to a Service instead."""
 TRIES = 64
-LEDGER = Path(tempfile.gettempdir()) / "phalanx-ports"
+LEDGER = Path(tempfile.gettempdir()) / f"phalanx-{os.geteuid()}" / "ports"
+"""In this user's private folder (0700, beside the checkpoint hosts' sockets): a ledger every user of the
+machine could open would let any of them hold every port, or its lock, against everyone else's picks."""
 LOCK_WAIT_S = 2.0  # a pick holds the lock for well under a millisecond
 HOLD_S = 120.0
 """How long a picked port stays reserved: far above the time from a pick to its listener's bind (a
@@ -110,7 +113,8 @@ def _ledger(path: Path, *, now: float) -> Iterator[dict[int, float]]:
     An empty one, kept nowhere, where the file cannot be opened (another user's, or a link: a link planted in
     the shared folder would have this process write over whatever it points at)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        _private_folder(path.parent)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError:
         yield {}
         return
@@ -123,6 +127,16 @@ def _ledger(path: Path, *, now: float) -> Iterator[dict[int, float]]:
         f.seek(0)
         f.truncate()
         f.write(format_ledger(held))
+
+
+def _private_folder(path: Path) -> None:
+    """Makes ``path`` (0700) or checks that it is this user's own folder that nobody else may enter; OSError
+    otherwise (another user's, or a link planted in its place)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} is not this user's private folder")
 
 
 def _lock(fd: int) -> bool:

@@ -44,14 +44,20 @@ class RoundInfo:
     """Node ids in group-rank order."""
     joined: list[str] = field(default_factory=list)
     """Node ids that were not members of the previous round (they need state from a peer)."""
+    store_key: str = ""
+    """The secret prefix of the store's keys in this round (:func:`phalanx.api.auth.store_key`): the store
+    authenticates nobody, and keys no stranger can name are keys no stranger can forge. "": none."""
 
     def rank(self, local_rank: int) -> int:
         return self.rank_offset + local_rank
 
 
 def write(path: Path, info: RoundInfo) -> None:
+    """Written owner-only (it holds the round's store key), then renamed into place."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(info)))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(asdict(info)))
     tmp.replace(path)
 
 

@@ -288,9 +288,11 @@ class OperatorSettings:
         "and the operator needs no permission on nodes.",
     )
     network_policy: bool = setting(
-        False,
-        doc="Give every job a NetworkPolicy <job>-master: only the job's own Pods and the monitoring "
-        "namespace reach its master's ports. Needs a network plugin that enforces NetworkPolicies.",
+        True,
+        doc="Give every job two NetworkPolicies: <job>-master (only the job's own Pods and the monitoring "
+        "namespace reach its master's ports) and <job>-workers (only the job's own Pods reach its workers: "
+        "their rendezvous and probe stores authenticate nobody). Enforced by the cluster's network plugin "
+        "where it enforces NetworkPolicies. Off: any Pod of the cluster reaches both.",
     )
     tls_ca_secret: str = setting(
         "",

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+from phalanx.api import auth
 from phalanx.diagnostics.probe_runner import Measurement
 
 _SDC_TOLERANCE = 32.0  # multiple of the expected checksum rounding noise; calibrated at ~25x below it
@@ -318,9 +319,12 @@ def run_allgather(args: argparse.Namespace) -> None:
         _emit("allgather", [Measurement(ok=False, error="an all-gather probe needs at least 2 nodes")])
         return
     try:
-        store = TCPStore(
+        served = TCPStore(
             host, int(port), world, rank == 0, timeout, wait_for_workers=False, multi_tenant=False
         )
+        # Every key under the round's secret prefix: a stranger who reaches the port cannot name them.
+        key = os.environ.get(auth.STORE_KEY_ENV, "")
+        store = PrefixStore(f"{key}/", served) if key else served
     except (RuntimeError, ValueError) as exc:
         fail = f"could not reach the probe store at {args.store}: {_describe(exc)}"
         _emit("allgather", [Measurement(peer_node_id=p, ok=False, error=fail) for p in peers])

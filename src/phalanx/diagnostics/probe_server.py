@@ -8,7 +8,8 @@ next one, and it never touches a GPU (a forked CUDA context is unusable; each ch
 
 Protocol, one JSON object per line (:class:`phalanx.diagnostics.warm_probes.WarmProbes` is the client):
 
-* request on stdin: ``{"argv": ["matmul", "--seconds", "2"], "stdout": PATH, "stderr": PATH}``;
+* request on stdin: ``{"argv": ["matmul", "--seconds", "2"], "stdout": PATH, "stderr": PATH, "env": {...}}``
+  (``env``, optional: added to the child's environment; a store key travels there, never in ``argv``);
 * replies on stdout: ``{"started": PID}`` once the child runs, then ``{"exited": PID, "code": C}`` (``C``
   as :func:`os.waitstatus_to_exitcode`: negative for a signal), or ``{"error": "..."}`` for a request it
   cannot read;
@@ -34,22 +35,27 @@ def _reply(message: dict[str, Any]) -> None:
     sys.stdout.flush()  # nothing may sit in the buffer at fork: the child would print it again
 
 
-def _request(line: str) -> tuple[list[str], str, str]:
+def _request(line: str) -> tuple[list[str], str, str, dict[str, str]]:
     data = json.loads(line)
     if not isinstance(data, dict):
         raise ValueError("a request is a JSON object")
     argv, out, err = data.get("argv"), data.get("stdout"), data.get("stderr")
+    env = data.get("env", {})
     if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
         raise ValueError("argv must be a list of strings")
     if not isinstance(out, str) or not isinstance(err, str) or not out or not err:
         raise ValueError("stdout and stderr must be file paths")
-    return argv, out, err
+    strings = isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    if not strings:
+        raise ValueError("env must map strings to strings")
+    return argv, out, err, env
 
 
-def _child(argv: list[str], out: str, err: str) -> None:
+def _child(argv: list[str], out: str, err: str, env: dict[str, str]) -> None:
     """Runs in the forked child; never returns."""
     code = 1
     try:
+        os.environ.update(env)
         os.setsid()
         for fd, path, flags in (
             (0, os.devnull, os.O_RDONLY),
@@ -75,13 +81,13 @@ def serve() -> int:
         if not line.strip():
             continue
         try:
-            argv, out, err = _request(line)
+            argv, out, err, env = _request(line)
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
             _reply({"error": f"bad request: {exc}"})
             continue
         pid = os.fork()
         if pid == 0:
-            _child(argv, out, err)
+            _child(argv, out, err, env)
         _reply({"started": pid})
         _, status = os.waitpid(pid, 0)
         _reply({"exited": pid, "code": os.waitstatus_to_exitcode(status)})

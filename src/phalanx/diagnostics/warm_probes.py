@@ -66,14 +66,17 @@ class WarmProbes:
         args: Sequence[str],
         timeout_s: float,
         started: Callable[[Callable[[], None]], None] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> list[Measurement] | None:
-        """Runs one probe in a child of the server; ``started`` gets a function that kills it. None when
-        the probe could not be handed to a server (run it cold then)."""
+        """Runs one probe in a child of the server, with ``env`` added to its environment; ``started`` gets
+        a function that kills it. None when the probe could not be handed to a server (run it cold then)."""
         for _ in range(2):  # a server that died since the last probe is noticed only when asked
             server, fresh = self._start()
             if server is None:
                 return None
-            measured = self._run_in(server, kind=kind, args=args, timeout_s=timeout_s, started=started)
+            measured = self._run_in(
+                server, kind=kind, args=args, timeout_s=timeout_s, started=started, env=env or {}
+            )
             if measured is not None or fresh:
                 return measured
         return None
@@ -86,12 +89,13 @@ class WarmProbes:
         args: Sequence[str],
         timeout_s: float,
         started: Callable[[Callable[[], None]], None] | None,
+        env: Mapping[str, str],
     ) -> list[Measurement] | None:
         proc, replies = server
         deadline = time.monotonic() + timeout_s
         with tempfile.TemporaryDirectory(prefix="phalanx-probe-") as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-            request = {"argv": [kind, *args], "stdout": str(out), "stderr": str(err)}
+            request = {"argv": [kind, *args], "stdout": str(out), "stderr": str(err), "env": dict(env)}
             try:
                 assert proc.stdin is not None
                 proc.stdin.write(json.dumps(request).encode() + b"\n")

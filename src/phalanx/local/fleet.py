@@ -20,7 +20,7 @@ from pathlib import Path
 
 from phalanx.agent.checkpointing import remove_node_segments
 from phalanx.agent.env import beacon_path
-from phalanx.agent.pool import SHM_DIR
+from phalanx.agent.pool import SHM_ROOT, worker_shm_dir
 from phalanx.local import fabric, procs
 from phalanx.local.cpulimit import CpuGroup
 from phalanx.local.decide import Steps, node_id
@@ -137,7 +137,7 @@ class Fleet:
             group.remove()
             confined = True
         if confined:
-            remove_node_segments(SHM_DIR, job_id=self.job_id, node_id=node.node_id)
+            remove_node_segments(SHM_ROOT, job_id=self.job_id, node_id=node.node_id)
 
     def stop_nodes(self) -> None:
         """Ends the nodes still running as Kubernetes ends Pods: SIGTERM, on which each agent persists its
@@ -172,19 +172,19 @@ class Fleet:
     def remove_leftovers(self) -> None:
         """Killed agents could not remove their beacons and interval rings."""
         for pattern in ("beacon", "intervals"):
-            for stale in SHM_DIR.glob(f"phalanx-{self.job_id}-*.{pattern}"):
+            for stale in worker_shm_dir().glob(f"phalanx-{self.job_id}-*.{pattern}"):
                 stale.unlink(missing_ok=True)
 
     def read_steps(self) -> Steps:
         """(node id, local rank) -> (step, unix_ns, pid) of every live node's workers."""
         out = {}
+        shm_dir = worker_shm_dir()
         for node in self.nodes.values():
             if not node.alive:
                 continue
             for lr in range(self.o.nproc_per_node):
-                b = procs.read_beacon(
-                    beacon_path(shm_dir=SHM_DIR, job_id=self.job_id, node_id=node.node_id, local_rank=lr)
-                )
+                where = beacon_path(shm_dir=shm_dir, job_id=self.job_id, node_id=node.node_id, local_rank=lr)
+                b = procs.read_beacon(where)
                 if b is not None:
                     out[(node.node_id, lr)] = (b.step, b.unix_ns, b.pid)
         return out

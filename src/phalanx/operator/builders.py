@@ -104,6 +104,28 @@ def _master_command(job: Mapping[str, Any], spec: JobSpec, *, settings: Operator
     return command
 
 
+MASTER_LIVENESS_PERIOD_S = 20
+MASTER_LIVENESS_FAILURES = 3
+"""A master that has not answered for a minute is killed (its Pod fails and the operator starts another)."""
+
+
+def _master_liveness(settings: OperatorSettings) -> Obj:
+    """An exec probe (:mod:`phalanx.master.livez`): every master endpoint wants the job token, which a Pod's
+    httpGet probe could only carry in the Pod spec, readable by anyone who may read the Pod."""
+    command = [
+        f"{settings.command_prefix}python", "-m", "phalanx.master.livez",
+        "--port", str(settings.master_http_port), "--token-file", TOKEN_FILE,
+    ]  # fmt: skip
+    if settings.tls_ca_secret:
+        command += ["--ca-file", f"{TLS_DIR}/{tls.CA_CERT_KEY}", "--server-name", tls.SCRAPE_NAME]
+    return {
+        "exec": {"command": command},
+        "periodSeconds": MASTER_LIVENESS_PERIOD_S,
+        "timeoutSeconds": 10,
+        "failureThreshold": MASTER_LIVENESS_FAILURES,
+    }
+
+
 def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSettings) -> Obj:
     """The job's master: rendezvous, membership, failure policy; state in the job's ConfigMap.
 
@@ -139,7 +161,8 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
         )
     if settings.tls_ca_secret:
         container["volumeMounts"].append(dict(_TLS_MOUNT))
-        volumes.append(_tls_volume(job_name, keys=(tls.CERT_KEY, tls.KEY_KEY)))
+        volumes.append(_tls_volume(job_name, keys=(tls.CERT_KEY, tls.KEY_KEY, tls.CA_CERT_KEY)))
+    container["livenessProbe"] = _master_liveness(settings)
     if resources_ := (given.get("resources") or spec.master_resources):
         container["resources"] = copy.deepcopy(dict(resources_))
     if given.get("securityContext"):

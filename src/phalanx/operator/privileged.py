@@ -27,9 +27,18 @@ ORDINARY_CAPABILITIES = frozenset({"NET_BIND_SERVICE"})
 ORDINARY_SERVICE_ACCOUNTS = frozenset({"", "default"})
 
 
+UNCONFINED = "Unconfined"
+APPARMOR_ANNOTATION = "container.apparmor.security.beta.kubernetes.io/"
+SECCOMP_ANNOTATIONS = (
+    "seccomp.security.alpha.kubernetes.io/pod",
+    "container.seccomp.security.alpha.kubernetes.io/",
+)
+
+
 def requests(spec: Mapping[str, Any]) -> list[str]:
-    """The fields of an ElasticJob's templates that ask for host access, privileges, another service account
-    or a chosen node, each as its path (``spec.template.spec.volumes[1].hostPath``); [] for none."""
+    """The fields of an ElasticJob's templates that ask for host access, privileges, an unconfined profile,
+    another service account, a chosen node, a runtime class or a system priority, each as its path
+    (``spec.template.spec.volumes[1].hostPath``); [] for none."""
     found = list(_pod("spec.template", spec.get("template")))
     master = spec.get("master")
     if isinstance(master, Mapping):
@@ -50,6 +59,7 @@ def refusal(found: list[str], *, policy: str) -> str:
 def _pod(where: str, template: Any) -> Iterator[str]:
     if not isinstance(template, Mapping) or not isinstance(template.get("spec"), Mapping):
         return
+    yield from _annotations(f"{where}.metadata.annotations", template.get("metadata"))
     pod = template["spec"]
     where = f"{where}.spec"
     for key in HOST_NAMESPACES:
@@ -58,8 +68,12 @@ def _pod(where: str, template: Any) -> Iterator[str]:
     for key in ("serviceAccountName", "serviceAccount"):
         if str(pod.get(key) or "") not in ORDINARY_SERVICE_ACCOUNTS:
             yield f"{where}.{key}"
-    if pod.get("nodeName"):
-        yield f"{where}.nodeName"
+    for key in ("nodeName", "runtimeClassName"):
+        if pod.get(key):
+            yield f"{where}.{key}"
+    if str(pod.get("priorityClassName") or "").startswith("system-"):
+        yield f"{where}.priorityClassName"
+    yield from _unconfined(f"{where}.securityContext", pod.get("securityContext"))
     for i, volume in enumerate(_list(pod.get("volumes"))):
         for kind in sorted(set(volume) - {"name"} - ORDINARY_VOLUMES):
             yield f"{where}.volumes[{i}].{kind}"
@@ -77,12 +91,36 @@ def _container(where: str, container: Mapping[str, Any]) -> Iterator[str]:
         added = capabilities.get("add") if isinstance(capabilities, Mapping) else None
         if any(str(c) not in ORDINARY_CAPABILITIES for c in _plain_list(added)):
             yield f"{where}.securityContext.capabilities.add"
+        yield from _unconfined(f"{where}.securityContext", security)
         windows = security.get("windowsOptions")
         if isinstance(windows, Mapping) and windows.get("hostProcess") is True:
             yield f"{where}.securityContext.windowsOptions.hostProcess"
     for j, port in enumerate(_list(container.get("ports"))):
         if port.get("hostPort"):
             yield f"{where}.ports[{j}].hostPort"
+
+
+def _unconfined(where: str, security: Any) -> Iterator[str]:
+    if not isinstance(security, Mapping):
+        return
+    for key in ("seccompProfile", "appArmorProfile"):
+        profile = security.get(key)
+        if isinstance(profile, Mapping) and profile.get("type") == UNCONFINED:
+            yield f"{where}.{key}"
+
+
+def _annotations(where: str, metadata: Any) -> Iterator[str]:
+    annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
+    if not isinstance(annotations, Mapping):
+        return
+    for given_key, given_value in annotations.items():
+        key, value = str(given_key), str(given_value)
+        apparmor = key.startswith(APPARMOR_ANNOTATION) and not (
+            value == "runtime/default" or value.startswith("localhost/")
+        )
+        seccomp = key.startswith(SECCOMP_ANNOTATIONS) and value == "unconfined"
+        if apparmor or seccomp:
+            yield f"{where}[{key}]"
 
 
 def _list(value: Any) -> list[Mapping[str, Any]]:

@@ -1,7 +1,7 @@
 """The objects an ElasticJob needs besides its Pods: the token Secret (and the master's metrics and TLS
-Secrets), the state ConfigMap, the master's ServiceAccount, Role, RoleBinding and Service, and its
-NetworkPolicy. Pure builders (plain dicts, owned by the job); :func:`supporting_objects` lists them in
-creation order under the operator's settings.
+Secrets), the state ConfigMap, the master's ServiceAccount, Role, RoleBinding and Service, and the
+NetworkPolicies of its master and its workers. Pure builders (plain dicts, owned by the job);
+:func:`supporting_objects` lists them in creation order under the operator's settings.
 """
 
 from __future__ import annotations
@@ -79,6 +79,23 @@ def master_network_policy(job: Mapping[str, Any], *, settings: OperatorSettings)
                     ],
                 }
             ],
+        },
+    }
+
+
+def workers_network_policy(job: Mapping[str, Any]) -> Obj:
+    """Ingress to the job's worker Pods, on every port, from the job's own Pods only: the rendezvous and
+    probe stores a rank-0 worker serves (torch's TCPStore, which authenticates nobody) and the collectives'
+    ports are the job's alone. Pods on the host's network are outside any NetworkPolicy."""
+    job_name = job["metadata"]["name"]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": object_meta(job, elasticjob.workers_network_policy(job_name), component="worker"),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector(job_name, component="worker")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {names.JOB_LABEL: job_name}}}]}],
         },
     }
 
@@ -207,7 +224,7 @@ def supporting_objects(
         master_service(job, settings=settings),
     ]
     if settings.network_policy:
-        objects.append(master_network_policy(job, settings=settings))
+        objects += [master_network_policy(job, settings=settings), workers_network_policy(job)]
     return objects
 
 

@@ -161,6 +161,9 @@ def serve(
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    # Listening before the server's thread runs: a connection that comes first waits in the backlog instead
+    # of being refused (the fuzz test's first request was, once).
+    sock.listen(2048)
     config = uvicorn.Config(app, http=GuardedH11Protocol, log_level="warning", access_log=False,
                             lifespan="off", log_config=None)  # fmt: skip
     return TelemetryServer(uvicorn.Server(config), sock)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 import phalanx
 from phalanx import intervals
@@ -271,7 +271,7 @@ class ElasticTrainer:
                         timeout_s=self.config.collective_timeout_s,
                         superseded=superseded,
                     )
-                self._store = TCPStore(
+                served = TCPStore(
                     spec.store_host,
                     spec.store_port,
                     spec.world_size,
@@ -279,6 +279,9 @@ class ElasticTrainer:
                     timeout=timeout,
                     wait_for_workers=False,
                 )
+                # The store authenticates nobody: every key under the round's secret prefix, which a
+                # stranger who reaches the port cannot name (gloo's peer addresses among them).
+                self._store = PrefixStore(f"{spec.store_key}/", served) if spec.store_key else served
                 _gather(
                     self._store,
                     world_size=spec.world_size,

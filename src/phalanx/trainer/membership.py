@@ -27,6 +27,8 @@ class RoundSpec:
     store_host: str
     store_port: int
     joined: tuple[str, ...] = ()
+    store_key: str = ""
+    """The secret prefix of the round's store keys (the round file's); "": none."""
 
 
 class RoundSource:
@@ -66,6 +68,7 @@ class RoundSource:
             store_host=info.store_host,
             store_port=info.store_port,
             joined=tuple(info.joined),
+            store_key=info.store_key,
         )
 
     def changed(self) -> bool:
