@@ -18,6 +18,7 @@ import pytest
 
 from phalanx.agent import failures
 from phalanx.agent.client import MasterClient
+from phalanx.agent.pool import worker_shm_dir
 from phalanx.api.errors import TransportError
 from phalanx.api.v1 import master_pb2 as pb
 from tests.agent.helpers import DDP, WORKLOAD
@@ -134,8 +135,10 @@ def test_logs_and_progress_reach_the_master(master: tuple[str, httpx.Client, Pat
         (0, "rank 0/2 starting at step 0"),
         (1, "rank 1/2 starting at step 0"),
     }
-    # Beacons are removed when the agent exits.
-    assert not list(Path("/dev/shm").glob("phalanx-link-n0-*.beacon"))
+    # Beacons and rings lived in this user's private folder, never at a name in /dev/shm itself, and are
+    # removed when the agent exits.
+    assert not list(worker_shm_dir().glob("phalanx-link-n0-*"))
+    assert not list(Path("/dev/shm").glob("phalanx-link-n0-*"))
 
 
 def test_user_error_reported_from_the_error_file(
