@@ -115,6 +115,7 @@ def test_default_render(helm: Helm) -> None:
             "RoleBinding",
             "Role",  # operator.masterTLS, on by default: the CA Secret of the release namespace
             "RoleBinding",
+            "NetworkPolicy",  # operator.networkPolicy, on by default: the operator's own Pods
             "Deployment",
             "ConfigMap",
             "ConfigMap",
@@ -138,6 +139,24 @@ def test_default_render(helm: Helm) -> None:
     }
     assert env["PHALANX_OPERATOR_NETWORK_POLICY"] == "true"
     assert env["PHALANX_OPERATOR_TLS_CA_SECRET"] == "rel-phalanx-ca"
+    # The operator's own Pods: its one port from the monitoring namespace only, nothing else at all.
+    policy = _one(objs, "NetworkPolicy")
+    assert (
+        policy["spec"]["podSelector"]["matchLabels"]
+        == _one(objs, "Deployment")["spec"]["selector"]["matchLabels"]
+    )
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [
+        {
+            "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+            "ports": [{"protocol": "TCP", "port": "http"}],
+        }
+    ]
+    closed = _one(helm.render("operator.networkPolicy.monitoringNamespace="), "NetworkPolicy")
+    assert not closed["spec"]["ingress"], "no monitoring namespace: nothing reaches the operator"
+    assert not [
+        o for o in helm.render("operator.networkPolicy.enabled=false") if o["kind"] == "NetworkPolicy"
+    ]
 
     # The CRD is a template (so `helm upgrade` upgrades it) that `helm uninstall` keeps: deleting it would
     # delete every ElasticJob in the cluster.
