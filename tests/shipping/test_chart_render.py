@@ -81,7 +81,7 @@ def _one(objs: list[dict[str, Any]], kind: str, name: str = "") -> dict[str, Any
 
 def _deploy(kind: str) -> dict[str, Any]:
     docs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "operator-rbac.yaml").read_text()) if d]
-    docs += [yaml.safe_load((ROOT / "deploy" / "operator.yaml").read_text())]
+    docs += [d for d in yaml.safe_load_all((ROOT / "deploy" / "operator.yaml").read_text()) if d]
     return next(d for d in docs if d["kind"] == kind)
 
 
@@ -198,6 +198,20 @@ def test_operator_deployment(helm: Helm) -> None:
     (ref_container,) = reference["spec"]["template"]["spec"]["containers"]
     assert container["image"] == ref_container["image"]  # the chart's appVersion is the released image
     assert container["command"] == ref_container["command"] == ["phalanx", "operator"]
+    # The kubectl path is as safe by default as the chart: masters over TLS, the operator probed and fenced.
+    ref_env = {e["name"]: e.get("value") for e in ref_container["env"]}
+    assert ref_env["PHALANX_OPERATOR_TLS_CA_SECRET"] == "phalanx-ca"
+    assert ref_container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    fence = _deploy("NetworkPolicy")
+    assert fence["spec"]["podSelector"]["matchLabels"] == reference["spec"]["selector"]["matchLabels"]
+    role = _deploy("Role")
+    assert role["metadata"]["name"] == "phalanx-operator-tls-ca"
+    assert {
+        "apiGroups": [""],
+        "resources": ["secrets"],
+        "resourceNames": ["phalanx-ca"],
+        "verbs": ["get"],
+    } in role["rules"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["PHALANX_OPERATOR_NAMESPACE"] == "team-a"
     assert env["PHALANX_OPERATOR_IMAGE"] == container["image"]
