@@ -7,9 +7,11 @@ import datetime
 import ipaddress
 import json
 import signal
+import socket
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from phalanx.api.errors import ConfigError
 from phalanx.api.settings import MasterSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.checkpoint.report import MasterReporter
+from phalanx.master.server import TLS_HANDSHAKE_TIMEOUT_S
 
 from .procs import TOKEN, Master
 
@@ -221,3 +224,33 @@ def test_the_liveness_probe_passes_with_the_token_and_ca_and_fails_for_a_stopped
     assert hung.returncode == 1
     assert "did not answer" in hung.stderr, hung.stderr
     assert _livez(master, token, *verified).returncode == 0, "answers again once continued"
+
+
+def test_connections_that_never_start_tls_are_closed_after_the_handshake_timeout(
+    tls_master: tuple[Master, Path, Path],
+) -> None:
+    """200 connections to the HTTP port that never send a ClientHello: the master keeps serving, and closes
+    each once TLS_HANDSHAKE_TIMEOUT_S is out (asyncio's own default, 60 s, would hold them past the wait)."""
+    master, ca, _ = tls_master
+    _, port = master.ports
+    opened = time.monotonic()
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(200)]
+    try:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), headers=headers) as client:
+            assert client.get(f"https://{master.http}/healthz").status_code == 200
+        deadline = opened + TLS_HANDSHAKE_TIMEOUT_S + 15
+        closed = 0
+        for conn in silent:
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                closed += conn.recv(1) == b""
+            except ConnectionResetError:
+                closed += 1
+            except TimeoutError:
+                pass
+        still_open = len(silent) - closed
+        assert not still_open, f"{still_open} still open {time.monotonic() - opened:.0f} s on"
+    finally:
+        for conn in silent:
+            conn.close()

@@ -240,8 +240,18 @@ def _grpc_server(settings: MasterSettings, rt: Runtime, *, token: str) -> tuple[
     return grpc_server, grpc_port
 
 
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+"""A connection to the HTTP port that has not finished its TLS handshake by then is closed (asyncio's default:
+60 s). The guarded protocol sees a connection only once TLS is up, so this bounds what comes before it: a
+Pod opening connections and never starting TLS holds each for 10 s, as on the gRPC port."""
+
+
 def _http_server(settings: MasterSettings, rt: Runtime, *, token: str, metrics_token: str) -> _HttpServer:
     """The HTTP API for people and Prometheus (TLS with the gRPC server's certificate when it has one)."""
+    if settings.tls_cert_file:
+        # uvicorn passes no handshake timeout to the loop, so asyncio's module default applies: this process
+        # serves only the master's ports, which all want the bound.
+        asyncio.constants.SSL_HANDSHAKE_TIMEOUT = TLS_HANDSHAKE_TIMEOUT_S  # type: ignore[attr-defined]
     return _HttpServer(
         uvicorn.Config(
             create_app(rt, token=token, metrics_token=metrics_token),
