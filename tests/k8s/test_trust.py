@@ -43,6 +43,12 @@ SIMULATED = {
 """Worker Pods on the test kubelet's simulated nodes: Running, with no process."""
 
 
+ADMISSION_NAMESPACE = "trust-admission"
+ANOTHER_CONTROLLER = "kueue.x-k8s.io/multikueue"
+"""The admission tests' jobs are only admitted, never run: another controller's (``spec.managedBy``), which
+the admission policy checks like any other and the operator leaves alone, so none starts a master."""
+
+
 def _job(name: str, namespace: str, **pod: Any) -> dict[str, Any]:
     container = {
         "name": "trainer",
@@ -50,11 +56,17 @@ def _job(name: str, namespace: str, **pod: Any) -> dict[str, Any]:
         "command": ["python", "train.py"],
         **pod.pop("container", {}),
     }
+    spec: dict[str, Any] = {
+        "nodes": {"min": 1, "max": 1},
+        "template": {"spec": {"containers": [container], **pod}},
+    }
+    if namespace == ADMISSION_NAMESPACE:
+        spec["managedBy"] = ANOTHER_CONTROLLER
     return {
         "apiVersion": "phalanx.dev/v1alpha1",
         "kind": "ElasticJob",
         "metadata": {"name": name, "namespace": namespace},
-        "spec": {"nodes": {"min": 1, "max": 1}, "template": {"spec": {"containers": [container], **pod}}},
+        "spec": spec,
     }
 
 
@@ -72,7 +84,7 @@ def authors(control_plane: ControlPlane) -> Iterator[str]:
     """The admission policy installed, a namespace where alice may only manage ElasticJobs (and read the
     Secret `readable`) and bob may also create Pods."""
     cp = control_plane
-    ns = "trust-admission"
+    ns = ADMISSION_NAMESPACE
     cp.kubectl("apply", "-f", str(ADMISSION))
     cp.kubectl("create", "namespace", ns)
     rbac = f"""

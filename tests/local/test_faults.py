@@ -283,6 +283,7 @@ def test_a_node_whose_steps_lag_is_flagged_and_probed(tmp_path: Path) -> None:
     assert s["evictions"] == []
 
 
+@pytest.mark.timeout(180)
 def test_a_probe_round_runs_every_kind_on_every_node(tmp_path: Path) -> None:
     """The default probe kinds, matmul and all-gather, reach every node in one heartbeat; each node runs
     them one after the other and the round ends with every report in. The thresholds are lenient: this
@@ -294,7 +295,10 @@ def test_a_probe_round_runs_every_kind_on_every_node(tmp_path: Path) -> None:
         "--master-arg=--probes-enabled=true", "--master-arg=--probes-on-round-complete=true",
         "--master-arg=--probes-stragglers-compute-threshold=0.01",
         "--master-arg=--probes-stragglers-link-threshold=0.01",
-        workload=["--steps", "150", "--step-time", "0.1"],
+        # 40 s of training: both probes take 9 s on an idle machine and were not done 16 s in under a full
+        # suite's load, when the job's end aborted the round.
+        workload=["--steps", "400", "--step-time", "0.1"],
+        timeout=150,
     )  # fmt: skip
     assert code == 0, out
     assert s["exit"] == "succeeded"
