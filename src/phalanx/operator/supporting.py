@@ -55,32 +55,36 @@ def tls_secret(job: Mapping[str, Any], *, pems: Mapping[str, str]) -> Obj:
     return _secret(job, name, component="master", data=pems, kind="kubernetes.io/tls")
 
 
-def master_network_policy(job: Mapping[str, Any], *, settings: OperatorSettings) -> Obj:
-    """Ingress to the master's gRPC and HTTP ports from the job's own Pods (same namespace, its
-    phalanx.dev/job label, which the operator sets on every Pod it makes and a template cannot change) and
-    from the Pods of ``settings.monitoring_namespace``; nothing else reaches the master."""
-    job_name = job["metadata"]["name"]
-    peers: list[Obj] = [{"podSelector": {"matchLabels": {names.JOB_LABEL: job_name}}}]
-    if monitoring := settings.monitoring_namespace:
-        peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": monitoring}}})
+def _ingress_policy(job: Mapping[str, Any], name: str, *, component: str, rule: Obj) -> Obj:
+    """A NetworkPolicy of the job's: ingress to its ``component`` Pods by ``rule`` alone."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": object_meta(job, elasticjob.network_policy(job_name), component="master"),
+        "metadata": object_meta(job, name, component=component),
         "spec": {
-            "podSelector": {"matchLabels": names.selector(job_name, component="master")},
+            "podSelector": {"matchLabels": names.selector(job["metadata"]["name"], component=component)},
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {
-                    "from": peers,
-                    "ports": [
-                        {"protocol": "TCP", "port": settings.master_grpc_port},
-                        {"protocol": "TCP", "port": settings.master_http_port},
-                    ],
-                }
-            ],
+            "ingress": [rule],
         },
     }
+
+
+def _the_jobs_pods(job_name: str) -> Obj:
+    """The job's own Pods (same namespace, the phalanx.dev/job label, which the operator sets on every Pod
+    it makes and a template cannot change)."""
+    return {"podSelector": {"matchLabels": {names.JOB_LABEL: job_name}}}
+
+
+def master_network_policy(job: Mapping[str, Any], *, settings: OperatorSettings) -> Obj:
+    """Ingress to the master's gRPC and HTTP ports from the job's own Pods and from the Pods of
+    ``settings.monitoring_namespace``; nothing else reaches the master."""
+    job_name = job["metadata"]["name"]
+    peers: list[Obj] = [_the_jobs_pods(job_name)]
+    if monitoring := settings.monitoring_namespace:
+        peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": monitoring}}})
+    ports = [settings.master_grpc_port, settings.master_http_port]
+    rule = {"from": peers, "ports": [{"protocol": "TCP", "port": port} for port in ports]}
+    return _ingress_policy(job, elasticjob.network_policy(job_name), component="master", rule=rule)
 
 
 def workers_network_policy(job: Mapping[str, Any]) -> Obj:
@@ -88,16 +92,8 @@ def workers_network_policy(job: Mapping[str, Any]) -> Obj:
     probe stores a rank-0 worker serves (torch's TCPStore, which authenticates nobody) and the collectives'
     ports are the job's alone. Pods on the host's network are outside any NetworkPolicy."""
     job_name = job["metadata"]["name"]
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": object_meta(job, elasticjob.workers_network_policy(job_name), component="worker"),
-        "spec": {
-            "podSelector": {"matchLabels": names.selector(job_name, component="worker")},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": {names.JOB_LABEL: job_name}}}]}],
-        },
-    }
+    rule = {"from": [_the_jobs_pods(job_name)]}
+    return _ingress_policy(job, elasticjob.workers_network_policy(job_name), component="worker", rule=rule)
 
 
 def state_config_map(job: Mapping[str, Any]) -> Obj:
