@@ -17,8 +17,9 @@ import pytest
 
 from phalanx.api import auth
 from phalanx.api.ports import free_port
-from phalanx.diagnostics.probe_runner import Measurement, allgather_args, run_probe
+from phalanx.diagnostics.probe_runner import Measurement, allgather_args, matmul_args, run_probe
 from phalanx.diagnostics.stragglers import link_verdicts, suspects
+from phalanx.diagnostics.warm_probes import WarmProbes
 from tests.eventually import eventually
 
 NODES = ["a", "b", "c"]
@@ -188,25 +189,33 @@ def test_peer_that_dies_or_hangs_after_joining_fails_its_pairs_not_a_hang(fault:
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "round-key"])
-def test_a_stranger_at_the_probe_store_cannot_forge_the_group_with_the_rounds_key(keyed: bool) -> None:
+@pytest.mark.parametrize("how", ["no-key", "round-key", "round-key-warm"])
+def test_a_stranger_at_the_probe_store_cannot_forge_the_group_with_the_rounds_key(how: str) -> None:
     """The probe store authenticates nobody. A stranger who reaches it keeps writing the ``missing`` list
     that rank 0 decides, naming b: without the round's key b takes it and reports itself late, a healthy
     node charged with a failed pair (the attack, shown); with the key every probe key lies under a prefix
-    the stranger cannot name, and the pair measures."""
+    the stranger cannot name, and the pair measures: started cold with the key in its environment, or
+    forked from a warm probe server (as agents run most probes) with the key in its request."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    port, nodes = free_port(), ["a", "b"]
-    env = {**os.environ, auth.STORE_KEY_ENV: auth.store_key("t" * 24, f"probe/1/127.0.0.1:{port}")}
+    port, nodes, keyed = free_port(), ["a", "b"], how != "no-key"
+    secret = {auth.STORE_KEY_ENV: auth.store_key("t" * 24, f"probe/1/127.0.0.1:{port}")}
+    servers = [WarmProbes(python=sys.executable) for _ in nodes] if how == "round-key-warm" else []
+    for server in servers:  # their torch imported before the round, as on a node that probed before
+        assert server.run(kind="matmul", args=matmul_args(seconds=0.1, size=64), timeout_s=RUNNER_TIMEOUT_S)
 
     def rank(r: int) -> list[Measurement]:
         args = allgather_args(
             rank=r, node_ids=nodes, store_host="127.0.0.1", store_port=port, nbytes=1 << 20,
             seconds=0.6, pairs=True, timeout_s=TIMEOUT_S,
         )  # fmt: skip
+        if servers:
+            warm = servers[r].run(kind="allgather", args=args, timeout_s=RUNNER_TIMEOUT_S, env=secret)
+            assert warm is not None, "the warm server took the probe"
+            return warm
         return run_probe(
             kind="allgather", python=sys.executable, args=args, timeout_s=RUNNER_TIMEOUT_S,
-            env=env if keyed else None,
+            env={**os.environ, **secret} if keyed else None,
         )  # fmt: skip
 
     stop = threading.Event()
@@ -229,6 +238,8 @@ def test_a_stranger_at_the_probe_store_cannot_forge_the_group_with_the_rounds_ke
             results = {0: first.result(), 1: second.result()}
         finally:
             stop.set()
+            for server in servers:
+                server.close()
         forging.result()
     (b,) = results[1]
     if keyed:

@@ -29,6 +29,10 @@ def test_a_beacon_only_hang_of_two_nodes_counts_against_the_stopped_node_only(tm
             "--workdir", str(tmp_path / "wd"), "--summary-json", str(summary),
             # After node-1's eviction node-0 trains on alone: no replacement to wait for.
             "--nodes", "1:2", "--nproc-per-node", "1", "--max-replacements", "0",
+            # Both nodes in the first round: with min 1, a round completes a second after node-0 joins
+            # unless node-1 registered by then, and a loaded machine once started it 1.6 s later; node-0
+            # then trained alone and the injections by step landed elsewhere (no second stop was seen).
+            "--master-arg=--last-call=5",
             "--inject", "hang-worker@step=8,node=1,rank=0",
             "--inject", "hang-worker@step=20,node=1,rank=0",
             "--", str(SCRIPT), "--steps", "30", "--step-time", "0.05",
