@@ -194,14 +194,17 @@ def test_a_stranger_at_the_probe_store_cannot_forge_the_group_with_the_rounds_ke
     """The probe store authenticates nobody. A stranger who reaches it keeps writing the ``missing`` list
     that rank 0 decides, naming b: without the round's key b takes it and reports itself late, a healthy
     node charged with a failed pair (the attack, shown); with the key every probe key lies under a prefix
-    the stranger cannot name, and the pair measures: started cold with the key in its environment, or
-    forked from a warm probe server (as agents run most probes) with the key in its request."""
+    the stranger cannot name, and the pair measures: rank 0 started cold with the key in its environment,
+    or forked from a warm probe server (as agents run most probes) with the key in its request.
+
+    b always runs from a warm server: it starts only once the store listens and the stranger is in, and a
+    cold start there (``import torch``, over 6 s on a loaded machine) would miss rank 0's join window."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     port, nodes, keyed = free_port(), ["a", "b"], how != "no-key"
     secret = {auth.STORE_KEY_ENV: auth.store_key("t" * 24, f"probe/1/127.0.0.1:{port}")}
-    servers = [WarmProbes(python=sys.executable) for _ in nodes] if how == "round-key-warm" else []
-    for server in servers:  # their torch imported before the round, as on a node that probed before
+    servers = {r: WarmProbes(python=sys.executable) for r in ([0, 1] if how == "round-key-warm" else [1])}
+    for server in servers.values():  # their torch imported before the round, as on a node that probed before
         assert server.run(kind="matmul", args=matmul_args(seconds=0.1, size=64), timeout_s=RUNNER_TIMEOUT_S)
 
     def rank(r: int) -> list[Measurement]:
@@ -209,8 +212,10 @@ def test_a_stranger_at_the_probe_store_cannot_forge_the_group_with_the_rounds_ke
             rank=r, node_ids=nodes, store_host="127.0.0.1", store_port=port, nbytes=1 << 20,
             seconds=0.6, pairs=True, timeout_s=TIMEOUT_S,
         )  # fmt: skip
-        if servers:
-            warm = servers[r].run(kind="allgather", args=args, timeout_s=RUNNER_TIMEOUT_S, env=secret)
+        if r in servers:
+            warm = servers[r].run(
+                kind="allgather", args=args, timeout_s=RUNNER_TIMEOUT_S, env=secret if keyed else {}
+            )
             assert warm is not None, "the warm server took the probe"
             return warm
         return run_probe(
@@ -238,7 +243,7 @@ def test_a_stranger_at_the_probe_store_cannot_forge_the_group_with_the_rounds_ke
             results = {0: first.result(), 1: second.result()}
         finally:
             stop.set()
-            for server in servers:
+            for server in servers.values():
                 server.close()
         forging.result()
     (b,) = results[1]
