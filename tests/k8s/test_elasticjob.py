@@ -173,9 +173,23 @@ def _step(cluster: Cluster, namespace: str) -> int:
     return int(_job(cluster, namespace).get("status", {}).get("step", -1))
 
 
+def _evict(cluster: Cluster, namespace: str, name: str) -> None:
+    """What `kubectl drain` does to each Pod of the node: a POST to the Pod's eviction subresource. The API
+    server marks the Pod (DisruptionTarget, EvictionByEvictionAPI) and deletes it with its grace period."""
+    eviction = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": name, "namespace": namespace},
+    }
+    path = f"/api/v1/namespaces/{namespace}/pods/{name}/eviction"
+    cluster.cp.kubectl("create", "--raw", path, "-f", "-", input_text=json.dumps(eviction))
+
+
 def test_killed_worker_is_replaced_and_lost_master_resumes(cluster: Cluster) -> None:
+    """A killed worker is a replacement charged to restart.maxEvictions; a drained one (the eviction API) is
+    replaced without touching it; a lost master Pod resumes the job from its state."""
     ns = "faults"
-    _apply_example(cluster, ns, steps=60, step_s=0.25)
+    _apply_example(cluster, ns, steps=100, step_s=0.25)
     cluster.wait_for(
         "training progress", lambda: _phase(cluster, ns) == "Running" and _step(cluster, ns) >= 3, timeout=120
     )
@@ -203,6 +217,37 @@ def test_killed_worker_is_replaced_and_lost_master_resumes(cluster: Cluster) -> 
     cluster.wait_for(
         "a new rendezvous round with the replacement",
         lambda: int(_job(cluster, ns)["status"].get("round", 0)) >= 2 and _phase(cluster, ns) == "Running",
+        timeout=90,
+    )
+
+    # The other worker's node is drained: the cluster, not the job, ends that Pod. Its replacement costs the
+    # job's eviction budget nothing.
+    drained = next(
+        p for p in sorted(p["metadata"]["name"] for p in _running_workers(cluster, ns)) if p != replacement
+    )
+    round_before = int(_job(cluster, ns)["status"]["round"])
+    _evict(cluster, ns, drained)
+    drained_slot = drained.split("-")[-2]
+    cluster.wait_for(
+        "the drained worker's replacement Running",
+        lambda: any(
+            p["metadata"]["name"] == f"tiny-worker-{drained_slot}-1" for p in _running_workers(cluster, ns)
+        ),
+        timeout=60,
+    )
+    cluster.wait_for(
+        "disruption counted", lambda: _job(cluster, ns)["status"].get("disruptions") == 1, timeout=30
+    )
+    assert _job(cluster, ns)["status"]["replacements"] == 1, (
+        "the drain is not charged to restart.maxEvictions"
+    )
+    assert "WorkerDisrupted" in _events(cluster, ns)
+    cluster.wait_for(
+        "a new rendezvous round after the drain",
+        lambda: (
+            int(_job(cluster, ns)["status"].get("round", 0)) > round_before
+            and _phase(cluster, ns) == "Running"
+        ),
         timeout=90,
     )
 

@@ -243,6 +243,65 @@ def test_replacement_budget_exhausted_fails_the_job() -> None:
     assert "restart.maxEvictions=1" in failed["message"]
 
 
+def _disrupt(
+    c: FakeCluster, name: str, reason: str, *, phase: str = "Running", terminating: bool = True
+) -> None:
+    """What the cluster does to a Pod it takes: the condition, then a deletion (or, for node pressure, the
+    kubelet fails the Pod)."""
+    pod = c.pods[name]
+    c.pods[name] = dataclasses.replace(pod, phase=phase, terminating=terminating, disruption=reason)
+
+
+def test_pods_the_cluster_takes_are_replaced_without_touching_the_eviction_budget() -> None:
+    """A drain's eviction, a preemption and a kubelet's node-pressure eviction, with maxEvictions 0: each
+    worker is replaced, counted in status.disruptions, said in an Event, and the job never fails."""
+    c = started(restart={"maxEvictions": 0})
+    for reason, phase, terminating in [
+        ("EvictionByEvictionAPI", "Running", True),
+        ("PreemptionByScheduler", "Running", True),
+        ("Evicted", "Failed", False),
+    ]:
+        name = next(n for n, p in c.pods.items() if p.role == "worker" and p.live)
+        _disrupt(c, name, reason, phase=phase, terminating=terminating)
+        c.step()
+        assert c.job["status"]["phase"] == "Restarting", reason
+        assert "not charged" in c.condition("Restarting")["message"]
+        c.gone()
+        c.run_all()
+        c.step()
+        assert c.job["status"]["phase"] == "Running", reason
+    assert (c.job["status"]["replacements"], c.job["status"]["disruptions"]) == (0, 3)
+    said = [e.message for e in c.events if e.reason == "WorkerDisrupted"]
+    assert len(said) == 3, said
+    assert all("not charged to restart.maxEvictions" in m for m in said), said
+    assert "(PreemptionByScheduler)" in said[1]
+    assert "WorkerReplaced" not in c.reasons()
+
+
+def test_a_cluster_that_takes_pods_without_end_fails_the_job_on_its_own_budget() -> None:
+    c = started(restart={"maxDisruptions": 1})
+    for _ in range(2):
+        name = next(n for n, p in c.pods.items() if p.role == "worker" and p.live)
+        _disrupt(c, name, "PreemptionByScheduler")
+        c.step()
+        c.gone()
+        c.run_all()
+    assert c.job["status"]["phase"] == "Failed"
+    failed = c.condition("Failed")
+    assert failed["reason"] == "DisruptionBudgetExhausted"
+    assert "restart.maxDisruptions=1" in failed["message"]
+    assert c.job["status"]["replacements"] == 0
+
+
+def test_a_pod_deleted_by_hand_is_still_charged() -> None:
+    """Only the cluster's own DisruptionTarget is no failure: a Pod someone deleted, with no condition, is
+    lost like any other."""
+    c = started()
+    c.pods["j-worker-0-0"] = dataclasses.replace(c.pods["j-worker-0-0"], terminating=True)
+    c.step()
+    assert (c.job["status"]["replacements"], c.job["status"].get("disruptions", 0)) == (1, 0)
+
+
 def test_eviction_replaces_off_the_machine_and_cordons() -> None:
     c = FakeCluster(job_obj(cordonBadNodes=True), settings=OperatorSettings(cordon_nodes=True))
     c.step()

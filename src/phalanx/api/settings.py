@@ -206,7 +206,8 @@ class AgentSettings:
 @dataclass(frozen=True, kw_only=True)
 class JobPodSettings:
     """How the operator shapes an ElasticJob's Pods beyond its template: the defaults of
-    ``spec.sharedMemory``, ``spec.terminationGracePeriod`` and ``spec.createRefusedTimeout``."""
+    ``spec.sharedMemory``, ``spec.terminationGracePeriod``, ``spec.createRefusedTimeout`` and
+    ``spec.restart.maxDisruptions``."""
 
     shared_memory: bool = setting(
         True,
@@ -233,8 +234,16 @@ class JobPodSettings:
         "(Forbidden, Invalid, quota exceeded) before the job fails.",
         unit="s",
     )
+    max_disruptions: int = setting(
+        100,
+        doc="Worker Pods the cluster may end (a preemption, a drain, node pressure: the Pod's "
+        "DisruptionTarget condition) and the operator replace before the job fails; apart from "
+        "restart.maxEvictions, which these replacements do not touch.",
+    )
 
     def __post_init__(self) -> None:
+        if self.max_disruptions < 0:
+            raise ConfigError(f"cannot be negative, got {self.max_disruptions}", field="max_disruptions")
         positive(self.shared_memory_per_process_mib, "shared_memory_per_process_mib")
         positive(self.persist_on_exit_s, "persist_on_exit_s")
         positive(self.create_refused_timeout_s, "create_refused_timeout_s")

@@ -32,6 +32,10 @@ class PodView:
     reason: str = ""
     nodes: str = ""
     """For the master Pod: the MIN:MAX it runs with (its phalanx.dev/nodes annotation)."""
+    disruption: str = ""
+    """Why the cluster, not the job, ended the Pod: the reason of its ``DisruptionTarget`` condition
+    (``PreemptionByScheduler``, ``EvictionByEvictionAPI`` for a drain, ``TerminationByKubelet``,
+    ``DeletionByTaintManager``, ...) or ``Evicted`` for a kubelet's node-pressure eviction; "" for none."""
 
     @property
     def slot(self) -> int | None:

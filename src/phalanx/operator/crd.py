@@ -117,7 +117,14 @@ def _status_schema() -> dict[str, Any]:
                 "items": _eviction_schema(),
                 "description": "Evictions requested by the master.",
             },
-            "replacements": int_prop("Worker Pods the operator replaced (failed, lost or evicted)."),
+            "replacements": int_prop(
+                "Worker Pods the operator replaced (failed, lost or evicted by the master); "
+                "restart.maxEvictions bounds them."
+            ),
+            "disruptions": int_prop(
+                "Worker Pods the cluster ended (preemption, drain, node pressure) and the operator replaced; "
+                "restart.maxDisruptions bounds them."
+            ),
             "refusedPods": {
                 "type": "array",
                 "items": {"type": "string"},

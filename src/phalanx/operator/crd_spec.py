@@ -145,6 +145,9 @@ def _restart() -> dict[str, Any]:
         {
             "maxRestarts": setting_prop(("restart", "maxRestarts"), minimum=0, maximum=MAX_RESTART_BUDGET),
             "maxEvictions": setting_prop(("restart", "maxEvictions"), minimum=0, maximum=MAX_RESTART_BUDGET),
+            "maxDisruptions": setting_prop(
+                ("restart", "maxDisruptions"), minimum=0, maximum=MAX_RESTART_BUDGET
+            ),
             "gracePeriod": setting_prop(("restart", "gracePeriod")),
         },
         default={},

@@ -31,7 +31,27 @@ def pod_view(pod: Any) -> PodView:
         exit_code=exit_code,
         reason=reason,
         nodes=(pod.metadata.annotations or {}).get(names.NODES_ANNOTATION, ""),
+        disruption=disruption(pod),
     )
+
+
+DISRUPTION_CONDITION = "DisruptionTarget"
+"""The condition Kubernetes puts on a Pod it is about to end for its own reasons (a preemption, a drain's
+eviction, node pressure or shutdown, a taint), before it deletes or fails it."""
+KUBELET_EVICTED = "Evicted"
+"""``status.reason`` of a Pod the kubelet failed for node pressure (it carries no condition on older
+clusters)."""
+
+
+def disruption(pod: Any) -> str:
+    """Why the cluster ended ``pod`` (:attr:`PodView.disruption`), or ""."""
+    status = pod.status
+    if status is None:
+        return ""
+    for c in status.conditions or []:
+        if c.type == DISRUPTION_CONDITION and c.status == "True":
+            return str(c.reason or DISRUPTION_CONDITION)
+    return KUBELET_EVICTED if status.phase == "Failed" and status.reason == KUBELET_EVICTED else ""
 
 
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"

@@ -12,7 +12,9 @@ Rules, per pass:
   finished master Pod (while the job runs) is deleted and recreated under the same name, and the new master
   resumes from the state ConfigMap;
 * every worker slot ``0..nodes.max-1`` has one live Pod. A slot whose Pod failed or vanished gets the
-  next incarnation; that is a *replacement* and counts against ``restart.maxEvictions``;
+  next incarnation; that is a *replacement* and counts against ``restart.maxEvictions``, unless the cluster
+  ended the Pod (a preemption, a drain, node pressure: its ``DisruptionTarget`` condition), which counts
+  against ``restart.maxDisruptions`` instead (``status.disruptions``; reason DisruptionBudgetExhausted);
 * evictions the master wrote into ``status.evictions`` are carried out: the replacement is created with
   node affinity keeping it off the evicted machine, then the evicted Pod is deleted (in this order, so a
   crash between the two steps loses nothing). The machine kept off and, with ``cordonBadNodes`` and the
@@ -69,7 +71,7 @@ from phalanx.operator.context import FINISHED_PHASES, Pass
 from phalanx.operator.schema import format_duration
 from phalanx.operator.spec import JobSpec, gang_enabled, parse_spec
 from phalanx.operator.supporting import master_address, supporting_names, supporting_objects
-from phalanx.operator.workers import finished_slots, pod_exit, reconcile_workers
+from phalanx.operator.workers import Replacements, finished_slots, pod_exit, reconcile_workers
 
 GANG_VERDICT = "PodGroupInitiallyScheduled"
 """The condition the Kubernetes scheduler sets on a PodGroup: whether it placed the gang (it stays True)."""
@@ -129,7 +131,9 @@ def reconcile(
     if resuming is None:
         return _settled(ctx)
     replaced = reconcile_workers(ctx, spec, resuming=resuming)
-    if _replacement_budget_exhausted(ctx, spec, replaced):
+    if _replacement_budget_exhausted(ctx, spec, replaced.failed) or _disruption_budget_exhausted(
+        ctx, spec, replaced.disrupted
+    ):
         return ctx.finish()
     _running_phase(ctx, spec, replaced=replaced, resuming=resuming, master_ready=master_ready)
     return _settled(ctx)
@@ -323,7 +327,25 @@ def _replacement_budget_exhausted(ctx: Pass, spec: JobSpec, replaced: int) -> bo
     return True
 
 
-def _running_phase(ctx: Pass, spec: JobSpec, *, replaced: int, resuming: bool, master_ready: bool) -> None:
+def _disruption_budget_exhausted(ctx: Pass, spec: JobSpec, disrupted: int) -> bool:
+    """Counts this pass's disruptions into ``status.disruptions``; True when that failed the job: a cluster
+    that ends the job's Pods without end (a node pool that is always reclaimed) stops it, with a reason
+    that is the cluster's, not the job's."""
+    used = int(ctx.status.get("disruptions", 0)) + disrupted
+    ctx.out["disruptions"] = used
+    if used <= spec.max_disruptions:
+        return False
+    message = (
+        f"the cluster ended {used} worker Pods (preemptions, drains, node pressure), more than "
+        f"restart.maxDisruptions={spec.max_disruptions}"
+    )
+    lifecycle.fail(ctx, reason="DisruptionBudgetExhausted", message=message, spec=spec)
+    return True
+
+
+def _running_phase(
+    ctx: Pass, spec: JobSpec, *, replaced: Replacements, resuming: bool, master_ready: bool
+) -> None:
     """The phase of a job that runs: Running, Restarting (replacing nodes, or fewer than nodes.min up), or
     still starting; with its Running and Restarting conditions and an Event when it changes."""
     phase, workers, running = ctx.phase, ctx.workers, _running_workers(ctx)
@@ -335,7 +357,7 @@ def _running_phase(ctx: Pass, spec: JobSpec, *, replaced: int, resuming: bool, m
     # A slot whose newest Pod exited 0 is a node that finished training (the others follow within a
     # heartbeat, then the master's verdict): it is neither lost nor replaced.
     finished = finished_slots(workers, spec.max_nodes)
-    restarting = replaced > 0 or (was_up and running + finished < spec.min_nodes)
+    restarting = replaced.any or (was_up and running + finished < spec.min_nodes)
     new_phase: str  # a Phase, or the one the job had
     if restarting:
         new_phase = Phase.RESTARTING
@@ -352,7 +374,13 @@ def _running_phase(ctx: Pass, spec: JobSpec, *, replaced: int, resuming: bool, m
     running_now = new_phase == Phase.RUNNING
     ctx.condition("Running", running_now, "NodesRunning" if running_now else "NotRunning", message)
     ctx.condition("Restarting", new_phase == Phase.RESTARTING, "Replacing" if restarting else "Stable",
-                  "replacing lost nodes" if restarting else "no node is being replaced")  # fmt: skip
+                  _restarting_message(replaced) if restarting else "no node is being replaced")  # fmt: skip
+
+
+def _restarting_message(replaced: Replacements) -> str:
+    if replaced.disrupted and not replaced.failed:
+        return "replacing nodes the cluster took (preemption, drain or node pressure), not charged to the job"
+    return "replacing lost nodes"
 
 
 def _settled(ctx: Pass) -> list[Action]:

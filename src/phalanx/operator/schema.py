@@ -22,6 +22,7 @@ SETTINGS_FIELDS: dict[tuple[str, ...], tuple[type, str]] = {
     ("nprocPerNode",): (s.AgentSettings, "nproc_per_node"),
     ("restart", "maxRestarts"): (s.RestartSettings, "max_restarts"),
     ("restart", "maxEvictions"): (s.RestartSettings, "max_evictions"),
+    ("restart", "maxDisruptions"): (s.JobPodSettings, "max_disruptions"),
     ("restart", "gracePeriod"): (s.RestartSettings, "grace_period_s"),
     ("heartbeat", "interval"): (s.HeartbeatSettings, "interval_s"),
     ("heartbeat", "timeout"): (s.HeartbeatSettings, "timeout_s"),

@@ -86,6 +86,8 @@ class JobSpec:
     """``spec.ttlAfterFinished``: seconds a finished job is kept, then the operator deletes it; None: kept."""
     gang_min_nodes: int | None = None
     """``spec.gangScheduling``: worker Pods the scheduler must place at once; None: no gang scheduling."""
+    max_disruptions: int = JobPodSettings().max_disruptions
+    """``spec.restart.maxDisruptions``: worker Pods the cluster may end and the operator replace."""
 
     @property
     def min_nodes(self) -> int:
@@ -484,4 +486,13 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         active_deadline_s=deadline,
         ttl_after_finished_s=ttl,
         gang_min_nodes=gang,
+        max_disruptions=_max_disruptions(_group(spec, "restart")),
     )
+
+
+def _max_disruptions(rs: Mapping[str, Any]) -> int:
+    default = JobPodSettings().max_disruptions
+    number = _count(rs, "maxDisruptions", default, where="restart", maximum=MAX_RESTART_BUDGET)
+    if number < 0:
+        raise ConfigError(f"cannot be negative, got {number}", field="spec.restart.maxDisruptions")
+    return number

@@ -1,7 +1,10 @@
 """The worker slots of a job in one reconciliation pass: every slot ``0..nodes.max-1`` has one live Pod.
 
 A slot whose Pod failed or vanished gets the next incarnation, a *replacement* that counts against
-``restart.maxEvictions``; the evictions the master wrote into ``status.evictions`` are carried out
+``restart.maxEvictions``, unless the cluster ended that Pod for its own reasons (a preemption, a drain, node
+pressure: its ``DisruptionTarget`` condition): that replacement is a *disruption*, counted apart against
+``restart.maxDisruptions``, so a busy or preemptible cluster does not spend the job's budget for failures.
+The evictions the master wrote into ``status.evictions`` are carried out
 (replacement first, kept off the evicted machine, then the evicted Pod deleted, so a crash between the
 two loses nothing); slots beyond ``nodes.max`` are deleted. Pure: the actions go into the :class:`Pass`.
 """
@@ -10,7 +13,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from phalanx.api import elasticjob
 from phalanx.operator import builders
@@ -32,10 +36,27 @@ EVICTED_GRACE_S = 10
 persist refused by the master at once, and exits."""
 
 
-def reconcile_workers(ctx: Pass, spec: JobSpec, *, resuming: bool = False) -> int:
-    """Worker Pod actions; returns how many replacements this pass makes. ``resuming``: the slots' Pods
-    were deleted by a suspension, so a slot without a Pod is no replacement. Pods the API server refused
-    to create are asked for again under the same name (no replacement either)."""
+@dataclass(frozen=True)
+class Replacements:
+    """The Pods one pass creates in place of lost ones."""
+
+    failed: int = 0
+    """Pods that failed, vanished or were evicted by the master: charged to restart.maxEvictions."""
+    disrupted: int = 0
+    """Pods the cluster ended (:attr:`PodView.disruption`): charged to restart.maxDisruptions."""
+
+    def plus(self, other: Replacements) -> Replacements:
+        return Replacements(self.failed + other.failed, self.disrupted + other.disrupted)
+
+    @property
+    def any(self) -> bool:
+        return self.failed + self.disrupted > 0
+
+
+def reconcile_workers(ctx: Pass, spec: JobSpec, *, resuming: bool = False) -> Replacements:
+    """Worker Pod actions; returns the replacements this pass makes. ``resuming``: the slots' Pods were
+    deleted by a suspension, so a slot without a Pod is no replacement. Pods the API server refused to
+    create are asked for again under the same name (no replacement either)."""
     workers = ctx.workers
     evicted = {
         str(e.get(elasticjob.EVICTION_NODE_ID)): e
@@ -48,14 +69,14 @@ def reconcile_workers(ctx: Pass, spec: JobSpec, *, resuming: bool = False) -> in
     for w in workers:
         if w.slot is not None:
             by_slot.setdefault(w.slot, []).append(w)
-    replaced = 0
+    replaced = Replacements()
     creates_left = create_budget(existing=len(workers), refused=bool(ctx.refused))
     for slot in range(spec.max_nodes):
         pods = sorted(by_slot.get(slot, []), key=lambda w: w.incarnation)
         slot_replaced, created = _keep_slot(ctx, spec, slot, pods, incarnations, evicted=evicted,
                                             excluded=excluded, resuming=resuming,
                                             may_create=creates_left > 0)  # fmt: skip
-        replaced += slot_replaced
+        replaced = replaced.plus(slot_replaced)
         creates_left -= created
     _scale_down(ctx, spec, by_slot)
     ctx.out["workerIncarnations"] = incarnations
@@ -103,6 +124,14 @@ def _exclude_evicted_machines(
     return excluded
 
 
+class _Cause(NamedTuple):
+    """Why a slot gets a new Pod: "" (no replacement) or what happened to the old one, and whether the
+    cluster did it."""
+
+    text: str = ""
+    disrupted: bool = False
+
+
 def _keep_slot(
     ctx: Pass,
     spec: JobSpec,
@@ -114,10 +143,10 @@ def _keep_slot(
     excluded: list[str],
     resuming: bool,
     may_create: bool,
-) -> tuple[int, int]:
-    """One slot's actions (its Pods sorted by incarnation); returns (1 when it replaced a lost Pod, 1 when
-    it created a Pod). A slot that needs a Pod when ``may_create`` is false waits for a later pass, whole:
-    its evicted Pod is deleted only after its replacement was created."""
+) -> tuple[Replacements, int]:
+    """One slot's actions (its Pods sorted by incarnation); returns (the replacement it made, 1 when it
+    created a Pod). A slot that needs a Pod when ``may_create`` is false waits for a later pass, whole: its
+    evicted Pod is deleted only after its replacement was created."""
     newest = incarnations[slot]
     live = [w for w in pods if w.live]
     done = [w for w in pods if w.phase == "Succeeded" and not w.terminating]
@@ -129,10 +158,10 @@ def _keep_slot(
         and elasticjob.worker(ctx.name, slot=slot, incarnation=newest) in ctx.refused
         and not any(w.incarnation == newest for w in pods)
     )
-    replaced = created = 0
+    replaced, created = Replacements(), 0
     if not keep and not done:
         if not may_create:
-            return 0, 0
+            return replaced, 0
         created = 1
         cause = _replacement_cause(pods, evict, evicted, newest=newest, live=bool(live), retry=retry,
                                    resuming=resuming)  # fmt: skip
@@ -142,10 +171,14 @@ def _keep_slot(
         name = pod["metadata"]["name"]
         ctx.actions.append(Create(pod))
         incarnations[slot] = inc
-        if cause:
-            replaced = 1
-            ctx.actions.append(Event("Warning", "WorkerReplaced", f"slot {slot}: {cause}; created {name}",
-                                     about=name))  # fmt: skip
+        if cause.disrupted:
+            replaced = Replacements(disrupted=1)
+            message = f"slot {slot}: {cause.text}; created {name}, not charged to restart.maxEvictions"
+            ctx.actions.append(Event("Warning", "WorkerDisrupted", message, about=name))
+        elif cause.text:
+            replaced = Replacements(failed=1)
+            message = f"slot {slot}: {cause.text}; created {name}"
+            ctx.actions.append(Event("Warning", "WorkerReplaced", message, about=name))
         else:
             ctx.actions.append(Event("Normal", "WorkerCreated", f"created worker Pod {name}", about=name))
     for w in evict:
@@ -170,20 +203,27 @@ def _replacement_cause(
     live: bool,
     retry: bool,
     resuming: bool,
-) -> str:
-    """Why a slot without a Pod to keep gets a new one, or "" when that is no replacement (a new slot, a
-    resume after a suspension, a create the API server refused)."""
+) -> _Cause:
+    """Why a slot without a Pod to keep gets a new one; no text when that is no replacement (a new slot, a
+    resume after a suspension, a create the API server refused).
+
+    A Pod the cluster ended is seen with its ``DisruptionTarget`` condition while it stops (the eviction
+    API and the scheduler's preemption set it before they delete it, and a deleted Pod stops for its grace
+    period), so its replacement is known as a disruption. One that vanished before any pass saw it (the
+    operator was down for all of that grace period) can no longer tell, and is charged as lost."""
     if evict:
         e = evicted[evict[0].name]
-        return f"evicted by the master: {e.get(elasticjob.EVICTION_REASON) or 'no reason given'}"
+        return _Cause(f"evicted by the master: {e.get(elasticjob.EVICTION_REASON) or 'no reason given'}")
     if live or retry:
-        return ""
+        return _Cause()
     last = pods[-1] if pods else None
+    if last and last.disruption:
+        return _Cause(f"{last.name} was ended by the cluster ({last.disruption})", disrupted=True)
     if last:
-        return f"{last.name} {last.phase} ({pod_exit(last)})"
+        return _Cause(f"{last.name} {last.phase} ({pod_exit(last)})")
     if newest >= 0 and not resuming:  # the slot had a Pod; a suspension did not delete it
-        return "Pod vanished"
-    return ""
+        return _Cause("Pod vanished")
+    return _Cause()
 
 
 def _scale_down(ctx: Pass, spec: JobSpec, by_slot: Mapping[int, Sequence[PodView]]) -> None:
