@@ -827,29 +827,79 @@ def test_suspend_cancelled_before_the_ack_keeps_the_workers() -> None:
     assert c.reasons().count("Running") == 1, "no phase change"
 
 
-def test_new_suspended_job_gets_its_master_but_no_workers() -> None:
+def test_a_job_created_suspended_gets_no_pod_until_it_is_resumed() -> None:
+    """Kueue's pattern: a job is created suspended and waits in its queue. It holds nothing meanwhile, not
+    even a master Pod, and is Suspended at once (there is no master to acknowledge anything); resumed, it
+    starts as any new job, its Pods no replacements."""
     c = FakeCluster(job_obj(suspend=True))
     actions = c.step()
     kinds = [a.obj["kind"] for a in actions if isinstance(a, Create)]
     assert kinds == [
         "Secret", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service",
-        "NetworkPolicy", "NetworkPolicy", "Pod",
+        "NetworkPolicy", "NetworkPolicy",
     ]  # fmt: skip
-    assert set(c.pods) == {"j-master"}
-    assert c.job["status"]["phase"] == "Created"
-    c.run_all()
-    c.step()
-    assert c.workers() == [], "no worker before the master acknowledged"
-    c.master_says(phase="Suspended")
-    c.step()
+    assert c.pods == {}
     assert c.job["status"]["phase"] == "Suspended"
-    assert c.job["status"]["workerIncarnations"] == [-1, -1]
-    assert "Suspending" not in c.reasons(), "nothing to delete"
+    assert (c.condition("Suspended")["status"], c.condition("Suspended")["reason"]) == (
+        "True",
+        "CreatedSuspended",
+    )
+    c.now += 3600  # an hour in the queue: nothing changes, no suspension timeout applies
+    assert not [a for a in c.step() if isinstance(a, Create | DeletePod | Event)]
+    assert "startTime" not in c.job["status"], "time in the queue is no active time"
     c.suspend(False)
     c.step()
-    assert c.workers() == ["j-worker-0-0", "j-worker-1-0"]
+    assert set(c.pods) == {"j-master", "j-worker-0-0", "j-worker-1-0"}
     assert c.reasons().count("WorkerCreated") == 2
+    assert "MasterCreated" in c.reasons()
+    assert "MasterRecreated" not in c.reasons()
     assert c.job["status"]["replacements"] == 0
+    assert "startTime" in c.job["status"]
+    c.run_all()
+    c.master_says()
+    c.step()
+    assert c.job["status"]["phase"] == "Running"
+
+
+def test_a_suspension_the_master_never_acknowledges_completes_after_the_operators_bound() -> None:
+    """The master is gone (its node died, its new Pod cannot be placed): the suspension waits for its
+    acknowledgement suspend_ack_timeout_s, then deletes the worker Pods without it and completes."""
+    c = started()
+    c.graceful = True
+    c.suspend(True)
+    c.step()
+    del c.pods["j-master"]
+    limit = SETTINGS.suspend_ack_timeout_s
+    c.now += limit - 2
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, DeletePod) and "worker" in a.name], "not yet"
+    c.now += 2
+    actions = c.step()
+    deleted = sorted(a.name for a in actions if isinstance(a, DeletePod))
+    assert deleted == ["j-worker-0-0", "j-worker-1-0"]
+    warned = [e.message for e in c.events if e.reason == "SuspendedWithoutMaster"]
+    assert len(warned) == 1, warned
+    assert f"within {limit:g}s" in warned[0]
+    c.step()
+    assert len([e for e in c.events if e.reason == "SuspendedWithoutMaster"]) == 1, "said once"
+    c.gone()
+    c.step()
+    assert c.job["status"]["phase"] == "Suspended"
+    assert c.job["status"].get("suspendingSince") is None
+
+
+def test_a_cancelled_suspension_does_not_shorten_the_next_ones_wait() -> None:
+    c = started()
+    c.suspend(True)
+    c.step()
+    c.now += SETTINGS.suspend_ack_timeout_s - 5
+    c.step()
+    c.suspend(False)
+    c.step()
+    c.now += 100
+    c.suspend(True)
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, DeletePod)], "a new suspension waits its own full bound"
 
 
 def test_a_finished_job_ignores_suspend() -> None:

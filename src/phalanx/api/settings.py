@@ -286,6 +286,12 @@ class OperatorSettings:
         doc="How long Pods still running when a job finished get to exit by themselves before cleanup.",
         unit="s",
     )
+    suspend_ack_timeout_s: float = setting(
+        60.0,
+        doc="How long a suspension waits for the job's master to acknowledge it before the worker Pods are "
+        "deleted anyway: a master that is gone or stuck does not hold the job's nodes.",
+        unit="s",
+    )
     # Trust switches: what the operator may do beyond a job's own namespace, set by the cluster's
     # administrator (Helm values), never by a job. A job author controls the evidence (a training script can
     # hang its own node, and it can read the job token), so nothing a job says reaches objects it does not
@@ -324,6 +330,7 @@ class OperatorSettings:
 
     def __post_init__(self) -> None:
         positive(self.reconcile_interval_s, "reconcile_interval_s")
+        positive(self.suspend_ack_timeout_s, "suspend_ack_timeout_s")
         if self.finish_grace_s < 0:
             raise ConfigError(f"cannot be negative, got {self.finish_grace_s}", field="finish_grace_s")
         for name in ("master_grpc_port", "master_http_port"):

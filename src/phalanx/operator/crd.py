@@ -90,6 +90,12 @@ def _status_schema() -> dict[str, Any]:
                 "description": "When the job started, or was last resumed after a suspension: the start "
                 "of spec.activeDeadline.",
             },
+            "suspendingSince": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When the operator began waiting for the master to acknowledge a suspension; "
+                "the worker Pods go without it once the operator's suspend_ack_timeout_s has passed.",
+            },
             "nodes": int_prop("Worker Pods running."),
             "selector": {
                 "type": "string",

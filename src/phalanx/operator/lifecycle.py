@@ -19,6 +19,8 @@ from phalanx.operator.workers import newest_incarnations
 
 SUSPENDING_REASONS = ("Suspending", "Resuming")
 """Reasons of a False ``Suspended`` condition while a suspension (or the resume after one) is under way."""
+SUSPENDING_SINCE = "suspendingSince"
+"""The status field with the time the operator began waiting for the master to acknowledge a suspension."""
 
 # --- Ending a job -----------------------------------------------------------------------------------------
 
@@ -147,20 +149,41 @@ def suspension(status: Mapping[str, Any]) -> str:
     return "suspending" if c and c.get("reason") in SUSPENDING_REASONS else ""
 
 
+def never_started(ctx: Pass) -> bool:
+    """Whether the job has never had a Pod nor heard from a master: created suspended (as a queue such as
+    Kueue creates the jobs it holds) and never resumed."""
+    incarnations = ctx.status.get("workerIncarnations") or []
+    return not ctx.pods and not ctx.master_status and all(int(i) < 0 for i in incarnations)
+
+
+def held(ctx: Pass) -> None:
+    """A job created suspended: Suspended at once, with no master Pod either. Queued, it holds nothing of
+    the cluster's (a master per waiting job would take resources outside the queue's quota); the master is
+    created when spec.suspend turns false, and the job then starts as any new one."""
+    if ctx.phase != Phase.SUSPENDED:
+        ctx.actions.append(Event("Normal", "Suspended", "created suspended: no Pod runs until it is resumed"))
+    ctx.condition("Suspended", True, "CreatedSuspended", "no Pod runs; set spec.suspend to false to start")
+    ctx.out["phase"] = Phase.SUSPENDED
+
+
 def suspend(ctx: Pass, spec: JobSpec, *, acked: bool) -> None:
     """spec.suspend is true: free the job's worker nodes, the master Pod stays (small, no GPU, the state).
 
     The worker Pods go only after the master acknowledged (``acked``: ``status.master.phase`` Suspended):
-    before, it would count them as lost and spend the eviction budget on them. Deletion is graceful: an
-    agent persists its newest in-memory checkpoint on SIGTERM, and the job is Suspended only once every Pod
-    is gone. Nothing here is a replacement; the incarnations are kept so that resumed Pods get new names.
+    before, it would count them as lost and spend the eviction budget on them. A master that has not in
+    the operator's ``suspend_ack_timeout_s`` (gone, stuck, unschedulable) holds the nodes no longer: the
+    Pods go then, with a Warning. Deletion is graceful: an agent persists its newest in-memory checkpoint on
+    SIGTERM, and the job is Suspended only once every Pod is gone. Nothing here is a replacement; the
+    incarnations are kept so that resumed Pods get new names.
     """
     workers, phase = ctx.workers, ctx.phase
     ctx.out["workerIncarnations"] = newest_incarnations(ctx.status, workers, slots=spec.max_nodes)
     # A job already Suspended with no worker Pod left stays so while the master catches up with a spec edit
     # (a new generation): there is nothing left to delete, hence nothing to wait for.
     settled = not workers and suspension(ctx.status) == "suspended"
-    if not acked and not settled:  # a failing worker is not replaced either: the job is about to stop anyway
+    overdue = not acked and not settled and _ack_overdue(ctx)
+    if not acked and not settled and not overdue:
+        # A failing worker is not replaced either: the job is about to stop anyway.
         message = "waiting for the master to acknowledge the suspension before deleting worker Pods"
         ctx.condition("Suspended", False, "Suspending", message)
         ctx.out["phase"] = phase or Phase.CREATED
@@ -169,6 +192,13 @@ def suspend(ctx: Pass, spec: JobSpec, *, acked: bool) -> None:
     live = [w for w in stop if w.live]
     for w in stop:  # a finished Pod has nothing left to persist
         ctx.actions.append(DeletePod(w.name, grace_period_s=None if w.live else 0))
+    if stop and overdue:
+        limit = ctx.settings.suspend_ack_timeout_s
+        message = (
+            f"the master did not acknowledge the suspension within {limit:g}s (gone or stuck): deleting "
+            "the worker Pods without it; their departures may count as lost nodes when it comes back"
+        )
+        ctx.actions.append(Event("Warning", "SuspendedWithoutMaster", message))
     if stop:
         finished = len(stop) - len(live)
         message = f"deleting {len(live)} worker Pods; each persists its newest checkpoint first"
@@ -178,6 +208,7 @@ def suspend(ctx: Pass, spec: JobSpec, *, acked: bool) -> None:
     if workers:  # terminating ones too: they are still persisting their checkpoint
         ctx.condition("Suspended", False, "Suspending", f"waiting for {len(workers)} worker Pods to stop")
         return
+    ctx.out[SUSPENDING_SINCE] = None
     ctx.condition(
         "Suspended", True, "JobSuspended", "no worker Pods run; set spec.suspend to false to resume"
     )
@@ -190,8 +221,18 @@ def suspend(ctx: Pass, spec: JobSpec, *, acked: bool) -> None:
     ctx.out["phase"] = Phase.SUSPENDED
 
 
+def _ack_overdue(ctx: Pass) -> bool:
+    """Whether the master has had ``suspend_ack_timeout_s`` to acknowledge the suspension, counted from the
+    first pass that waited for it (``status.suspendingSince``, kept until the job is Suspended or resumed)."""
+    since_text = ctx.status.get(SUSPENDING_SINCE)
+    since = parse_rfc3339(str(since_text)) if since_text else ctx.now
+    ctx.out[SUSPENDING_SINCE] = rfc3339(since)
+    return ctx.now - since >= ctx.settings.suspend_ack_timeout_s
+
+
 def not_suspended(ctx: Pass, reason: str) -> None:
     """A job that finishes is no longer suspended (the master may end a suspended job); a job that never
     was keeps having no Suspended condition."""
+    ctx.out[SUSPENDING_SINCE] = None
     if get_condition(ctx.conditions, "Suspended"):
         ctx.condition("Suspended", False, reason, "the job finished")

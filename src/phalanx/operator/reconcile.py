@@ -31,10 +31,12 @@ Rules, per pass:
 * the master's verdict (``status.master.phase``) ends the job: Succeeded or Failed with the master's
   reason in the condition message; then worker Pods are cleaned up per ``cleanPodPolicy``;
 * ``spec.suspend`` (ignored by a finished job) frees the job's worker nodes: until the master acknowledged
-  (``status.master.phase`` Suspended: it then forgets nodes that leave instead of evicting them) worker
-  Pods are neither created, replaced nor deleted; then every worker Pod is deleted gracefully (its agent
+  (``status.master.phase`` Suspended: it then forgets nodes that leave instead of evicting them), or for
+  at most the operator's ``suspend_ack_timeout_s`` when it does not, worker Pods are neither created,
+  replaced nor deleted; then every worker Pod is deleted gracefully (its agent
   persists its newest in-memory checkpoint on SIGTERM), and once none is left the job is Suspended. The
   master Pod stays and keeps the job's state. None of this is a replacement;
+* a job created suspended (a queue's pattern) gets no Pod at all, not even its master, until it is resumed;
 * ``spec.suspend`` false again resumes (once the deleted Pods are gone, so the new ones start from the
   checkpoint they persisted): every slot gets a Pod of its next incarnation, again not a replacement;
 * ``spec.activeDeadline`` fails a job active for longer (reason DeadlineExceeded), counted from
@@ -121,12 +123,16 @@ def reconcile(
         or _deadline_exceeded(ctx, spec)
     ):
         return ctx.finish()
+    if spec.suspend and lifecycle.never_started(ctx):
+        lifecycle.held(ctx)  # queued: not even a master Pod until it is admitted
+        return _settled(ctx)
     master_ready = _keep_master(ctx, spec)
     if spec.gang_min_nodes is not None:  # before the first worker Pod: its group must be there to place it
         _keep_gang(ctx, spec)
     if spec.suspend:
         _suspend(ctx, spec)
         return _settled(ctx)
+    ctx.out[lifecycle.SUSPENDING_SINCE] = None  # a suspension cancelled before it completed
     resuming = _resume(ctx)
     if resuming is None:
         return _settled(ctx)
