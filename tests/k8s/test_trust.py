@@ -400,6 +400,45 @@ def test_what_the_author_may_use_or_could_create_is_admitted(
     assert "hostPID would share the node" in out, "an edited template is checked again"
 
 
+def test_a_job_that_will_be_suspended_with_nowhere_to_keep_its_progress_is_warned_not_refused(
+    control_plane: ControlPlane, authors: str
+) -> None:
+    """The advice policy: kubectl prints a Warning for a job created suspended or queued by Kueue without
+    spec.checkpoint.storagePath, and the job is created all the same; nothing for one that keeps its progress
+    or that nothing suspends."""
+    # kubectl: "Warning: Validation failed for ValidatingAdmissionPolicy 'phalanx-elasticjob-advice' with
+    # binding 'phalanx-elasticjob-advice': spec.checkpoint.storagePath is empty: ..."
+    cp, warning = control_plane, "'phalanx-elasticjob-advice': spec.checkpoint.storagePath is empty: this job"
+    suspended = _job("queued-suspended", authors)
+    suspended["spec"]["suspend"] = True
+    queued = _job("queued-kueue", authors)
+    queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+
+    def warned() -> str:
+        """kubectl's output when the job was created with the warning; "" (the job deleted) without."""
+        out = _create(cp, suspended, user=AUTHOR)
+        if warning in out:
+            return out
+        cp.kubectl("delete", "ej", "queued-suspended", "-n", authors, "--wait=false", check=False)
+        return ""
+
+    # The advice's binding takes a moment to reach the API server's admission plugin, as the policy's did.
+    out = eventually(warned, timeout=30, what="the advice taking effect")
+    assert "created" in out, out
+    out = _create(cp, queued, user=AUTHOR)
+    assert warning in out, out
+    assert "created" in out, out
+    keeps = _job("queued-keeps", authors)
+    keeps["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    keeps["spec"]["checkpoint"] = {"storagePath": "s3://bucket/queued"}
+    out = _create(cp, keeps, user=AUTHOR)
+    assert "created" in out, out
+    assert "Warning" not in out, out
+    out = _create(cp, _job("never-suspended", authors), user=AUTHOR)
+    assert "created" in out, out
+    assert "Warning" not in out, out
+
+
 def test_an_oversized_job_is_refused_at_admission(control_plane: ControlPlane) -> None:
     job = _job("huge", "default")
     job["spec"]["nodes"] = {"min": 1, "max": 2147483647}

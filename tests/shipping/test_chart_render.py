@@ -111,6 +111,8 @@ def test_default_render(helm: Helm) -> None:
             "ClusterRoleBinding",
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
+            "ValidatingAdmissionPolicy",  # the advice: a Warning for a job that will be suspended
+            "ValidatingAdmissionPolicyBinding",
             "Role",
             "RoleBinding",
             "Role",  # operator.masterTLS, on by default: the CA Secret of the release namespace
@@ -379,18 +381,22 @@ def test_the_admission_policy_renders_the_allow_list_and_the_deploy_checks(helm:
     objs = helm.render(
         "admission.allow.serviceAccounts={default,trainer}", "admission.allow.hostNetwork=true"
     )
-    policy = _one(objs, "ValidatingAdmissionPolicy")
+    policy = _one(objs, "ValidatingAdmissionPolicy", "rel-phalanx-elasticjob-templates")
     variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
     assert json.loads(variables["allowedServiceAccounts"]) == ["default", "trainer"]
     assert variables["allowHostNetwork"] == "true"
-    source = next(
-        d for d in yaml.safe_load_all((ROOT / "deploy" / "elasticjob-admission.yaml").read_text())
-        if d["kind"] == "ValidatingAdmissionPolicy"
-    )  # fmt: skip
-    assert policy["spec"]["validations"] == source["spec"]["validations"]
-    assert policy["spec"]["matchConditions"] == source["spec"]["matchConditions"]
-    binding = _one(objs, "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    deployed = list(yaml.safe_load_all((ROOT / "deploy" / "elasticjob-admission.yaml").read_text()))
+    for name, action in (("elasticjob-templates", "Deny"), ("elasticjob-advice", "Warn")):
+        rendered = _one(objs, "ValidatingAdmissionPolicy", f"rel-phalanx-{name}")
+        source = next(
+            d for d in deployed
+            if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"] == f"phalanx-{name}"
+        )  # fmt: skip
+        assert rendered["spec"]["validations"] == source["spec"]["validations"]
+        assert rendered["spec"]["matchConditions"] == source["spec"]["matchConditions"]
+        assert rendered["spec"]["matchConstraints"] == source["spec"]["matchConstraints"]
+        binding = _one(objs, "ValidatingAdmissionPolicyBinding", f"rel-phalanx-{name}")
+        assert binding["spec"] == {"policyName": rendered["metadata"]["name"], "validationActions": [action]}
     assert not [o for o in helm.render("admission.enabled=false") if "Admission" in o["kind"]]
 
 
@@ -462,7 +468,7 @@ def test_the_operator_is_told_its_admission_policy_unless_job_authors_are_truste
 
     objs = helm.render()
     assert env(objs)["PHALANX_OPERATOR_ADMISSION_POLICY"] == "rel-phalanx-elasticjob-templates"
-    assert _one(objs, "ValidatingAdmissionPolicy")["metadata"]["name"] == "rel-phalanx-elasticjob-templates"
+    assert _one(objs, "ValidatingAdmissionPolicy", "rel-phalanx-elasticjob-templates")
     trusted = helm.render("operator.trustJobAuthors=true")
     assert env(trusted)["PHALANX_OPERATOR_ADMISSION_POLICY"] == ""
     assert not [o for o in trusted if o["metadata"]["name"].endswith("-admission-check")]
