@@ -33,7 +33,15 @@ STATUS = {
     "masterEndpoint": f"{JOB}-master.NS.svc:29400",
     "evictions": [{"nodeId": "node-1", "reason": "node-1 sent no heartbeat for 6s"}],
     "master": {"phase": "Running", "reason": "", "members": ["node-0", "node-2"]},
-    "conditions": [{"type": "MasterReady", "status": "True", "reason": "MasterRunning", "message": "up"}],
+    "conditions": [
+        {"type": "MasterReady", "status": "True", "reason": "MasterRunning", "message": "up"},
+        {
+            "type": "PodsReady",
+            "status": "False",
+            "reason": "ImagePullBackOff",
+            "message": 'j-worker-1-1: ImagePullBackOff: container trainer: Back-off pulling image "nope:1"',
+        },
+    ],
 }
 
 
@@ -121,6 +129,10 @@ def test_status_of_an_elasticjob_through_the_kube_context(
     assert lines[0].startswith(f"job {JOB}: Running  round 3  world 4  step 117")
     assert any(line.split()[:3] == [f"{JOB}-worker-0-0", "worker", "node-0"] for line in lines)
     assert "node-1: node-1 sent no heartbeat for 6s" in result.stdout
+    assert (
+        "Pods not ready: ImagePullBackOff: j-worker-1-1: ImagePullBackOff: container trainer: Back-off"
+        in (result.stdout)
+    ), "a Pod that cannot start, and why"
     # A job that does not exist: a one-line error, exit code 1.
     capsys.readouterr()
     assert main(["status", "nope", "-n", ns, "--kubeconfig", kubeconfig]) == 1

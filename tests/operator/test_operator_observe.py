@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from kubernetes.client import V1ObjectMeta, V1Pod, V1PodCondition, V1PodSpec, V1PodStatus
+from kubernetes.client import (
+    V1ContainerState,
+    V1ContainerStateWaiting,
+    V1ContainerStatus,
+    V1ObjectMeta,
+    V1Pod,
+    V1PodCondition,
+    V1PodSpec,
+    V1PodStatus,
+)
 
 from phalanx.operator.observe import pod_view
 
@@ -36,3 +45,39 @@ def test_a_pod_that_failed_on_its_own_or_whose_condition_is_false_was_not_disrup
     withdrawn = _pod(conditions=[V1PodCondition(type="DisruptionTarget", status="False", reason="x")])
     assert pod_view(withdrawn).disruption == ""
     assert pod_view(V1Pod(metadata=V1ObjectMeta(name="p"), spec=V1PodSpec(containers=[]))).disruption == ""
+
+
+def _waiting(reason: str, message: str, *, init: bool = False) -> V1Pod:
+    status = V1ContainerStatus(
+        name="trainer", image="nope:1", image_id="", ready=False, restart_count=0,
+        state=V1ContainerState(waiting=V1ContainerStateWaiting(reason=reason, message=message)),
+    )  # fmt: skip
+    pod = _pod(phase="Pending")
+    if init:
+        pod.status.init_container_statuses = [status]
+    else:
+        pod.status.container_statuses = [status]
+    return pod
+
+
+def test_a_pod_that_cannot_start_says_why_in_the_kubelets_or_the_schedulers_words() -> None:
+    pulled = pod_view(_waiting("ImagePullBackOff", 'Back-off pulling image "nope:1"'))
+    assert pulled.stuck == ("ImagePullBackOff", 'container trainer: Back-off pulling image "nope:1"')
+    secret = pod_view(_waiting("CreateContainerConfigError", 'secret "creds" not found', init=True))
+    assert secret.stuck == ("CreateContainerConfigError", 'container trainer: secret "creds" not found')
+    unplaced = _pod(phase="Pending", conditions=[
+        V1PodCondition(type="PodScheduled", status="False", reason="Unschedulable",
+                       message="0/2 nodes are available: 2 Insufficient nvidia.com/gpu."),
+    ])  # fmt: skip
+    assert pod_view(unplaced).stuck == (
+        "Unschedulable",
+        "0/2 nodes are available: 2 Insufficient nvidia.com/gpu.",
+    )
+
+
+def test_a_pod_that_starts_normally_or_has_ended_is_not_stuck() -> None:
+    assert pod_view(_waiting("ContainerCreating", "")).stuck == ("", "")
+    assert pod_view(_pod()).stuck == ("", "")
+    ended = _waiting("CrashLoopBackOff", "back-off")
+    ended.status.phase = "Failed"
+    assert pod_view(ended).stuck == ("", "")

@@ -1303,3 +1303,36 @@ def test_a_job_another_controller_manages_is_left_alone() -> None:
     assert managed_here(job_obj())
     assert managed_here(job_obj(managedBy="phalanx.dev/operator"))
     assert not managed_here(job_obj(managedBy="kueue.x-k8s.io/multikueue"))
+
+
+def test_pods_that_cannot_start_are_named_with_their_cause_once_each() -> None:
+    """A worker whose image does not exist and one that cannot be placed: PodsReady False with the kubelet's
+    and the scheduler's words, one Warning Event per cause (not one per pass), True once everything runs."""
+    c = FakeCluster(job_obj())
+    c.step()
+    c.pods["j-master"] = dataclasses.replace(c.pods["j-master"], phase="Running", node_name="m1")
+    c.pods["j-worker-0-0"] = dataclasses.replace(
+        c.pods["j-worker-0-0"],
+        stuck=("ImagePullBackOff", 'container trainer: Back-off pulling image "nope:1"'),
+    )
+    c.pods["j-worker-1-0"] = dataclasses.replace(
+        c.pods["j-worker-1-0"],
+        stuck=("Unschedulable", "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."),
+    )
+    c.step()
+    ready = c.condition("PodsReady")
+    assert (ready["status"], ready["reason"]) == ("False", "ImagePullBackOff")
+    assert (
+        'j-worker-0-0: ImagePullBackOff: container trainer: Back-off pulling image "nope:1"'
+        in ready["message"]
+    )
+    assert "j-worker-1-0: Unschedulable: 0/2 nodes are available" in ready["message"]
+    assert [e.reason for e in c.events if e.type == "Warning"] == ["ImagePullBackOff", "Unschedulable"]
+    c.step()
+    assert len([e for e in c.events if e.type == "Warning"]) == 2, "the same causes are not said again"
+    c.run_all()
+    c.pods = {n: dataclasses.replace(p, stuck=("", "")) for n, p in c.pods.items()}
+    c.master_says()
+    c.step()
+    ready = c.condition("PodsReady")
+    assert (ready["status"], ready["reason"]) == ("True", "PodsRunning")

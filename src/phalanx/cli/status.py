@@ -158,7 +158,12 @@ def from_kube(kube: Kube, name: str) -> dict[str, Any]:
     master = st.get(ej.STATUS_MASTER) or {}
     now = time.time()
     conditions = [
-        {"type": c.get("type"), "status": c.get("status"), "reason": c.get("reason", "")}
+        {
+            "type": c.get("type"),
+            "status": c.get("status"),
+            "reason": c.get("reason", ""),
+            "message": c.get("message", ""),
+        }
         for c in st.get("conditions") or []
     ]
     return {
@@ -271,6 +276,8 @@ def render(view: dict[str, Any]) -> str:
         for c in job["conditions"]:
             if c["status"] == "True":
                 lines.append(f"  condition {c['type']}: {c['reason']}")
+            elif c["type"] == "PodsReady" and c["reason"] != "Starting":  # a Pod that cannot start, and why
+                lines.append(f"  Pods not ready: {c['reason']}: {c.get('message', '')}"[:400])
         lines.append("")
         lines += _table(
             ["POD", "ROLE", "NODE ID", "PHASE", "K8S NODE", "RESTARTS", "AGE"],

@@ -32,6 +32,11 @@ class PodView:
     reason: str = ""
     nodes: str = ""
     """For the master Pod: the MIN:MAX it runs with (its phalanx.dev/nodes annotation)."""
+    stuck: tuple[str, str] = ("", "")
+    """Why the Pod does not run though it should: (reason, message) of an unschedulable Pod (the scheduler's
+    words) or of a container the kubelet cannot start or keeps restarting (``ImagePullBackOff``,
+    ``CreateContainerConfigError``, ``CrashLoopBackOff``, ...); empty for a Pod that runs or starts
+    normally."""
     disruption: str = ""
     """Why the cluster, not the job, ended the Pod: the reason of its ``DisruptionTarget`` condition
     (``PreemptionByScheduler``, ``EvictionByEvictionAPI`` for a drain, ``TerminationByKubelet``,

@@ -18,8 +18,8 @@ from phalanx.operator.crd_spec import spec_schema
 from phalanx.operator.schema import int_prop, object_prop
 
 CONDITION_TYPES = (
-    "Created", "MasterReady", "GangScheduled", "ReplicaFailure", "Running", "Restarting", "Suspended",
-    "Succeeded", "Failed", "ReconcileError",
+    "Created", "MasterReady", "GangScheduled", "ReplicaFailure", "PodsReady", "Running", "Restarting",
+    "Suspended", "Succeeded", "Failed", "ReconcileError",
 )  # fmt: skip
 PHASES = tuple(phase.value for phase in ej.Phase)
 

@@ -32,7 +32,33 @@ def pod_view(pod: Any) -> PodView:
         reason=reason,
         nodes=(pod.metadata.annotations or {}).get(names.NODES_ANNOTATION, ""),
         disruption=disruption(pod),
+        stuck=stuck(pod),
     )
+
+
+STUCK_WAITING = frozenset({
+    "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+    "CreateContainerConfigError", "CreateContainerError", "RunContainerError", "CrashLoopBackOff",
+    "PreCreateHookError", "PreStartHookError",
+})  # fmt: skip
+"""Waiting reasons of a container the kubelet cannot start, or keeps restarting (``ContainerCreating`` and
+``PodInitializing`` are a normal start)."""
+
+
+def stuck(pod: Any) -> tuple[str, str]:
+    """Why ``pod`` does not run (:attr:`PodView.stuck`): the scheduler's Unschedulable, else the first init or
+    main container waiting for a reason of :data:`STUCK_WAITING`."""
+    status = pod.status
+    if status is None or status.phase not in (None, "Pending", "Running"):
+        return "", ""
+    for c in status.conditions or []:
+        if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable":
+            return "Unschedulable", str(c.message or "no node fits the Pod")
+    for cs in [*(status.init_container_statuses or []), *(status.container_statuses or [])]:
+        waiting = cs.state.waiting if cs.state else None
+        if waiting is not None and waiting.reason in STUCK_WAITING:
+            return str(waiting.reason), f"container {cs.name}: {waiting.message or waiting.reason}"
+    return "", ""
 
 
 DISRUPTION_CONDITION = "DisruptionTarget"

@@ -65,7 +65,7 @@ from phalanx.api import elasticjob
 from phalanx.api.elasticjob import Phase
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import builders, lifecycle, names, privileged, refusals
+from phalanx.operator import builders, lifecycle, names, privileged, readiness, refusals
 from phalanx.operator.actions import Action, Create, DeleteJob, DeletePod, Event, Observed, PatchPodGroup
 from phalanx.operator.admission import MANAGED_BY
 from phalanx.operator.conditions import get_condition, is_true, parse_rfc3339, rfc3339
@@ -142,6 +142,7 @@ def reconcile(
     ):
         return ctx.finish()
     _running_phase(ctx, spec, replaced=replaced, resuming=resuming, master_ready=master_ready)
+    readiness.pods_ready(ctx)
     return _settled(ctx)
 
 
