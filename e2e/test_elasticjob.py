@@ -8,11 +8,14 @@ cluster's own way of losing one), each in a namespace that enforces the ``restri
   Pod lands on a node that is still there;
 * a worker Pod deleted mid-run is replaced and the job still succeeds;
 * a suspended job frees its worker Pods, keeps its master and resumes from the step it persisted;
+* workers that cannot start (no such image, a missing Secret, no node with the resource) are named with
+  their cause in the job's PodsReady condition and Events;
 * an invalid spec is refused at admission with the message that says what to fix.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import uuid
 from collections.abc import Iterator
@@ -88,8 +91,8 @@ def _apply_example(
     t.kube("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump_all(docs))
 
 
-def _status(t: Target, ns: str) -> dict[str, Any]:
-    return dict(t.kube.get("ej", "tiny", "-n", ns).get("status", {}))
+def _status(t: Target, ns: str, name: str = "tiny") -> dict[str, Any]:
+    return dict(t.kube.get("ej", name, "-n", ns).get("status", {}))
 
 
 def _succeeded(t: Target, ns: str, *, timeout: float) -> dict[str, Any]:
@@ -269,6 +272,68 @@ def test_a_deleted_worker_pod_is_replaced_and_the_job_succeeds(phalanx: Target, 
     status = _succeeded(phalanx, ns, timeout=300)
     assert status["step"] >= 79, status
     assert int(status["round"]) >= 2, f"the survivors re-formed with the replacement: {status}"
+
+
+def test_pods_that_cannot_start_say_why(phalanx: Target, ns: str) -> None:
+    """Three jobs whose workers never start, each for a cause of its own, on real kubelets and containerd:
+    an image that does not exist, a Secret that is missing, a resource no node has. Each job's PodsReady
+    condition and a Warning Event name the cause in the kubelet's or the scheduler's words, while its master
+    runs; not after the minimum-node timeout."""
+    docs = example_documents()
+    job = next(d for d in docs if d["kind"] == "ElasticJob")
+    config = [d for d in docs if d["kind"] != "ElasticJob"]
+    causes = {
+        "no-image": (
+            {"image": "phalanx-does-not-exist:1"},
+            ("ErrImagePull", "ImagePullBackOff"),
+            "phalanx-does-not-exist:1",
+        ),
+        "no-secret": (
+            {
+                "env": [
+                    {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "phalanx-missing", "key": "k"}}}
+                ]
+            },
+            ("CreateContainerConfigError",),
+            'secret "phalanx-missing" not found',
+        ),
+        "no-node": (
+            {"resources": {"limits": {"example.com/gpu": "1"}}},
+            ("Unschedulable",),
+            "Insufficient example.com/gpu",
+        ),
+    }
+    jobs = []
+    for name, (change, _, _) in causes.items():
+        stuck = copy.deepcopy(job)
+        stuck["metadata"]["name"] = name
+        (container,) = stuck["spec"]["template"]["spec"]["containers"]
+        container.update(change)
+        jobs.append(stuck)
+    phalanx.kube("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump_all(config + jobs))
+
+    def said(name: str) -> dict[str, Any] | None:
+        status = dict(phalanx.kube.get("ej", name, "-n", ns).get("status", {}))
+        ready = next((c for c in status.get("conditions", []) if c["type"] == "PodsReady"), None)
+        return ready if ready and ready["reason"] in causes[name][1] else None
+
+    for name, (_, _, words) in causes.items():
+        ready = phalanx.kube.wait_for(
+            f"{name}: PodsReady says why", lambda n=name: said(n), timeout=180, namespace=ns
+        )
+        assert ready is not None
+        assert ready["status"] == "False"
+        assert words in ready["message"], ready["message"]
+        assert f"{name}-worker-" in ready["message"], ready["message"]
+        assert _status(phalanx, ns, name).get("phase") != "Failed", (
+            "named, not failed on the min-node timeout"
+        )
+    events = phalanx.kube.get("events", "-n", ns, "--field-selector", "involvedObject.kind=ElasticJob")[
+        "items"
+    ]
+    warned = {e["reason"] for e in events if e["type"] == "Warning"}
+    assert {"CreateContainerConfigError", "Unschedulable"} <= warned, warned
+    assert warned & {"ErrImagePull", "ImagePullBackOff"}, warned
 
 
 def test_an_invalid_spec_is_refused_with_what_to_fix(phalanx: Target, ns: str) -> None:
