@@ -170,11 +170,11 @@ def suspend(ctx: Pass, spec: JobSpec, *, acked: bool) -> None:
     """spec.suspend is true: free the job's worker nodes, the master Pod stays (small, no GPU, the state).
 
     The worker Pods go only after the master acknowledged (``acked``: ``status.master.phase`` Suspended):
-    before, it would count them as lost and spend the eviction budget on them. A master that has not in
-    the operator's ``suspend_ack_timeout_s`` (gone, stuck, unschedulable) holds the nodes no longer: the
-    Pods go then, with a Warning. Deletion is graceful: an agent persists its newest in-memory checkpoint on
-    SIGTERM, and the job is Suspended only once every Pod is gone. Nothing here is a replacement; the
-    incarnations are kept so that resumed Pods get new names.
+    before, it would count them as lost and spend the eviction budget on them. A master that has not
+    acknowledged within the operator's ``suspend_ack_timeout_s`` (gone, stuck, unschedulable) holds the
+    nodes no longer: the Pods go then, with a Warning. Deletion is graceful: an agent persists its newest
+    in-memory checkpoint on SIGTERM, and the job is Suspended only once every Pod is gone. Nothing here is a
+    replacement; the incarnations are kept so that resumed Pods get new names.
     """
     workers, phase = ctx.workers, ctx.phase
     ctx.out["workerIncarnations"] = newest_incarnations(ctx.status, workers, slots=spec.max_nodes)
