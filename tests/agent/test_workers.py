@@ -9,12 +9,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from phalanx.agent import failures, workers
 from phalanx.agent.env import WorkerPaths
+from phalanx.agent.zygote import Zygote
 from phalanx.diagnostics.classify import FailureClass
 from tests.eventually import eventually
 
@@ -29,14 +31,29 @@ def _paths(tmp: Path, lr: int = 0) -> WorkerPaths:
     )  # fmt: skip
 
 
+@pytest.fixture(params=["cold", "forked"])
+def zygote(request: pytest.FixtureRequest) -> Iterator[Zygote | None]:
+    """Each bootstrap test runs with a fresh interpreter for the spare and with one forked by a zygote: the
+    script must not tell them apart."""
+    if request.param == "cold":
+        yield None
+        return
+    z = Zygote(preimport="json", env=dict(os.environ), agent_pid_var=workers.AGENT_PID_ENV_VAR)
+    assert z.wait_ready(30)
+    yield z
+    z.close()
+
+
 def _start(
-    tmp: Path, body: str, *args: str, env: dict[str, str] | None = None
+    tmp: Path, body: str, *args: str, env: dict[str, str] | None = None, zygote: Zygote | None = None
 ) -> tuple[workers.Worker, list]:
     script = tmp / "scripts" / "prog.py"
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(textwrap.dedent(body))
     spec = workers.LaunchSpec(script=str(script), script_args=list(args), preimport="json")
-    w = workers.spawn(spec, local_rank=0, env={**os.environ, **(env or {})}, cwd=str(tmp), max_line_bytes=100)
+    w = workers.spawn(
+        spec, local_rank=0, env={**os.environ, **(env or {})}, cwd=str(tmp), max_line_bytes=100, zygote=zygote
+    )
     lines: list = []
     w.hand_over(
         env={"RANK": "5"}, paths=_paths(tmp), rank=5, sink=lambda r, lr, s, t: lines.append((r, lr, s, t))
@@ -44,7 +61,7 @@ def _start(
     return w, lines
 
 
-def test_runs_the_script_like_python_does(tmp_path: Path) -> None:
+def test_runs_the_script_like_python_does(tmp_path: Path, zygote: Zygote | None) -> None:
     w, lines = _start(
         tmp_path,
         """
@@ -58,6 +75,7 @@ def test_runs_the_script_like_python_does(tmp_path: Path) -> None:
         """,
         "--lr",
         "0.1",
+        zygote=zygote,
     )
     assert w.proc.wait(20) == 0
     w.close_logs()
@@ -72,8 +90,8 @@ def test_runs_the_script_like_python_does(tmp_path: Path) -> None:
     assert (tmp_path / "w0" / "stderr.log").read_text() == "err\n"
 
 
-def test_unhandled_exception_exits_1_with_traceback(tmp_path: Path) -> None:
-    w, _ = _start(tmp_path, "raise ValueError('boom')\n")
+def test_unhandled_exception_exits_1_with_traceback(tmp_path: Path, zygote: Zygote | None) -> None:
+    w, _ = _start(tmp_path, "raise ValueError('boom')\n", zygote=zygote)
     assert w.proc.wait(20) == 1
     w.close_logs()
     assert list(w.tail)[-1] == "ValueError: boom"
@@ -94,7 +112,7 @@ def test_spare_without_hand_over_exits_quietly(tmp_path: Path) -> None:
     assert w.proc.wait(20) == 0
 
 
-def test_stack_dump_and_stop_kills_the_group(tmp_path: Path) -> None:
+def test_stack_dump_and_stop_kills_the_group(tmp_path: Path, zygote: Zygote | None) -> None:
     w, _ = _start(
         tmp_path,
         """
@@ -106,6 +124,7 @@ def test_stack_dump_and_stop_kills_the_group(tmp_path: Path) -> None:
             time.sleep(60)
         deep_in_training()
         """,
+        zygote=zygote,
     )
     line = eventually(lambda: next((t for t in w.tail if t.startswith("child")), None), timeout=20)
     child = int(line.split()[1])
@@ -124,8 +143,8 @@ def test_stack_dump_and_stop_kills_the_group(tmp_path: Path) -> None:
     )
 
 
-def test_stopped_worker_is_killed_without_grace(tmp_path: Path) -> None:
-    w, _ = _start(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+def test_stopped_worker_is_killed_without_grace(tmp_path: Path, zygote: Zygote | None) -> None:
+    w, _ = _start(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n", zygote=zygote)
     eventually(
         lambda: any(t.startswith("up") for t in w.tail), timeout=20, what="the worker running its script"
     )
@@ -151,7 +170,9 @@ def test_bootstrap_runs_modules(tmp_path: Path) -> None:
     assert sys.executable
 
 
-def test_a_rank_that_raised_before_the_stop_reports_its_error_not_the_stop(tmp_path: Path) -> None:
+def test_a_rank_that_raised_before_the_stop_reports_its_error_not_the_stop(
+    tmp_path: Path, zygote: Zygote | None
+) -> None:
     """A worker still tearing down after its exception is stopped by the agent: its error file, written
     before the stop, is the cause. A file written by a SIGTERM handler after the stop is not."""
     record = textwrap.dedent("""
@@ -163,7 +184,7 @@ def test_a_rank_that_raised_before_the_stop_reports_its_error_not_the_stop(tmp_p
         """)
     raised, _ = _start(
         tmp_path / "raised", record + "record('ValueError: bad batch'); time.sleep(60)\n",
-        str(tmp_path / "raised" / "w0" / "error.json"),
+        str(tmp_path / "raised" / "w0" / "error.json"), zygote=zygote,
     )  # fmt: skip
     stopped, _ = _start(
         tmp_path / "stopped",
@@ -171,6 +192,7 @@ def test_a_rank_that_raised_before_the_stop_reports_its_error_not_the_stop(tmp_p
         "print('handler installed', flush=True)\n"
         "time.sleep(60)\n",
         str(tmp_path / "stopped" / "w0" / "error.json"),
+        zygote=zygote,
     )
     eventually(lambda: raised.paths and raised.paths.error_file.exists(), timeout=20)
     eventually(lambda: any("handler installed" in t for t in stopped.tail), timeout=20)

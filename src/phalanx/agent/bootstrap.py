@@ -36,22 +36,27 @@ READY_ENV_VAR = "PHALANX_BOOTSTRAP_READY_FILE"
 AGENT_PID_ENV_VAR = "PHALANX_AGENT_PID"
 
 
-def _die_with_parent() -> None:
+def die_with_parent(parent: int | None) -> None:
     """A worker must not outlive its agent (a killed node takes its workers with it). The death signal
-    covers an agent that dies from now on; one that died before it was set shows as a parent that is not the
-    agent any more. The agent names its pid: in a container the agent is PID 1, so "my parent is init" would
-    say nothing."""
+    covers a parent that dies from now on; one that died before it was set shows as a parent that is not
+    ``parent`` any more. The agent names its pid: in a container the agent is PID 1, so "my parent is init"
+    would say nothing. A spare forked by the agent's zygote (:mod:`phalanx.agent.zygote`) dies with the
+    zygote, which dies with the agent."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    agent = os.environ.pop(AGENT_PID_ENV_VAR, "")
-    if agent.isdigit() and os.getppid() != int(agent):
+    if parent is not None and os.getppid() != parent:
         os._exit(1)
 
 
-def _preimport(names: str) -> None:
+def agent_pid() -> int | None:
+    agent = os.environ.pop(AGENT_PID_ENV_VAR, "")
+    return int(agent) if agent.isdigit() else None
+
+
+def preimport_modules(names: str) -> None:
     for name in filter(None, names.split(",")):
         # A missing optional module only costs the speed-up.
         with contextlib.suppress(Exception):
@@ -72,9 +77,15 @@ def main(argv: list[str]) -> None:
     preimport = ""
     if argv[:1] == ["--preimport"]:
         preimport, argv = argv[1], argv[2:]
+    die_with_parent(agent_pid())
+    preimport_modules(preimport)
+    run_spare(argv)
+
+
+def run_spare(argv: list[str]) -> None:
+    """The spare's life once its imports are done: tell the agent it is ready, wait for the round, run the
+    target (``--script|--module|--exec TARGET args...``)."""
     mode, target, args = argv[0], argv[1], argv[2:]
-    _die_with_parent()
-    _preimport(preimport)
     own_set = frozenset(sys.modules)  # what every spare has: a worker records only what its script added
     imports_file = os.environ.pop(script_imports.ENV_VAR, "")
     ready = os.environ.pop(READY_ENV_VAR, "")

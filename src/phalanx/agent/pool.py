@@ -5,12 +5,13 @@ decides when to start, stop and refill; the pool does it."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from phalanx.agent import decisions, workers
+from phalanx.agent import decisions, workers, zygote
 from phalanx.agent import env as worker_env
 from phalanx.agent.config import AgentConfig
 from phalanx.api import beacon
@@ -83,6 +84,8 @@ class WorkerPool:
         self.rings: dict[int, tuple[interval_ring.RingReader, Tracker]] = {}
         """Per local rank: the reader of its interval ring and what it has read so far."""
         self._spawned = 0
+        self.zygote: zygote.Zygote | None = None
+        """Where warm spares are forked from (:mod:`phalanx.agent.zygote`); None: each spare imports alone."""
         self.imports_dir: Path | None = None
         """Where each local rank's script imports are recorded for its next spares; None: no warm spares."""
         if config.warm_spares and not config.no_python:
@@ -111,8 +114,8 @@ class WorkerPool:
     # -------------------------------------------------------------------------------------------------
     # spares and workers
 
-    def _spawn(self, local_rank: int) -> workers.Worker:
-        env = worker_env.static_env(
+    def _static_env(self, local_rank: int) -> dict[str, str]:
+        return worker_env.static_env(
             self.base_env,
             local_rank=local_rank,
             local_world_size=self.config.nproc_per_node,
@@ -120,16 +123,40 @@ class WorkerPool:
             node_id=self.config.node_id,
             instrument=self.config.hang.instrument,
         )
+
+    def _spawn(self, local_rank: int) -> workers.Worker:
         self._spawned += 1
-        return workers.spawn(
+        start = functools.partial(
+            workers.spawn,
             self.spec,
             local_rank=local_rank,
-            env=env,
-            cwd=None,
+            env=self._static_env(local_rank),
             max_line_bytes=self.config.logs.max_line_bytes,
             ready_file=self.log_dir / "spares" / f"{local_rank}-{self._spawned}.ready",
             imports_file=self.imports_dir / f"{local_rank}.txt" if self.imports_dir else None,
         )
+        if self.zygote is not None and self.zygote.ready():
+            try:
+                return start(zygote=self.zygote)
+            except OSError as e:
+                self._say(f"the zygote could not fork a spare ({e}); starting it cold")
+        return start()
+
+    def warm_up(self, *, deadline: float) -> None:
+        """Starts the zygote and, once it has imported, forks a warm spare for every local rank; returns when
+        they are ready or at ``deadline``. Without a zygote (``--no-python``) the spares import alone."""
+        if self.imports_dir is not None and self.zygote is None:
+            # The environment every spare shares at import time (threads, unbuffered output): local rank 0's.
+            self.zygote = zygote.Zygote(
+                preimport=self.spec.preimport,
+                env=self._static_env(0),
+                agent_pid_var=workers.AGENT_PID_ENV_VAR,
+            )
+            if not self.zygote.wait_ready(deadline - time.monotonic()):
+                self._say("the zygote is not ready; warm spares import alone")
+        self.fill_spares()
+        while not self.spares_ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def fill_spares(self) -> None:
         for lr in range(self.config.nproc_per_node):
@@ -224,6 +251,12 @@ class WorkerPool:
         for spare in self.spares.values():
             spare.discard()
         self.spares = {}
+
+    def close_zygote(self) -> None:
+        """Ends the zygote; after the workers stopped (they are its children and would die with it)."""
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
 
     # -------------------------------------------------------------------------------------------------
     # what the workers tell

@@ -349,10 +349,7 @@ class Supervisor:
         if self.config.warm_spares:
             # Join only once the spares are warm: a node that joins a running job must not make the
             # others wait in a new round while it is still importing torch.
-            self.pool.fill_spares()
-            deadline = time.monotonic() + SPARE_WARMUP_LIMIT_S
-            while not self.pool.spares_ready() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            self.pool.warm_up(deadline=time.monotonic() + SPARE_WARMUP_LIMIT_S)
             self.say("warm spares ready")
         return self._loop()
 
@@ -454,6 +451,7 @@ class Supervisor:
         self.pool.discard_spares()
         if self.pool.workers:
             self._stop_workers()
+        self.pool.close_zygote()
         if self.link is not None:
             self.link.stop()
             # One last heartbeat-free moment: give queued log lines a chance to reach the master.

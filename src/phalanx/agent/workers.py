@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from phalanx.agent import script_imports
 from phalanx.agent.env import WorkerPaths
+from phalanx.agent.zygote import Zygote
 
 TAIL_LINES = 40
 READY_ENV_VAR = "PHALANX_BOOTSTRAP_READY_FILE"  # same names as in phalanx.agent.bootstrap
@@ -50,10 +51,26 @@ class LaunchSpec:
     no_python: bool = False
     preimport: str = WARM_IMPORTS
 
-    def command(self) -> list[str]:
+    def target(self) -> list[str]:
+        """What :func:`phalanx.agent.bootstrap.run_spare` runs once the round is handed over."""
         mode = "--exec" if self.no_python else "--module" if self.module else "--script"
+        return [mode, self.script, *self.script_args]
+
+    def command(self) -> list[str]:
         pre = [] if self.no_python else ["--preimport", self.preimport]
-        return [sys.executable, "-m", "phalanx.agent.bootstrap", *pre, mode, self.script, *self.script_args]
+        return [sys.executable, "-m", "phalanx.agent.bootstrap", *pre, *self.target()]
+
+
+class Process(Protocol):
+    """A worker's process: a :class:`subprocess.Popen`, or a spare forked by the agent's zygote."""
+
+    pid: int
+    returncode: int | None
+    stdin: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 @dataclass
@@ -61,7 +78,7 @@ class Worker:
     """One worker process (a spare until :meth:`hand_over`)."""
 
     local_rank: int
-    proc: subprocess.Popen[bytes]
+    proc: Process
     started_at: float
     rank: int = -1
     paths: WorkerPaths | None = None
@@ -149,15 +166,17 @@ def spawn(
     *,
     local_rank: int,
     env: Mapping[str, str],
-    cwd: str | None,
     max_line_bytes: int,
+    cwd: str | None = None,
     ready_file: Path | None = None,
     imports_file: Path | None = None,
+    zygote: Zygote | None = None,
 ) -> Worker:
-    """Starts a bootstrap that imports the heavy modules and waits for its round. With ``imports_file`` it
-    also imports, once ready, what the previous incarnation recorded there, and records its own script's
-    imports there for the next (:mod:`phalanx.agent.script_imports`)."""
-    env = {**env, AGENT_PID_ENV_VAR: str(os.getpid())}
+    """Starts a bootstrap that imports the heavy modules and waits for its round: forked from ``zygote``
+    when there is one (its imports are done), a fresh interpreter otherwise. With ``imports_file`` it also
+    imports, once ready, what the previous incarnation recorded there, and records its own script's imports
+    there for the next (:mod:`phalanx.agent.script_imports`). Raises OSError when the zygote cannot fork."""
+    env = dict(env)
     if ready_file is not None:
         ready_file.parent.mkdir(parents=True, exist_ok=True)
         ready_file.unlink(missing_ok=True)
@@ -165,17 +184,23 @@ def spawn(
     if imports_file is not None:
         imports_file.parent.mkdir(parents=True, exist_ok=True)
         env[script_imports.ENV_VAR] = str(imports_file)
-    proc = subprocess.Popen(
-        spec.command(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=cwd,
-        start_new_session=True,  # its own process group, so stopping it reaches its children too
-    )
+    proc: Process
+    if zygote is not None:
+        forked = zygote.fork(spec.target(), env=env, cwd=cwd)
+        proc, stdout, stderr = forked, forked.stdout, forked.stderr
+    else:
+        popen = subprocess.Popen(
+            spec.command(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**env, AGENT_PID_ENV_VAR: str(os.getpid())},
+            cwd=cwd,
+            start_new_session=True,  # its own process group, so stopping it reaches its children too
+        )
+        proc, stdout, stderr = popen, popen.stdout, popen.stderr
     worker = Worker(local_rank=local_rank, proc=proc, started_at=time.monotonic(), ready_file=ready_file)
-    for stream, pipe in ((1, proc.stdout), (2, proc.stderr)):
+    for stream, pipe in ((1, stdout), (2, stderr)):
         assert pipe is not None
         t = threading.Thread(
             target=_pump, args=(worker, pipe, stream, max_line_bytes), daemon=True, name=f"pump-{local_rank}"
@@ -185,7 +210,7 @@ def spawn(
     return worker
 
 
-def kill_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+def kill_group(proc: Process, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
 
