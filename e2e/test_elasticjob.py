@@ -27,6 +27,7 @@ import yaml
 
 from e2e.conftest import RELEASE_NAMESPACE, Target
 from e2e.faults import KILL_ONE_RANK
+from phalanx.api.settings import OperatorSettings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(480)]
 
@@ -278,7 +279,8 @@ def test_pods_that_cannot_start_say_why(phalanx: Target, ns: str) -> None:
     """Three jobs whose workers never start, each for a cause of its own, on real kubelets and containerd:
     an image that does not exist, a Secret that is missing, a resource no node has. Each job's PodsReady
     condition and a Warning Event name the cause in the kubelet's or the scheduler's words, while its master
-    runs; not after the minimum-node timeout."""
+    runs; not after the minimum-node timeout. The two causes that waiting does not heal then fail their job
+    with that cause once the operator's stuck_pod_timeout_s has passed; the unschedulable job waits on."""
     docs = example_documents()
     job = next(d for d in docs if d["kind"] == "ElasticJob")
     config = [d for d in docs if d["kind"] != "ElasticJob"]
@@ -325,9 +327,22 @@ def test_pods_that_cannot_start_say_why(phalanx: Target, ns: str) -> None:
         assert ready["status"] == "False"
         assert words in ready["message"], ready["message"]
         assert f"{name}-worker-" in ready["message"], ready["message"]
-        assert _status(phalanx, ns, name).get("phase") != "Failed", (
-            "named, not failed on the min-node timeout"
+    bound = OperatorSettings().stuck_pod_timeout_s + 60  # from the first pass that saw the cause
+
+    def failed(name: str) -> dict[str, Any] | None:
+        status = _status(phalanx, ns, name)
+        if status.get("phase") != "Failed":
+            return None
+        return next(c for c in status.get("conditions", []) if c["type"] == "Failed")
+
+    for name in ("no-image", "no-secret"):
+        cond = phalanx.kube.wait_for(
+            f"{name}: failed with its cause", lambda n=name: failed(n), timeout=bound, namespace=ns
         )
+        assert cond is not None
+        assert cond["reason"] in causes[name][1], cond
+        assert causes[name][2] in cond["message"], cond["message"]
+    assert _status(phalanx, ns, "no-node").get("phase") != "Failed", "an autoscaler may add the node"
     events = phalanx.kube.get("events", "-n", ns, "--field-selector", "involvedObject.kind=ElasticJob")[
         "items"
     ]

@@ -206,3 +206,17 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def test_a_zygote_whose_imports_initialised_cuda_never_gets_ready(tmp_path: Path) -> None:
+    """A forked child of a process that initialised the CUDA driver cannot use CUDA; even
+    ``torch.cuda.is_available()`` does that (on a machine without a GPU too). Such a zygote must not fork
+    workers: it ends, and the agent starts its spares cold."""
+    (tmp_path / "checks_cuda_at_import.py").write_text("import torch\ntorch.cuda.is_available()\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    z = Zygote(preimport="torch,checks_cuda_at_import", env=env, agent_pid_var="PHALANX_AGENT_PID")
+    try:
+        assert not z.wait_ready(60)
+        assert z.proc.wait(10) != 0
+    finally:
+        z.close()

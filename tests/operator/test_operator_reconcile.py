@@ -1336,3 +1336,75 @@ def test_pods_that_cannot_start_are_named_with_their_cause_once_each() -> None:
     c.step()
     ready = c.condition("PodsReady")
     assert (ready["status"], ready["reason"]) == ("True", "PodsRunning")
+
+
+def _stuck(c: FakeCluster, name: str, reason: str, message: str) -> None:
+    c.pods[name] = dataclasses.replace(c.pods[name], stuck=(reason, message))
+
+
+def test_a_worker_image_that_does_not_exist_fails_the_job_with_its_cause_after_the_operators_bound() -> None:
+    """Workers whose image cannot be pulled keep the job below nodes.min: the job fails with the kubelet's
+    reason and words once stuck_pod_timeout_s has passed since the first pass that saw it, not after the
+    min-nodes timeout; before that it only waits."""
+    c = FakeCluster(job_obj())
+    c.step()
+    c.pods["j-master"] = dataclasses.replace(c.pods["j-master"], phase="Running", node_name="m1")
+    for w in ("j-worker-0-0", "j-worker-1-0"):
+        _stuck(c, w, "ImagePullBackOff", 'container trainer: Back-off pulling image "nope:1"')
+    c.step()
+    assert c.job["status"]["stuckSince"]
+    c.now += SETTINGS.stuck_pod_timeout_s - 5  # each pass is a second later too
+    c.step()
+    assert c.job["status"]["phase"] != "Failed", "not yet"
+    c.now += 5
+    c.step()
+    failed = c.condition("Failed")
+    assert (c.job["status"]["phase"], failed["reason"]) == ("Failed", "ImagePullBackOff")
+    pulled = 'j-worker-0-0 cannot start: container trainer: Back-off pulling image "nope:1"'
+    assert pulled in failed["message"]
+    assert "fewer than nodes.min=2 workers run" in failed["message"]
+
+
+def test_a_missing_secret_of_the_master_fails_the_job_and_a_cause_that_heals_resets_the_clock() -> None:
+    c = FakeCluster(job_obj())
+    c.step()
+    _stuck(c, "j-master", "CreateContainerConfigError", 'container master: secret "creds" not found')
+    c.step()
+    c.now += SETTINGS.stuck_pod_timeout_s - 10
+    c.step()
+    c.pods["j-master"] = dataclasses.replace(c.pods["j-master"], stuck=("", ""))  # the Secret was created
+    c.step()
+    assert c.job["status"].get("stuckSince") is None
+    _stuck(c, "j-master", "CreateContainerConfigError", 'container master: secret "creds" not found')
+    c.now += 20
+    c.step()
+    assert c.job["status"]["phase"] != "Failed", "the clock started again"
+    c.now += SETTINGS.stuck_pod_timeout_s
+    c.step()
+    failed = c.condition("Failed")
+    assert failed["reason"] == "CreateContainerConfigError"
+    missing = 'j-master cannot start: container master: secret "creds" not found (the master;'
+    assert missing in failed["message"]
+
+
+def test_causes_that_may_heal_or_a_job_at_its_minimum_do_not_fail_the_job() -> None:
+    """Unschedulable (an autoscaler may add the node) and a crash loop (the restart policy's business) are
+    only reported; a worker that cannot pull while nodes.min others run does not hold the job back."""
+    c = FakeCluster(job_obj(nodes={"min": 1, "max": 2}))
+    c.step()
+    c.pods["j-master"] = dataclasses.replace(c.pods["j-master"], phase="Running", node_name="m1")
+    _stuck(c, "j-worker-0-0", "Unschedulable", "0/2 nodes are available: 2 Insufficient nvidia.com/gpu.")
+    _stuck(c, "j-worker-1-0", "CrashLoopBackOff", "container trainer: back-off 5m0s restarting")
+    c.step()
+    c.now += 10 * SETTINGS.stuck_pod_timeout_s
+    c.step()
+    assert c.job["status"]["phase"] != "Failed"
+    assert c.job["status"].get("stuckSince") is None
+    c.pods["j-worker-0-0"] = dataclasses.replace(
+        c.pods["j-worker-0-0"], phase="Running", node_name="n1", stuck=("", "")
+    )
+    _stuck(c, "j-worker-1-0", "ErrImagePull", 'container trainer: pull "nope:1": not found')
+    c.step()
+    c.now += 10 * SETTINGS.stuck_pod_timeout_s
+    c.step()
+    assert c.job["status"]["phase"] != "Failed", "one worker runs: nodes.min=1 is met"

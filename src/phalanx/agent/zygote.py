@@ -321,6 +321,20 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
+def _forks_cleanly() -> bool:
+    """Whether a child forked now could still use CUDA. torch refuses in a child ("Cannot re-initialize CUDA
+    in forked subprocess") once its parent initialised the driver, and even ``torch.cuda.is_available()``
+    does; the imports must not have. Only a child can tell (torch marks it at fork), so one is forked."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return True
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
 def main(argv: list[str]) -> None:
     from phalanx.agent import bootstrap
 
@@ -334,6 +348,9 @@ def main(argv: list[str]) -> None:
     sock = socket.socket(fileno=fd)
     bootstrap.die_with_parent(bootstrap.agent_pid())
     bootstrap.preimport_modules(preimport)
+    if not _forks_cleanly():
+        # Never ready: the agent's spares start cold, as without a zygote.
+        sys.exit("phalanx zygote: CUDA was initialised while importing; a forked worker could not use it")
     spare = serve(sock)
     if spare is None:
         os._exit(0)

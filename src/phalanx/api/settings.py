@@ -286,6 +286,14 @@ class OperatorSettings:
         doc="How long Pods still running when a job finished get to exit by themselves before cleanup.",
         unit="s",
     )
+    stuck_pod_timeout_s: float = setting(
+        120.0,
+        doc="How long a Pod that cannot start for a cause waiting does not heal (an image that does "
+        "not exist or cannot be pulled, an invalid image name, a missing Secret or ConfigMap) may hold a "
+        "job back (its master's Pod, or a worker's while fewer than nodes.min run) before the job fails "
+        "with that cause.",
+        unit="s",
+    )
     suspend_ack_timeout_s: float = setting(
         60.0,
         doc="How long a suspension waits for the job's master to acknowledge it before the worker Pods are "
@@ -331,6 +339,7 @@ class OperatorSettings:
     def __post_init__(self) -> None:
         positive(self.reconcile_interval_s, "reconcile_interval_s")
         positive(self.suspend_ack_timeout_s, "suspend_ack_timeout_s")
+        positive(self.stuck_pod_timeout_s, "stuck_pod_timeout_s")
         if self.finish_grace_s < 0:
             raise ConfigError(f"cannot be negative, got {self.finish_grace_s}", field="finish_grace_s")
         for name in ("master_grpc_port", "master_http_port"):

@@ -96,6 +96,12 @@ def _status_schema() -> dict[str, Any]:
                 "description": "When the operator began waiting for the master to acknowledge a suspension; "
                 "the worker Pods go without it once the operator's suspend_ack_timeout_s has passed.",
             },
+            "stuckSince": {
+                "type": "string",
+                "format": "date-time",
+                "description": "Since when a Pod that cannot start (a missing image or Secret) has held the "
+                "job back; the job fails with that cause once the operator's stuck_pod_timeout_s has passed.",
+            },
             "nodes": int_prop("Worker Pods running."),
             "selector": {
                 "type": "string",

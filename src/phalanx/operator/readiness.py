@@ -5,17 +5,31 @@ go into the :class:`Pass`.
 A Pod the scheduler cannot place, or whose container the kubelet cannot start (an image that does not exist,
 a Secret that is missing) or keeps restarting, is otherwise only a Pending Pod: the job would wait for its
 minimum node count and fail much later with a message about nodes, not about the image.
+
+A cause that waiting does not heal (:data:`UNHEALABLE`) fails the job with that cause once it has held the job
+back for the operator's ``stuck_pod_timeout_s`` (:func:`unstartable`).
 """
 
 from __future__ import annotations
 
+from phalanx.operator import lifecycle
 from phalanx.operator.actions import Event, PodView
-from phalanx.operator.conditions import get_condition
+from phalanx.operator.conditions import get_condition, parse_rfc3339, rfc3339
 from phalanx.operator.context import Pass
+from phalanx.operator.spec import JobSpec
 
 CONDITION = "PodsReady"
 MAX_MESSAGE = 1024
 """Bytes of the condition's message; the Events say each cause in full."""
+UNHEALABLE = frozenset({
+    "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError",
+})  # fmt: skip
+"""Waiting reasons that waiting does not heal: the image does not exist or cannot be pulled, its name is
+invalid, a Secret or ConfigMap the container needs is missing. A registry that is down for a while looks the
+same for a while; ``stuck_pod_timeout_s`` is that patience. (Unschedulable is not here: an autoscaler may
+add the node. A crash loop is the workers' failure, counted by the restart policy.)"""
+STUCK_SINCE = "stuckSince"
+"""``status.stuckSince``: since when an unhealable cause has held the job back (:func:`unstartable`)."""
 
 
 def stuck_pods(pods: list[PodView]) -> list[PodView]:
@@ -42,3 +56,38 @@ def pods_ready(ctx: Pass) -> None:
         ctx.condition(CONDITION, False, "Starting", f"{len(starting)} of {len(live)} Pods are starting")
     elif live:
         ctx.condition(CONDITION, True, "PodsRunning", f"all {len(live)} Pods of the job run")
+
+
+def blocking_cause(pods: list[PodView], *, min_nodes: int) -> PodView | None:
+    """The Pod whose unhealable cause holds the job back, if one does: the master's, or a worker's while
+    fewer than ``min_nodes`` workers run (a job at its minimum goes on without the Pod; the replacement logic
+    deals with it). Pure."""
+    blocked = [p for p in stuck_pods([p for p in pods if p.live]) if p.stuck[0] in UNHEALABLE]
+    if not blocked:
+        return None
+    running = sum(1 for p in pods if p.role == "worker" and p.live and p.phase == "Running")
+    master = next((p for p in blocked if p.role == "master"), None)
+    if master is not None:
+        return master
+    return blocked[0] if running < min_nodes else None
+
+
+def unstartable(ctx: Pass, spec: JobSpec) -> bool:
+    """Fails the job with the cause of :func:`blocking_cause` once it has held the job back for the
+    operator's ``stuck_pod_timeout_s`` (counted in ``status.stuckSince`` from the first pass that saw it, and
+    cleared once no cause does); True when the job failed."""
+    pod = blocking_cause(list(ctx.pods), min_nodes=spec.min_nodes)
+    if pod is None:
+        ctx.out[STUCK_SINCE] = None
+        return False
+    since_text = ctx.status.get(STUCK_SINCE)
+    since = parse_rfc3339(str(since_text)) if since_text else ctx.now
+    ctx.out[STUCK_SINCE] = rfc3339(since)
+    limit = ctx.settings.stuck_pod_timeout_s
+    if ctx.now - since < limit:
+        return False
+    reason, cause = pod.stuck
+    held = "the master" if pod.role == "master" else f"fewer than nodes.min={spec.min_nodes} workers run"
+    message = f"{pod.name} cannot start: {cause} ({held}; waited {limit:g}s: stuck_pod_timeout_s)"
+    lifecycle.fail(ctx, reason=reason, message=message, spec=spec)
+    return True

@@ -137,8 +137,10 @@ def reconcile(
     if resuming is None:
         return _settled(ctx)
     replaced = reconcile_workers(ctx, spec, resuming=resuming)
-    if _replacement_budget_exhausted(ctx, spec, replaced.failed) or _disruption_budget_exhausted(
-        ctx, spec, replaced.disrupted
+    if (
+        _replacement_budget_exhausted(ctx, spec, replaced.failed)
+        or _disruption_budget_exhausted(ctx, spec, replaced.disrupted)
+        or readiness.unstartable(ctx, spec)
     ):
         return ctx.finish()
     _running_phase(ctx, spec, replaced=replaced, resuming=resuming, master_ready=master_ready)
