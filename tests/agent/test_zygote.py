@@ -220,3 +220,29 @@ def test_a_zygote_whose_imports_initialised_cuda_never_gets_ready(tmp_path: Path
         assert z.proc.wait(10) != 0
     finally:
         z.close()
+
+
+def test_a_forked_worker_shows_its_script_in_its_command_line_and_the_zygote_does_not_pass_for_one(
+    tmp_path: Path,
+) -> None:
+    """`ps` and `pgrep -f train.py` find the workers by their script, as under torchrun (a spare's command
+    line is the zygote's); a training process is one whose stdin is /dev/null (handed its round), which the
+    zygote's (its socket) is not."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    target = ["--script", str(script), "--hang"]
+    z = Zygote(preimport="", env=dict(os.environ), agent_pid_var="PHALANX_AGENT_PID", target=target)
+    try:
+        assert z.wait_ready(30)
+        proc = z.fork(target, env=dict(os.environ))
+        FORKED.append(proc)
+        _hand_over(proc, tmp_path)
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert [str(script).encode(), b"--hang"] == cmdline[-3:-1]
+        assert os.readlink(f"/proc/{proc.pid}/fd/0") == "/dev/null"
+        assert os.readlink(f"/proc/{z.proc.pid}/fd/0").startswith("socket:")
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(10) == -signal.SIGKILL
+    finally:
+        z.close()
+        _close_pipes()

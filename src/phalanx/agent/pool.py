@@ -149,6 +149,7 @@ class WorkerPool:
             # The environment every spare shares at import time (threads, unbuffered output): local rank 0's.
             self.zygote = zygote.Zygote(
                 preimport=self.spec.preimport,
+                target=self.spec.target(),
                 env=self._static_env(0),
                 agent_pid_var=workers.AGENT_PID_ENV_VAR,
             )

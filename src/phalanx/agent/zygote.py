@@ -7,10 +7,12 @@ once per agent; each spare is then a ``fork()`` of it (milliseconds), the way An
 Python's ``multiprocessing`` forkserver starts its workers. Forking is safe here because the zygote does
 nothing but import: one thread, CUDA never initialised (a child initialises its own), no locks held.
 
-    python -m phalanx.agent.zygote --preimport torch,torch._dynamo --socket FD
+    python -m phalanx.agent.zygote --preimport torch,torch._dynamo --script train.py ARGS  (stdin: a socket)
 
-The agent holds the other end of a ``SOCK_SEQPACKET`` socket pair (one message a datagram). Messages are
-JSON (never pickle); file descriptors travel beside them (``SCM_RIGHTS``):
+The zygote's stdin is one end of a ``SOCK_SEQPACKET`` socket pair (one message a datagram) whose other end the
+agent holds. The script and its arguments are in its command line only to be seen there, and in every
+spare's, which is the zygote's: ``ps`` shows the workers' script, as under torchrun. Messages are JSON (never
+pickle); file descriptors travel beside them (``SCM_RIGHTS``):
 
     zygote -> agent   {"ready": true}                      once the imports are done
     agent -> zygote   {"argv": [...], "env": {...}} + fds  fork a spare: stdin, stdout, stderr
@@ -36,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -182,13 +184,16 @@ class Zygote:
 
     REPLY_TIMEOUT_S = 30.0
 
-    def __init__(self, *, preimport: str, env: Mapping[str, str], agent_pid_var: str) -> None:
+    def __init__(
+        self, *, preimport: str, env: Mapping[str, str], agent_pid_var: str, target: Sequence[str] = ()
+    ) -> None:
+        """``target`` (``--script train.py args``) is only shown, in the zygote's command line and so in every
+        spare's: ``ps`` and ``pgrep -f train.py`` find the workers by their script, as under torchrun."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, "--preimport", preimport, "--socket", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", __name__, "--preimport", preimport, *target],
+            stdin=theirs.fileno(),  # the zygote's stdin is its socket: no training process has one like it
             stdout=subprocess.DEVNULL,
             env={**env, agent_pid_var: str(os.getpid())},
             start_new_session=True,  # the agent's terminal signals go to the agent, which stops its workers
@@ -338,14 +343,8 @@ def _forks_cleanly() -> bool:
 def main(argv: list[str]) -> None:
     from phalanx.agent import bootstrap
 
-    preimport, fd = "", -1
-    while argv:
-        flag, value, argv = argv[0], argv[1], argv[2:]
-        if flag == "--preimport":
-            preimport = value
-        elif flag == "--socket":
-            fd = int(value)
-    sock = socket.socket(fileno=fd)
+    preimport = argv[1] if argv[:1] == ["--preimport"] else ""
+    sock = socket.socket(fileno=0)  # the rest of argv is the spares' target, shown only
     bootstrap.die_with_parent(bootstrap.agent_pid())
     bootstrap.preimport_modules(preimport)
     if not _forks_cleanly():
