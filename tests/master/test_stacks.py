@@ -58,3 +58,20 @@ def test_tie_or_uniform_or_empty_blames_hung_node() -> None:
 def test_garbage_never_matches_real_stacks() -> None:
     stacks = {"n0": {0: ALLREDUCE.format(line=1), 1: ALLREDUCE.format(line=1)}, "n1": {2: "garbage \x00"}}
     assert compare_stacks(stacks).odd_nodes == ["n1"]
+
+
+def test_ranks_started_cold_or_forked_from_the_zygote_match_where_their_script_waits() -> None:
+    """A worker forked from the agent's zygote has the zygote's frames below its script, one started cold
+    the bootstrap's: the launcher's frames are not part of where a rank waits."""
+    script = ALLREDUCE.format(line=41).splitlines()
+    cold = "\n".join([*script, '  File "<frozen runpy>", line 291 in run_path',
+                       '  File "/venv/phalanx/agent/bootstrap.py", line 130 in run_spare',
+                       '  File "/venv/phalanx/agent/bootstrap.py", line 84 in main',
+                       '  File "/venv/phalanx/agent/bootstrap.py", line 171 in <module>',
+                       '  File "<frozen runpy>", line 88 in _run_code'])  # fmt: skip
+    forked = "\n".join([*script, '  File "/usr/lib/python3.11/runpy.py", line 291 in run_path',
+                         '  File "/venv/phalanx/agent/bootstrap.py", line 130 in run_spare',
+                         '  File "/venv/phalanx/agent/zygote.py", line 360 in main',
+                         '  File "/venv/phalanx/agent/zygote.py", line 365 in <module>'])  # fmt: skip
+    assert signature(cold) == signature(forked) == signature(ALLREDUCE.format(line=41))
+    assert compare_stacks({"n0": {0: cold, 1: forked}, "n1": {2: cold, 3: LOADER}}).odd_ranks == {3: "n1"}

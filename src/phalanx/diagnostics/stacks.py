@@ -53,21 +53,25 @@ def _threads(text: str) -> list[list[str]]:
     return [t for t in threads if t]
 
 
+_LAUNCHER = re.compile(r"(phalanx/agent/(bootstrap|zygote)\.py|/runpy\.py|<frozen runpy>)$")
+"""The frames that start a worker before its script: the bootstrap's, or the agent's zygote's when the worker
+was forked from it, and runpy's. Two ranks in the same place of the script match however they started."""
+
+
 def signature(text: str) -> Signature:
-    """The frames of the main thread as ``file-basename:function``, innermost last; line numbers dropped."""
+    """The frames of the main thread as ``file-basename:function``, innermost last, from the script's first
+    frame on (the launcher's are left out); line numbers dropped."""
     threads = _threads(text)
     if not threads:
         return ()
     main = next((t for t in threads if t and _MAIN_HINT.search(t[0])), threads[0])
-    frames = [
-        f"{m.group('file').rsplit('/', 1)[-1]}:{m.group('func')}"
-        for line in main
-        if (m := _FRAME.search(line))
-    ]
+    frames = [(m.group("file"), m.group("func")) for line in main if (m := _FRAME.search(line))]
     # faulthandler prints the innermost frame first ("most recent call first"); normalize to innermost last.
     if main and "most recent call first" in main[0]:
         frames.reverse()
-    return tuple(frames)
+    while frames and _LAUNCHER.search(frames[0][0]):
+        frames.pop(0)
+    return tuple(f"{path.rsplit('/', 1)[-1]}:{func}" for path, func in frames)
 
 
 def compare_stacks(stacks: Mapping[str, Mapping[int, str]], *, hung_node: str = "") -> StackVerdict:
