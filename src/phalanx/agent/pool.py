@@ -145,7 +145,7 @@ class WorkerPool:
     def warm_up(self, *, deadline: float) -> None:
         """Starts the zygote and, once it has imported, forks a warm spare for every local rank; returns when
         they are ready or at ``deadline``. Without a zygote (``--no-python``) the spares import alone."""
-        if self.imports_dir is not None and self.zygote is None:
+        if self.config.warm_spares and not self.config.no_python and self.zygote is None:
             # The environment every spare shares at import time (threads, unbuffered output): local rank 0's.
             self.zygote = zygote.Zygote(
                 preimport=self.spec.preimport,
