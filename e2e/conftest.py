@@ -31,6 +31,8 @@ from e2e.kube import Helm, Kube
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "phalanx"
 RELEASE, RELEASE_NAMESPACE = "phalanx", "phalanx-e2e"
+STUCK_POD_TIMEOUT_S = 30
+"""The operator's stuck_pod_timeout_s here (the chart's default is 120 s)."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,9 @@ def phalanx(target: Target) -> Iterator[Target]:
         "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--create-namespace",
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
         "--set", "operator.reconcileIntervalSeconds=1",
+        # A job whose Pods cannot start fails after this rather than the default 120 s, so that the scenario
+        # that waits for it does not idle two minutes.
+        "--set", f"operator.stuckPodTimeoutSeconds={STUCK_POD_TIMEOUT_S}",
         # One replica: the node-loss scenario spares the operator's node (tests/k8s/test_operator_ha.py runs
         # two replicas and kills the leader).
         "--set", "operator.replicas=1",

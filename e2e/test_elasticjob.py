@@ -25,9 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.conftest import RELEASE_NAMESPACE, Target
+from e2e.conftest import RELEASE_NAMESPACE, STUCK_POD_TIMEOUT_S, Target
 from e2e.faults import KILL_ONE_RANK
-from phalanx.api.settings import OperatorSettings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(480)]
 
@@ -327,7 +326,7 @@ def test_pods_that_cannot_start_say_why(phalanx: Target, ns: str) -> None:
         assert ready["status"] == "False"
         assert words in ready["message"], ready["message"]
         assert f"{name}-worker-" in ready["message"], ready["message"]
-    bound = OperatorSettings().stuck_pod_timeout_s + 60  # from the first pass that saw the cause
+    bound = STUCK_POD_TIMEOUT_S + 60  # from the first pass that saw the cause
 
     def failed(name: str) -> dict[str, Any] | None:
         status = _status(phalanx, ns, name)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import torch_forks
+
 CPU_PROPERTY = "cpu_s"
 FIXTURES_PROPERTY = "cpu_fixtures"
 """(what, seconds): session fixtures stopped after the test, whose CPU is not the test's."""
@@ -31,9 +33,11 @@ _RELEASED = pytest.StashKey[list[tuple[str, float]]]()
 
 
 def cpu_seconds() -> float:
-    """This process's CPU time and that of its reaped children, user and system."""
+    """This process's CPU time and that of its reaped children, user and system, with the processes its
+    torch zygote forked and reaped (tests/torch_forks.py)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    forked = torch_forks.reaped_cpu_seconds()
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked
 
 
 def machine_busy() -> tuple[float, float, float] | None:

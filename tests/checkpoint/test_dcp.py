@@ -42,6 +42,7 @@ from phalanx.checkpoint import Checkpointer, shm
 from phalanx.checkpoint import host as host_mod
 from phalanx.checkpoint import storage as storage_lib
 from phalanx.checkpoint.dcp import FORMAT, FlashReader, FlashWriter, build_metadata, checkpointer, close
+from tests import torch_forks
 from tests.checkpoint.conftest import SHM, job_segments, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,7 +189,7 @@ def run_ranks(handle: host_mod.HostHandle, world: int, *args: str) -> list[dict[
             MASTER_PORT=str(port),
         )
         cmd = [sys.executable, "-m", "tests.checkpoint.test_dcp", *args]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT))
+        procs.append(torch_forks.popen(cmd, env=env, stdout=subprocess.PIPE, cwd=ROOT))
     results = []
     try:
         for proc in procs:

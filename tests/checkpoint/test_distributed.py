@@ -12,6 +12,7 @@ import pytest
 
 from phalanx.api.ports import free_port
 from phalanx.checkpoint import host as host_mod
+from tests import torch_forks
 from tests.checkpoint.conftest import worker_env
 
 pytestmark = pytest.mark.integration
@@ -32,7 +33,7 @@ def run_ranks(handle: host_mod.HostHandle, world: int, *args: str) -> list[dict[
             MASTER_PORT=str(port),
         )
         cmd = [sys.executable, str(HERE / "dist_worker.py"), *args]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, cwd=HERE.parents[1]))
+        procs.append(torch_forks.popen(cmd, env=env, stdout=subprocess.PIPE, cwd=HERE.parents[1]))
     results = []
     try:
         for proc in procs:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from phalanx.api.errors import CheckpointCorruptError, CheckpointError, PersistError
 from phalanx.checkpoint import Checkpointer, CheckpointWarning, shm, storage
 from phalanx.checkpoint import host as host_mod
+from tests import torch_forks
 from tests.checkpoint.conftest import worker_env
 from tests.eventually import eventually
 
@@ -37,9 +38,7 @@ def run_trainer(
 ) -> list[str]:
     """Runs the training worker; with ``kill_after`` SIGKILLs it once it reported that step."""
     cmd = [sys.executable, str(HERE / "train_worker.py"), f"--steps={steps}", f"--out={out}", *extra]
-    proc = subprocess.Popen(
-        cmd, env=worker_env(handle), stdout=subprocess.PIPE, text=True, cwd=HERE.parents[1]
-    )
+    proc = torch_forks.popen(cmd, env=worker_env(handle), stdout=subprocess.PIPE, cwd=HERE.parents[1])
     assert proc.stdout is not None
     lines = []
     try:
@@ -104,9 +103,8 @@ while True:
 def test_sigkill_during_a_save_keeps_the_previous_snapshot(
     host: host_mod.HostHandle, job_id: str, mode: str
 ) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SAVER, mode], env=worker_env(host), stdout=subprocess.PIPE, text=True
-    )
+    code = [sys.executable, "-c", SAVER, mode]
+    proc = torch_forks.popen(code, env=worker_env(host), stdout=subprocess.PIPE)
     assert proc.stdout is not None
     try:
         assert proc.stdout.readline().strip() == "1"

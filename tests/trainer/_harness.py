@@ -21,6 +21,7 @@ from typing import Any
 
 from phalanx.api import auth
 from phalanx.api import round as round_file
+from tests import torch_forks
 from tests.eventually import eventually
 from tests.trainer._procs import ROOT, free_port, worker_env
 
@@ -37,7 +38,7 @@ class Node:
     node_id: str
     nproc: int
     folder: Path
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[torch_forks.Forked] = field(default_factory=list)
     generation: int = 0
 
     @property
@@ -135,7 +136,7 @@ class Cluster:
             )
             cmd = [sys.executable, str(self.script), *self.args, "--log-json", str(node.log_path(local_rank))]
             err = (node.folder / f"stderr-{local_rank}-{node.generation}.txt").open("wb")
-            node.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
+            node.procs.append(torch_forks.popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
             err.close()
 
     def kill(self, node_id: str) -> float:

@@ -1,4 +1,5 @@
-"""Starting real worker processes for the trainer tests (subprocesses, JSON in and out, no pickle)."""
+"""Starting real worker processes for the trainer tests (forked from the lane's torch zygote,
+tests/torch_forks.py; JSON in and out, no pickle)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 from phalanx.api.ports import free_port
+from tests import torch_forks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,12 +37,8 @@ def run_world(script: Path, *, world: int, args: list[str], timeout_s: float) ->
             MASTER_PORT=str(port),
         )
         procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+            torch_forks.popen(
+                [sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
             )
         )
     deadline = time.monotonic() + timeout_s

@@ -14,10 +14,10 @@ agent holds. The script and its arguments are in its command line only to be see
 spare's, which is the zygote's: ``ps`` shows the workers' script, as under torchrun. Messages are JSON (never
 pickle); file descriptors travel beside them (``SCM_RIGHTS``):
 
-    zygote -> agent   {"ready": true}                      once the imports are done
-    agent -> zygote   {"argv": [...], "env": {...}} + fds  fork a spare: stdin, stdout, stderr
-    zygote -> agent   {"pid": N} or {"error": "..."}       the spare's pid, in order of the requests
-    zygote -> agent   {"exited": N, "code": C}             a spare ended (``Popen.returncode``'s form)
+    zygote -> agent   {"ready": true}                       once the imports are done
+    agent -> zygote   {"argv": [...], "env": {...}} + fds   fork a spare: stdin, stdout, stderr
+    zygote -> agent   {"pid": N} or {"error": "..."}        the spare's pid, in order of the requests
+    zygote -> agent   {"exited": N, "code": C, "cpu_s": S}  a spare ended: Popen.returncode, CPU seconds
 
 The zygote is its spares' parent: it reaps them and reports each exit code. It dies with the agent, and its
 spares die with it (their parent-death signal), so a killed node still takes its workers with it. A spare
@@ -136,12 +136,13 @@ def _fork(sock: socket.socket, wake: tuple[int, int], message: dict[str, Any], f
 def _reap(sock: socket.socket) -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        cpu = round(usage.ru_utime + usage.ru_stime, 3)
+        send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status), "cpu_s": cpu})
 
 
 def serve(sock: socket.socket) -> list[str] | None:
@@ -185,14 +186,22 @@ class Zygote:
     REPLY_TIMEOUT_S = 30.0
 
     def __init__(
-        self, *, preimport: str, env: Mapping[str, str], agent_pid_var: str, target: Sequence[str] = ()
+        self,
+        *,
+        preimport: str,
+        env: Mapping[str, str],
+        agent_pid_var: str,
+        target: Sequence[str] = (),
+        server: str = __name__,
     ) -> None:
         """``target`` (``--script train.py args``) is only shown, in the zygote's command line and so in every
-        spare's: ``ps`` and ``pgrep -f train.py`` find the workers by their script, as under torchrun."""
+        spare's: ``ps`` and ``pgrep -f train.py`` find the workers by their script, as under torchrun.
+        ``server``: the module the zygote runs, this one or another that serves with :func:`serve` and runs
+        its children otherwise (the tests' rank processes, ``tests/torch_forks.py``)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, "--preimport", preimport, *target],
+            [sys.executable, "-m", server, "--preimport", preimport, *target],
             stdin=theirs.fileno(),  # the zygote's stdin is its socket: no training process has one like it
             stdout=subprocess.DEVNULL,
             env={**env, agent_pid_var: str(os.getpid())},
@@ -203,6 +212,8 @@ class Zygote:
         self._requests = threading.Lock()  # one fork request at a time: replies come in order
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._exits: dict[int, int] = {}
+        self.reaped_cpu_s = 0.0
+        """The CPU seconds (user and system) of the spares that ended, their children's included."""
         self._changed = threading.Condition()
         self.dead = False
         threading.Thread(target=self._read, daemon=True, name="zygote").start()
@@ -221,6 +232,7 @@ class Zygote:
             elif "exited" in message:
                 with self._changed:
                     self._exits[int(message["exited"])] = int(message["code"])
+                    self.reaped_cpu_s += float(message.get("cpu_s", 0.0))
                     self._changed.notify_all()
             else:
                 self._replies.put(message)
@@ -238,31 +250,46 @@ class Zygote:
         self._ready.wait(max(0.0, timeout_s))
         return self.ready()
 
-    def fork(self, argv: list[str], *, env: Mapping[str, str], cwd: str | None = None) -> ForkedProcess:
-        """A spare running ``bootstrap.run_spare(argv)``, with pipes for its stdin, stdout and stderr."""
-        stdin_r, stdin_w = os.pipe()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+    def fork(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str | None = None,
+        streams: Sequence[int | None] = (None, None, None),
+    ) -> ForkedProcess:
+        """A spare running ``bootstrap.run_spare(argv)``. Its stdin, stdout and stderr are the descriptors in
+        ``streams``; a pipe for each None, whose other end is the returned process's stream of that name."""
+        ours: list[int | None] = []
+        theirs: list[int] = []
+        for index, given in enumerate(streams):
+            if given is not None:
+                ours.append(None)
+                theirs.append(given)
+                continue
+            read, write = os.pipe()
+            ours.append(write if index == 0 else read)
+            theirs.append(read if index == 0 else write)
         try:
             with self._requests:
-                send(self._sock, {"argv": argv, "env": dict(env), "cwd": cwd}, [stdin_r, out_w, err_w])
+                send(self._sock, {"argv": argv, "env": dict(env), "cwd": cwd}, theirs)
                 reply = self._replies.get(timeout=self.REPLY_TIMEOUT_S)
         except (OSError, queue.Empty) as e:
             reply = {"error": f"no answer from the zygote: {e}"}
         finally:
-            for fd in (stdin_r, out_w, err_w):
-                os.close(fd)
+            for child_end, given in zip(theirs, streams, strict=True):
+                if given is None:
+                    os.close(child_end)
         if "pid" not in reply:
-            for fd in (stdin_w, out_r, err_r):
-                os.close(fd)
+            for our_end in ours:
+                if our_end is not None:
+                    os.close(our_end)
             raise OSError(str(reply.get("error", "the zygote refused")))
-        return ForkedProcess(
-            self,
-            int(reply["pid"]),
-            stdin=os.fdopen(stdin_w, "wb"),
-            stdout=os.fdopen(out_r, "rb"),
-            stderr=os.fdopen(err_r, "rb"),
+        stdin, stdout, stderr = (
+            None if fd is None else os.fdopen(fd, "wb" if index == 0 else "rb")
+            for index, fd in enumerate(ours)
         )
+        return ForkedProcess(self, int(reply["pid"]), stdin=stdin, stdout=stdout, stderr=stderr)
 
     def exit_code(self, pid: int, timeout_s: float | None = 0.0) -> int | None:
         """A spare's exit code once it ended (waiting up to ``timeout_s``; None: forever); None while it
@@ -297,7 +324,15 @@ class Zygote:
 class ForkedProcess:
     """A spare forked by the zygote, with what the agent uses of :class:`subprocess.Popen`."""
 
-    def __init__(self, zygote: Zygote, pid: int, *, stdin: IO[bytes], stdout: IO[bytes], stderr: IO[bytes]):
+    def __init__(
+        self,
+        zygote: Zygote,
+        pid: int,
+        *,
+        stdin: IO[bytes] | None,
+        stdout: IO[bytes] | None,
+        stderr: IO[bytes] | None,
+    ):
         self._zygote = zygote
         self.pid = pid
         self.stdin: IO[bytes] | None = stdin
