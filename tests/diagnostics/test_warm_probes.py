@@ -14,13 +14,15 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
+from phalanx.agent.bootstrap import AGENT_PID_ENV_VAR
+from phalanx.agent.zygote import Zygote
 from phalanx.diagnostics.probe_runner import allgather_args, matmul_args, run_probe
-from phalanx.diagnostics.warm_probes import SERVER, WarmProbes
+from phalanx.diagnostics.warm_probes import SERVER, ServerProcess, WarmProbes
 from tests.eventually import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -212,3 +214,46 @@ def test_a_server_stopped_during_a_probe_is_replaced(warm: WarmProbes) -> None:
     assert after is not None
     assert after[0].ok, after[0].error
     assert warm.server_pid not in (None, stopped)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_server_forked_from_the_agents_zygote_serves_and_is_replaced_by_another_fork() -> None:
+    """The agent's probes fork their server from its zygote (torch imported once per node, not twice): the
+    same probes, and a killed server is replaced by a new fork. Without a ready zygote, one of its own."""
+    zygote = Zygote(preimport="torch", env=os.environ, agent_pid_var=AGENT_PID_ENV_VAR)
+    forked: list[int] = []
+
+    def fork(env: Mapping[str, str] | None) -> ServerProcess | None:
+        if not zygote.ready():
+            return None
+        proc = zygote.fork_probe_server(env if env is not None else os.environ)
+        forked.append(proc.pid)
+        return proc
+
+    warm = WarmProbes(env=dict(os.environ), fork=fork)
+    try:
+        assert zygote.wait_ready(60), "the zygote did not get ready"
+        for _ in range(2):  # the second time, from a new fork: the first server was killed
+            measured = warm.run(kind="matmul", args=matmul_args(seconds=0.2, size=256), timeout_s=60)
+            assert measured is not None
+            assert measured[0].ok, measured[0].error
+            server = warm.server_pid
+            assert server is not None
+            assert server == forked[-1]
+            assert _parent(server) == zygote.proc.pid
+            os.kill(server, signal.SIGKILL)
+        assert len(forked) == 2
+        zygote.close()
+        measured = warm.run(kind="matmul", args=matmul_args(seconds=0.2, size=256), timeout_s=60)
+        assert measured is not None
+        assert measured[0].ok, measured[0].error
+        server = warm.server_pid
+        assert server is not None
+        assert _parent(server) == os.getpid()  # no zygote: a server of its own
+        assert len(forked) == 2
+    finally:
+        warm.close()
+        zygote.close()

@@ -17,11 +17,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 BASE = ["--heartbeat-timeout", "2s", "--agent-arg=--no-warm-spares", "--agent-arg=--grace-period=1s"]
 
 
-def run(tmp: Path, *args: str, workload: list[str], timeout: float = 80) -> tuple[int, dict[str, Any], str]:
+def run(
+    tmp: Path, *args: str, workload: list[str], timeout: float = 80, warm_spares: bool = False
+) -> tuple[int, dict[str, Any], str]:
+    """``warm_spares``: as by default (each node's zygote imports torch, which this workload never does)."""
     summary = tmp / "summary.json"
     proc = phalanx_local(
         [
-            *BASE,
+            *(arg for arg in BASE if warm_spares is False or arg != "--agent-arg=--no-warm-spares"),
             "--workdir",
             str(tmp / "wd"),
             "--summary-json",
@@ -288,7 +291,7 @@ def test_a_probe_round_runs_every_kind_on_every_node(tmp_path: Path) -> None:
     """The default probe kinds, matmul and all-gather, reach every node in one heartbeat; each node runs
     them one after the other and the round ends with every report in. The thresholds are lenient: this
     machine's CPU rates are noise, and the point here is that every report arrives. Both are forked
-    from the node's warm probe server (on by default), which the first one starts."""
+    from the node's warm probe server (on by default), which the first one forks from the zygote."""
     code, s, out = run(
         tmp_path,
         "--nodes", "2",
@@ -299,6 +302,7 @@ def test_a_probe_round_runs_every_kind_on_every_node(tmp_path: Path) -> None:
         # suite's load, when the job's end aborted the round.
         workload=["--steps", "400", "--step-time", "0.1"],
         timeout=150,
+        warm_spares=True,  # the default: the probe server is forked from the zygote
     )  # fmt: skip
     assert code == 0, out
     assert s["exit"] == "succeeded"
@@ -311,3 +315,4 @@ def test_a_probe_round_runs_every_kind_on_every_node(tmp_path: Path) -> None:
         assert len(done) == 2, log  # the matmul and the all-gather
         assert all("failed: []" in line for line in done), log
         assert all("(warm)" in line for line in done), log
+        assert "the probe server is a fork of the zygote" in log, log  # torch imported once on the node

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +158,20 @@ class WorkerPool:
         self.fill_spares()
         while not self.spares_ready() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+    def fork_probe_server(self, env: Mapping[str, str] | None) -> zygote.ForkedProcess | None:
+        """The node's warm probe server forked from the zygote; None without a ready one (the probes then
+        start a server of their own)."""
+        z = self.zygote
+        if z is None or not z.ready():
+            return None
+        try:
+            server = z.fork_probe_server(env if env is not None else self._static_env(0))
+        except OSError as e:
+            self._say(f"the zygote could not fork the probe server ({e}); it starts on its own")
+            return None
+        self._say(f"the probe server is a fork of the zygote (pid {server.pid})")
+        return server
 
     def fill_spares(self) -> None:
         for lr in range(self.config.nproc_per_node):

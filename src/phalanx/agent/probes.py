@@ -23,7 +23,7 @@ from phalanx.api import auth
 from phalanx.api.errors import TransportError
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import probe_runner
-from phalanx.diagnostics.warm_probes import WarmProbes
+from phalanx.diagnostics.warm_probes import ForkServer, WarmProbes
 
 MATMUL_SECONDS = 2.0  # long enough for a stable TFLOP/s figure, short enough to run between rounds
 MATMUL_TIMEOUT_S = 120.0  # includes importing torch and initialising the devices
@@ -86,6 +86,7 @@ class ProbeExecutor:
         say: Callable[[str], None],
         python: str = sys.executable,
         warm: bool = True,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self.client = client
         self.node_id = node_id
@@ -102,7 +103,7 @@ class ProbeExecutor:
         """The last such thread started, kept so that :meth:`join` can wait for its end."""
         self._kill: Callable[[], None] | None = None
         """Kills the running probe's process group, for :meth:`stop`."""
-        self._warm = WarmProbes(python=python, env=self.env) if warm else None
+        self._warm = WarmProbes(python=python, env=self.env, fork=fork_server) if warm else None
         """The warm probe server, started at the first probe: later probes skip ``import torch``."""
         self._stopped = False
         self.last_report: pb.ReportProbeRequest | None = None

@@ -73,6 +73,7 @@ class Supervisor:
             env=self.base_env,
             say=self.say,
             warm=config.warm_probes,
+            fork_server=self.pool.fork_probe_server,  # from the zygote, which imported torch already
         )
 
     # -------------------------------------------------------------------------------------------------

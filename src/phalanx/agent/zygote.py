@@ -48,6 +48,11 @@ MAX_MESSAGE = 1 << 20
 STREAMS = 3
 """stdin, stdout and stderr, sent with every fork request."""
 
+PROBE_SERVER = "--probe-server"
+"""The argv of a fork request whose child becomes the node's warm probe server
+(:mod:`phalanx.diagnostics.probe_server`) rather than a spare: its probes start with torch imported, and no
+process of the node imports it a second time for them."""
+
 
 def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
     data = json.dumps(message).encode()
@@ -291,6 +296,15 @@ class Zygote:
         )
         return ForkedProcess(self, int(reply["pid"]), stdin=stdin, stdout=stdout, stderr=stderr)
 
+    def fork_probe_server(self, env: Mapping[str, str]) -> ForkedProcess:
+        """The node's warm probe server (:data:`PROBE_SERVER`), its requests on ``stdin``, its replies on
+        ``stdout``; its stderr goes nowhere, as a fresh server's does."""
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            return self.fork([PROBE_SERVER], env=env, streams=(None, None, devnull))
+        finally:
+            os.close(devnull)
+
     def exit_code(self, pid: int, timeout_s: float | None = 0.0) -> int | None:
         """A spare's exit code once it ended (waiting up to ``timeout_s``; None: forever); None while it
         runs. A spare of a zygote that died was killed with it (its parent-death signal), and someone else
@@ -388,6 +402,12 @@ def main(argv: list[str]) -> None:
     spare = serve(sock)
     if spare is None:
         os._exit(0)
+    if spare == [PROBE_SERVER]:
+        from phalanx.diagnostics import probe_server
+
+        code = probe_server.serve()
+        sys.stdout.flush()
+        os._exit(code)  # nothing of a training process to tear down: it only forked probes
     bootstrap.run_spare(spare)
 
 

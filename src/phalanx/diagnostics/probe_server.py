@@ -1,4 +1,5 @@
-"""The warm probe process (``python -m phalanx.diagnostics.probe_server``): imports torch once, forks probes.
+"""The warm probe process (``python -m phalanx.diagnostics.probe_server``, or a fork of the agent's zygote,
+which has imported torch already): imports torch once, forks probes.
 
 A probe started cold pays for ``import torch`` first: about 1 s on an idle node, many seconds on the node a
 probe round is looking for, whose CPU is starved (8-9 s at 150m), and the round waits for its slowest node.

@@ -6,6 +6,11 @@ at once, both on the node whose CPU may be the starved one. :meth:`WarmProbes.ru
 :func:`phalanx.diagnostics.probe_runner.run_probe` (same measurements, same failures, a timeout kills the
 probe's process group), except that it returns None when no server could take the probe (none could be
 started, or it ended before starting the probe): the caller then runs the probe cold.
+
+The agent has the server forked from its zygote (``fork``: ``Zygote.fork_probe_server`` of
+:mod:`phalanx.agent.zygote`), which imported torch for the warm spares already: a node imports torch once for
+its spares and its probes.
+Without a ready zygote (warm spares off, ``--no-python``) the server is a process of its own.
 """
 
 from __future__ import annotations
@@ -22,18 +27,37 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from phalanx.diagnostics import probe_runner
 from phalanx.diagnostics.probe_runner import Measurement
 
-__all__ = ["SERVER", "WarmProbes"]
+__all__ = ["SERVER", "ForkServer", "ServerProcess", "WarmProbes"]
 
 SERVER = "phalanx.diagnostics.probe_server"
 _KILL_WAIT_S = 5.0
 
 Replies = queue.Queue[dict[str, Any] | None]
 """The server's replies, in order; None once its output ended."""
+
+
+class ServerProcess(Protocol):
+    """What is used of the server's process: a :class:`subprocess.Popen`, or one forked from the agent's
+    zygote (:class:`phalanx.agent.zygote.ForkedProcess`), with its stdin and stdout pipes."""
+
+    pid: int
+    stdin: IO[bytes] | None
+    stdout: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+Server = tuple[ServerProcess, Replies]
+ForkServer = Callable[[Mapping[str, str] | None], ServerProcess | None]
+"""Starts a server, with that environment, as a fork of a process that imported torch already; None when
+it cannot (a fresh process is started then)."""
 
 
 class _Timeout:
@@ -46,11 +70,19 @@ _TIMEOUT = _Timeout()
 class WarmProbes:
     """One probe server, started on first use and replaced when it has died; one probe at a time."""
 
-    def __init__(self, *, python: str = sys.executable, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        python: str = sys.executable,
+        env: Mapping[str, str] | None = None,
+        fork: ForkServer | None = None,
+    ) -> None:
+        """``fork``: where a server can start without importing torch itself (the agent's zygote)."""
         self.python = python
         self.env = dict(env) if env is not None else None
+        self.fork = fork
         self._lock = threading.Lock()
-        self._server: tuple[subprocess.Popen[bytes], Replies] | None = None
+        self._server: Server | None = None
         self._closed = False
 
     @property
@@ -83,7 +115,7 @@ class WarmProbes:
 
     def _run_in(
         self,
-        server: tuple[subprocess.Popen[bytes], Replies],
+        server: Server,
         *,
         kind: probe_runner.ProbeName,
         args: Sequence[str],
@@ -136,15 +168,18 @@ class WarmProbes:
         if server is not None:
             _end(server[0])
 
-    def _start(self) -> tuple[tuple[subprocess.Popen[bytes], Replies] | None, bool]:
+    def _start(self) -> tuple[Server | None, bool]:
         """The server, started now when there is none (second item True), or None when none can run."""
         with self._lock:
             if self._closed:
                 return None, False
-            if self._server is not None and self._server[0].poll() is None:
-                return self._server, False
+            if self._server is not None:
+                if self._server[0].poll() is None:
+                    return self._server, False
+                _end(self._server[0])  # it died since the last probe: closes its input
+                self._server = None
             try:
-                proc = subprocess.Popen(
+                proc = (self.fork(self.env) if self.fork is not None else None) or subprocess.Popen(
                     [self.python, "-m", SERVER],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -163,7 +198,7 @@ class WarmProbes:
             self._server = (proc, replies)
             return self._server, True
 
-    def _discard(self, proc: subprocess.Popen[bytes]) -> None:
+    def _discard(self, proc: ServerProcess) -> None:
         with self._lock:
             if self._server is not None and self._server[0] is proc:
                 self._server = None
@@ -219,7 +254,7 @@ def _tail(path: Path) -> bytes:
         return b""
 
 
-def _end(proc: subprocess.Popen[bytes]) -> None:
+def _end(proc: ServerProcess) -> None:
     """Closes the server's input (it exits between probes) and kills it (it may be stuck in one)."""
     with contextlib.suppress(OSError, ValueError):
         if proc.stdin is not None:
