@@ -6,8 +6,9 @@ processes: most of their CPU, for tests whose subject is what the process does a
 the agent's own zygote (:mod:`phalanx.agent.zygote`: the same protocol, the same fork, a child in its own
 session with its own environment, working directory and standard streams) serving the tests: only what a
 child runs differs. It runs the script at once, as ``python script.py args`` would: no spare's hand-over, no
-instrumentation. The tests of phalanx's own launch path (``phalanx-run``, ``phalanx local``) do not come
-here: they start their processes as users do.
+instrumentation; at its end it skips only the teardown of every module (:func:`_run`). The tests of
+phalanx's own launch path (``phalanx-run``, ``phalanx local``) do not come here: they start their processes
+as users do.
 
     proc = torch_forks.popen([sys.executable, "dist_worker.py", "save"], env=env, stdout=subprocess.PIPE)
     out, _ = proc.communicate(timeout=90)
@@ -20,6 +21,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import io
 import os
 import runpy
 import signal
@@ -100,8 +102,6 @@ class Forked:
 def _wrap(stream: IO[bytes] | None, text: bool) -> IO[Any] | None:
     if stream is None or not text:
         return stream
-    import io
-
     return io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
 
 

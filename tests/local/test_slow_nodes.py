@@ -53,7 +53,7 @@ def test_a_node_on_a_slow_network_is_found_by_the_all_gather_probes_and_replaced
     code, s, out = run(
         tmp_path,
         "--master-arg=--probes-kinds=allgather",
-        "--inject", "slow-network@after=8s,node=2,rate=100mbit",
+        "--inject", "slow-network@step=20,node=2,rate=100mbit",
         steps=600,
     )  # fmt: skip
     assert code == 0, out
@@ -83,7 +83,7 @@ def test_a_node_with_a_capped_cpu_is_found_by_the_matmul_probe_and_replaced(
     code, s, out = run(
         tmp_path,
         "--master-arg=--probes-kinds=matmul",
-        "--inject", "slow-cpu@after=8s,node=1,cpu=150m",
+        "--inject", "slow-cpu@step=20,node=1,cpu=150m",
         steps=500,
         # Snapshots in the node's shared memory, which must go with the node. Nothing is persisted: the agents
         # have no checkpoint storage here, and each persist would fail (and fail the job at its last wait).
