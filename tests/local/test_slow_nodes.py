@@ -53,7 +53,9 @@ def test_a_node_on_a_slow_network_is_found_by_the_all_gather_probes_and_replaced
     code, s, out = run(
         tmp_path,
         "--master-arg=--probes-kinds=allgather",
-        "--inject", "slow-network@step=20,node=2,rate=100mbit",
+        # Before the first probe round (at 9 s): a probe round while the workers still import torch can find
+        # a healthy node slow on this loaded machine, but not before the slow link exists.
+        "--inject", "slow-network@after=8s,node=2,rate=100mbit",
         steps=600,
     )  # fmt: skip
     assert code == 0, out
@@ -83,6 +85,7 @@ def test_a_node_with_a_capped_cpu_is_found_by_the_matmul_probe_and_replaced(
     code, s, out = run(
         tmp_path,
         "--master-arg=--probes-kinds=matmul",
+        # Once training runs: capped during its start, the node may never start (a lost node, not a slow one).
         "--inject", "slow-cpu@step=20,node=1,cpu=150m",
         steps=500,
         # Snapshots in the node's shared memory, which must go with the node. Nothing is persisted: the agents
