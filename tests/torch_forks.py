@@ -203,7 +203,9 @@ def main(argv: list[str]) -> None:
 def _run(mode: str, target: str) -> int:
     """Runs the script, module or code as ``python`` does, up to its exit code; then what the interpreter does
     at exit (waits for the threads that are not daemons, runs the ``atexit`` functions, flushes the output),
-    less tearing down every module: about a second of CPU per process with torch loaded."""
+    less tearing down every module: about a second of CPU per process with torch loaded. What that teardown
+    would have done is lost as after a SIGKILL: a file the script left open is not flushed (the scripts
+    here close theirs or flush each line)."""
     code = 0
     try:
         if mode == "-m":
