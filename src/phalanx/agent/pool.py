@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -166,7 +167,7 @@ class WorkerPool:
         if z is None or not z.ready():
             return None
         try:
-            server = z.fork_probe_server(env if env is not None else self._static_env(0))
+            server = z.fork_probe_server(env if env is not None else os.environ)  # None: as Popen's, ours
         except OSError as e:
             self._say(f"the zygote could not fork the probe server ({e}); it starts on its own")
             return None
