@@ -263,7 +263,8 @@ class Zygote:
         cwd: str | None = None,
         streams: Sequence[int | None] = (None, None, None),
     ) -> ForkedProcess:
-        """A spare running ``bootstrap.run_spare(argv)``. Its stdin, stdout and stderr are the descriptors in
+        """A spare running ``bootstrap.run_spare(argv)`` (the probe server for ``[PROBE_SERVER]``; the server
+        module's own child otherwise, see ``server``). Its stdin, stdout and stderr are the descriptors in
         ``streams``; a pipe for each None, whose other end is the returned process's stream of that name."""
         ours: list[int | None] = []
         theirs: list[int] = []
