@@ -53,8 +53,8 @@ def test_a_node_on_a_slow_network_is_found_by_the_all_gather_probes_and_replaced
     code, s, out = run(
         tmp_path,
         "--master-arg=--probes-kinds=allgather",
-        # Before the first probe round (at 9 s): a probe round while the workers still import torch can find
-        # a healthy node slow on this loaded machine, but not before the slow link exists.
+        # The first probe round comes 4 s after the first step (never while the workers start): the link is
+        # slow by then, or soon after.
         "--inject", "slow-network@after=8s,node=2,rate=100mbit",
         steps=600,
     )  # fmt: skip

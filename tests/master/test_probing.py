@@ -11,7 +11,7 @@ from phalanx.api import settings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.errors import RequestError
 from phalanx.master.job import Job
-from phalanx.master.probing import PROBE_KINDS, round_kinds
+from phalanx.master.probing import PROBE_KINDS, STEPLESS_PROBE_AFTER_S, round_kinds
 
 from .sim import Sim, kinds
 
@@ -317,16 +317,24 @@ def test_on_round_complete_schedules_one_round_per_rendezvous_round() -> None:
     assert sim.job.probe.rendezvous_round == 2
 
 
-def advance(sim: Sim, until: float) -> None:
-    """Moves the clock in 5 s steps, every member heartbeating, so nobody is lost on the way."""
+def advance(sim: Sim, until: float, *, step: int | None = 1) -> None:
+    """Moves the clock in 5 s steps, every member heartbeating (its worker at ``step``; None: no worker
+    reports steps), so nobody is lost on the way."""
     while sim.now < until:
         sim.at(min(until, sim.now + 5.0))
-        for node in sim.job.members:
-            sim.hb(node)
+        beat(sim, step=step)
+
+
+def beat(sim: Sim, *, step: int | None) -> None:
+    """One heartbeat of every member, then the master's tick, which sees the steps."""
+    for node in sim.job.members:
+        sim.hb(node, step=step)
+    sim.at(sim.now)
 
 
 def test_interval_schedules_periodic_rounds() -> None:
     sim = make(interval_s=60.0)
+    beat(sim, step=0)  # the round trains from its start
     t0 = sim.now
     advance(sim, t0 + 55.0)
     assert sim.job.probe is None
@@ -341,9 +349,10 @@ def test_interval_schedules_periodic_rounds() -> None:
     assert sim.job.probe is not probe
 
 
-def test_a_round_re_formed_after_an_eviction_runs_interval_s_before_its_first_periodic_probe() -> None:
-    # The processes of a re-formed round start beside the replacement's; measured then, a healthy node looks
-    # slow (a confirming round right after would evict it). The wait counts from the round's completion.
+def test_a_round_re_formed_after_an_eviction_is_probed_interval_s_after_its_first_step() -> None:
+    # The processes of a re-formed round start beside the replacement's (import torch, load a checkpoint);
+    # measured then, a healthy node looks slow (a confirming round right after would evict it). The wait
+    # counts from the round's first step, however long the start takes.
     sim = make(interval_s=20.0)
     probe = sim.job.start_probe(now=sim.now, trigger="test")
     good_round(sim, probe.id, failed="c")
@@ -352,10 +361,22 @@ def test_a_round_re_formed_after_an_eviction_runs_interval_s_before_its_first_pe
     sim.form("a", "b", "d", "e")
     assert sim.job.phase == "Running"
     formed = sim.now
-    advance(sim, formed + 15.0)  # 30 s after the last probe round, 15 s into the new round
+    advance(sim, formed + 40.0, step=-1)  # a slow start: the new processes have not stepped yet
     assert sim.job.probe is probe
-    advance(sim, formed + 21.0)
+    advance(sim, formed + 55.0)  # the first step at +45 s
+    assert sim.job.probe is probe
+    advance(sim, formed + 66.0)
     assert sim.job.probe is not probe
+    assert sim.job.probe.trigger == "every 20s"
+
+
+def test_a_round_whose_ranks_report_no_step_is_probed_from_a_while_after_it_completed() -> None:
+    sim = make(interval_s=20.0)
+    formed = sim.now
+    advance(sim, formed + STEPLESS_PROBE_AFTER_S + 15.0, step=None)
+    assert sim.job.probe is None
+    advance(sim, formed + STEPLESS_PROBE_AFTER_S + 21.0, step=None)
+    assert sim.job.probe is not None
     assert sim.job.probe.trigger == "every 20s"
 
 

@@ -265,8 +265,9 @@ class ProbeSettings:
     )
     interval_s: float = setting(
         0.0,
-        doc="Run a probe round this long after the previous one, or after the rendezvous round formed where "
-        "that came later (0: never periodically).",
+        doc="Run a probe round this long after the previous one, or after the rendezvous round's first "
+        "training step where that came later (2 minutes after it formed, if it reports none; 0: never "
+        "periodically).",
         unit="s",
     )
     timeout_s: float = setting(

@@ -86,6 +86,18 @@ class JobCore:
         grace is one heartbeat interval, within which a live agent whose connection broke heartbeats again."""
         return absent(self.state.nodes.values(), now=now, grace_s=self.state.settings.heartbeat.interval_s)
 
+    def round_step(self) -> int:
+        """The newest step a rank of the running round reported (-1: none yet). Not ``max_step``: after
+        a restore from an older step, the job is behind it until the lost steps are trained again."""
+        s = self.state
+        top = -1
+        for node_id in s.members:
+            node = s.nodes.get(node_id)
+            if node is not None and node.hb_round == s.round_number:
+                for r in node.ranks:
+                    top = max(top, r.step)
+        return top
+
     # ------------------------------------------------------------------------------------------------
     # Bookkeeping
 

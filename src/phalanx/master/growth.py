@@ -51,7 +51,7 @@ class FoldIn:
         ):
             self.fold_in_wait = None
             return
-        step = self._round_step()
+        step = self.core.round_step()
         wait = self.fold_in_wait
         fresh = wait is None or wait.round != s.round_number
         if wait is None or wait.round != s.round_number:
@@ -82,18 +82,6 @@ class FoldIn:
         if decision.now:
             self.fold_in_wait = None
             self.core.open_round(f"scale up: {waiting} node(s) waiting; {decision.reason}", now=now)
-
-    def _round_step(self) -> int:
-        """The newest step a rank of the running round reported (-1: none yet). Not ``max_step``: after
-        a restore from an older step, the job is behind it until the lost steps are trained again."""
-        s = self.state
-        top = -1
-        for node_id in s.members:
-            node = s.nodes.get(node_id)
-            if node is not None and node.hb_round == s.round_number:
-                for r in node.ranks:
-                    top = max(top, r.step)
-        return top
 
     def report_checkpoint(
         self, req: pb.ReportCheckpointRequest, *, now: float

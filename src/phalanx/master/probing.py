@@ -2,13 +2,14 @@
 evicted and replaced).
 
 A probe round is started on demand (``POST /v1/probe``), right after a rendezvous round completes
-(``probes.on_round_complete``), every ``probes.interval_s`` (counted from the rendezvous round's completion
-where that came after the last probe round), or when the step-time check finds ranks whose
-step intervals lag the others' (:mod:`phalanx.master.slowsteps`, event ``slow_steps``, ``slow_ranks`` of
-/v1/job); nothing starts unless ``probes.enabled``. The same check scores every member node
-(:mod:`phalanx.master.slowsteps`): a node confirmed slow over ``step_confirm_checks`` checks is reported
-(event ``straggler``, ``straggler`` of /v1/nodes, ``phalanx_node_straggler_score``) and, with
-``probes.stragglers.evict_slow_nodes``, evicted at once without a probe round.
+(``probes.on_round_complete``), every ``probes.interval_s`` (counted from the rendezvous round's first
+training step where that came after the last probe round: a start is no time to measure), or when the
+step-time check finds ranks whose step intervals lag the others' (:mod:`phalanx.master.slowsteps`, event
+``slow_steps``, ``slow_ranks`` of /v1/job); nothing starts unless ``probes.enabled``. The same check
+scores every member node (:mod:`phalanx.master.slowsteps`): a node confirmed slow over
+``step_confirm_checks`` checks is reported (event ``straggler``, ``straggler`` of /v1/nodes,
+``phalanx_node_straggler_score``) and, with ``probes.stragglers.evict_slow_nodes``, evicted at once without
+a probe round.
 It needs a completed rendezvous round that is not reopening. Every member then gets one ``RUN_PROBE``
 action per kind in ``probes.kinds`` in its next heartbeat response, each tagged with the probe round's id
 (``Action.probe_round``):
@@ -67,6 +68,9 @@ __all__ = [
 ]
 
 PROBE_KINDS = {pb.PROBE_KIND_MATMUL: "matmul", pb.PROBE_KIND_ALLGATHER: "allgather"}
+STEPLESS_PROBE_AFTER_S = 120.0
+"""Periodic probe rounds count from a rendezvous round's first step; a round none of whose ranks reported
+a step this long after it completed (a script that reports none) counts from then instead."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,8 @@ class ProbeRounds:
         self.probed_round = 0
         """Rendezvous round of the latest probe round (for ``on_round_complete``)."""
         self.last_probe_at: float | None = None
+        self.first_step: tuple[int, float] = (0, 0.0)
+        """(rendezvous round, when a rank of it was first seen with a step): periodic rounds wait for it."""
         self.slow_streaks: dict[str, int] = {}
         """node -> probe rounds in a row that found it slow (a high-confidence straggler), while
         unconfirmed."""
@@ -273,6 +279,8 @@ class ProbeRounds:
     def tick(self, *, now: float) -> None:
         """Probe-round timeouts, aborts and scheduling."""
         s = self.state
+        if self.first_step[0] != s.round_number and self.core.round_step() >= 0:
+            self.first_step = (s.round_number, now)
         probe = self.probe
         if probe is not None and probe.result == "running":
             if s.finished or s.round_open or s.round_number != probe.rendezvous_round:
@@ -294,18 +302,22 @@ class ProbeRounds:
             )
         elif cfg.on_round_complete and s.round_number > self.probed_round:
             trigger = f"rendezvous round {s.round_number} completed"
-        elif cfg.interval_s > 0 and now - self._periodic_since() >= cfg.interval_s:
+        elif cfg.interval_s > 0 and now - self._periodic_since(now) >= cfg.interval_s:
             trigger = f"every {cfg.interval_s:g}s"
         if trigger:
             self.start_probe(now=now, trigger=trigger)
 
-    def _periodic_since(self) -> float:
-        """When the wait for the next periodic round began: the last round, or the rendezvous round's
-        completion where that came later. A round re-formed after an eviction is measured once it runs, not
-        while its processes start beside the replacement's: a healthy node measured then looks slow, and a
-        confirming round right after it (also during the start) would evict it."""
-        completed = self.state.round.completed_at if self.state.round is not None else 0.0
-        return max(self.last_probe_at or 0.0, completed)
+    def _periodic_since(self, now: float) -> float:
+        """When the wait for the next periodic round began: the last probe round, or the running rendezvous
+        round's first step where that came later. A round is measured once it trains, not while its processes
+        start (import torch, load a checkpoint) on the same hosts: a healthy node measured then looks slow,
+        and a confirming round right after it (still during the start) would evict it. A round whose ranks
+        report no step is measured from ``STEPLESS_PROBE_AFTER_S`` after its completion."""
+        s = self.state
+        assert s.round is not None
+        started = self.first_step[1] if self.first_step[0] == s.round_number else now
+        started = min(started, s.round.completed_at + STEPLESS_PROBE_AFTER_S)
+        return max(self.last_probe_at or 0.0, started)
 
     def _probe_members(self) -> list[str]:
         """The running rendezvous round's members that are alive, in group-rank order."""
