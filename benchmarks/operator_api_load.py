@@ -234,7 +234,7 @@ def main() -> int:
         parser.error("--masters must be between 0 and --jobs")
     bin_dir = find_binaries()
     if bin_dir is None:
-        print("no Kubernetes binaries: run `make k8s-binaries`", file=sys.stderr)
+        print("no Kubernetes binaries: run `make go-tools`", file=sys.stderr)
         return 1
     src = args.operator_src.resolve()
     state = Path(tempfile.mkdtemp(prefix="phalanx-apiload-"))

@@ -4,7 +4,7 @@ install` of charts/phalanx (the operator Deployment, its RBAC, the CRD).
 * ``PHALANX_E2E_KUBECONFIG`` set: that cluster (kind, or any other), with the images named by
   ``PHALANX_E2E_IMAGE`` (the Dockerfile's ``base`` target: operator and masters) and
   ``PHALANX_E2E_TRAIN_IMAGE`` (``train``: workers). See e2e/README.md.
-* Otherwise (``make test``, CI): a control plane started here from the binaries of scripts/k8s-binaries and
+* Otherwise (``make test``, CI): a control plane started here from the binaries of scripts/go-tools and
   two real nodes (a kubelet each, with containerd and runc, CNI, kube-proxy and CoreDNS: see
   tests/k8s/k8s_harness/nodes.py) running the images scripts/images builds here. Without the binaries, the
   host packages or helm the scenarios skip with a loud reason, except under CI=true, where that is a failure.
@@ -69,12 +69,11 @@ def _helm_binary() -> str:
     if os.environ.get("PHALANX_E2E_KUBECONFIG") and found:
         return found
     has_go = shutil.which("go") or Path("/usr/local/go/bin/go").exists()
-    tools = Path(os.environ.get("PHALANX_TOOLS_CACHE", Path.home() / ".cache/phalanx/tools"))
-    if not has_go and not list(tools.glob("helm-*/helm")):
-        _missing("no helm: install it, or Go to build it with scripts/helm-binary")
-    result = subprocess.run(
-        [str(ROOT / "scripts" / "helm-binary")], capture_output=True, text=True, timeout=880, check=False
-    )
+    go_tools = ROOT / "scripts" / "go-tools"
+    cached = subprocess.run([go_tools, "--cached", "helm"], capture_output=True, check=False).returncode == 0
+    if not has_go and not cached:
+        _missing("no helm: install it, or Go to build it with scripts/go-tools")
+    result = subprocess.run([go_tools, "helm"], capture_output=True, text=True, timeout=3600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip().splitlines()[-1]
 
@@ -160,7 +159,7 @@ def _own_cluster(home: Path) -> Iterator[Target]:
 
     bin_dir = find_binaries()
     if bin_dir is None or not (bin_dir / "kubelet").exists():
-        _missing("no Kubernetes binaries under ~/.cache/phalanx/k8s; run `make k8s-binaries` (needs Go)")
+        _missing("no Kubernetes binaries: run `make go-tools` (needs Go)")
     if missing := missing_host_tools():
         _missing(f"this machine cannot run container nodes: missing {missing} (scripts/host-packages)")
     helm = _helm_binary()

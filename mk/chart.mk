@@ -2,8 +2,8 @@
 #
 #   make chart-sync    copy the CRD and the operator's RBAC rules into the chart (scripts/sync-chart)
 #   make chart-check   fail when the chart drifted from crds/ or deploy/ (for `make lint`)
-#   make chart-lint    `helm lint --strict` with a helm built from source by scripts/helm-binary
-#                      (first run: a few minutes; then cached under ~/.cache/phalanx/tools)
+#   make chart-lint    `helm lint --strict` with a helm built from source by scripts/go-tools
+#                      (first run: tens of minutes with the other Go tools; then cached)
 
 .PHONY: chart-sync chart-check chart-lint
 
@@ -14,4 +14,4 @@ chart-check: setup
 	$(BIN)/python scripts/sync-chart --check
 
 chart-lint: chart-check
-	@helm=$$(scripts/helm-binary | tail -1); $$helm lint --strict charts/phalanx
+	@helm=$$(scripts/go-tools helm); $$helm lint --strict charts/phalanx

@@ -13,17 +13,17 @@
 
 .PHONY: k8s-up k8s-down test-k8s e2e crds crds-check
 
-k8s-up: setup host-packages k8s-binaries
+k8s-up: setup host-packages go-tools
 	@$(BIN)/python scripts/k8s-cluster up $(K8S_UP_ARGS)
 
 k8s-down:
 	@$(BIN)/python scripts/k8s-cluster down
 
-test-k8s: setup k8s-binaries
+test-k8s: setup go-tools
 	$(BIN)/python -m pytest tests/k8s tests/operator $(PYTEST_ARGS)
 
 e2e: setup
-	@if [ -z "$${PHALANX_E2E_KUBECONFIG:-}" ]; then scripts/k8s-binaries >/dev/null; fi
+	@if [ -z "$${PHALANX_E2E_KUBECONFIG:-}" ]; then scripts/go-tools >/dev/null; fi
 	$(BIN)/python -m pytest e2e $(PYTEST_ARGS)
 
 crds: setup

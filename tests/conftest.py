@@ -93,7 +93,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 @contextlib.contextmanager
 def minio_server(data: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A MinIO server on loopback storing under ``data``; yields its endpoint URL and process."""
-    binary = go_built("minio-binary", cached="minio-*/minio", unchecked="S3 checkpoint storage unchecked")
+    binary = go_built("minio", unchecked="S3 checkpoint storage unchecked")
     port = _free_port()
     env = {
         **os.environ,

@@ -1,7 +1,7 @@
 """One real Kubernetes control plane per test session (etcd, kube-apiserver, kube-controller-manager,
-kube-scheduler on loopback), built from the official Go modules by scripts/k8s-binaries.
+kube-scheduler on loopback), built from the official Go modules by scripts/go-tools.
 
-Without the binaries (no Go toolchain, or `make k8s-binaries` not run) the tests are skipped with a loud
+Without the binaries (no Go toolchain, or `make go-tools` not run) the tests are skipped with a loud
 reason, except under CI=true, where a missing control plane fails the session.
 """
 
@@ -30,7 +30,7 @@ ADMISSION = ROOT / "deploy" / "elasticjob-admission.yaml"
 
 
 def _missing(reason: str) -> None:
-    message = f"NO KUBERNETES CONTROL PLANE: {reason}. Run `make k8s-binaries` (needs Go) to build it."
+    message = f"NO KUBERNETES CONTROL PLANE: {reason}. Run `make go-tools` (needs Go) to build it."
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(message + " (CI=true: a skipped Kubernetes test is a failure)")
     pytest.skip(message)
@@ -52,7 +52,7 @@ def _wait_established(cp: ControlPlane, crd: str, *, timeout_s: float = 90.0) ->
 def control_plane() -> Iterator[ControlPlane]:
     bin_dir = find_binaries()
     if bin_dir is None:
-        _missing("kube-apiserver, etcd, ... not found under ~/.cache/phalanx/k8s/*/bin")
+        _missing("kube-apiserver, etcd, ... not built (scripts/go-tools --cached found none)")
     assert bin_dir is not None
     state = Path(tempfile.mkdtemp(prefix="phalanx-k8s-"))
     cp = ControlPlane(bin_dir=bin_dir, state_dir=state)

@@ -1,6 +1,6 @@
 """`helm upgrade` upgrades the ElasticJob CRD (the chart renders it from templates/, not crds/, which Helm
 never upgrades), and `helm uninstall` keeps it (deleting a CRD deletes every object of it). Run with the
-helm that scripts/helm-binary builds against the real control plane."""
+helm that scripts/go-tools builds against the real control plane."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ GROUP = "upgradetest.phalanx.dev"
 def test_helm_upgrade_applies_a_changed_crd_and_uninstall_keeps_it(
     control_plane: ControlPlane, tmp_path: Path
 ) -> None:
-    binary = go_built("helm-binary", cached="helm-*/helm", unchecked="the chart's CRD upgrade is not tested")
+    binary = go_built("helm", unchecked="the chart's CRD upgrade is not tested")
     env = {
         "PATH": os.environ.get("PATH", ""),
         **{f"HELM_{k}_HOME": str(tmp_path / k.lower()) for k in ("CACHE", "CONFIG", "DATA")},

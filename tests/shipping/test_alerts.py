@@ -6,7 +6,7 @@
 * a real Prometheus scrapes a real ``phalanx master`` with the metrics bearer token, evaluates every rule
   without error (and fires the one the master's state calls for), and answers every dashboard query.
 
-prometheus and promtool are built from the Go module proxy by scripts/prometheus-binary (cached). Without Go
+prometheus and promtool are built from the Go module proxy by scripts/go-tools (cached). Without Go
 and without a cached build the tests skip with a loud reason, except under CI=true, where they fail.
 """
 
@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a cold build
 
 @pytest.fixture(scope="module")
 def prometheus_bin() -> Path:
-    return Path(go_built("prometheus-binary", cached="prometheus-*/promtool", unchecked="alerts unchecked"))
+    return Path(go_built("promtool", unchecked="alerts unchecked")).parent
 
 
 def _rules() -> dict[str, dict[str, Any]]:

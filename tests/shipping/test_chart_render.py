@@ -1,4 +1,4 @@
-"""The Helm chart, rendered for real by `helm lint` and `helm template` (helm built by scripts/helm-binary).
+"""The Helm chart, rendered for real by `helm lint` and `helm template` (helm built by scripts/go-tools).
 
 Without Go and without a cached helm the tests skip with a loud reason, except under CI=true, where they
 fail. The first run builds helm from source (a few minutes on 2 cores); later runs find it cached.
@@ -69,7 +69,7 @@ class Helm:
 
 @pytest.fixture(scope="module")
 def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
-    binary = go_built("helm-binary", cached="helm-*/helm", unchecked="the chart is not rendered")
+    binary = go_built("helm", unchecked="the chart is not rendered")
     return Helm(binary, tmp_path_factory.mktemp("helm-home"))
 
 

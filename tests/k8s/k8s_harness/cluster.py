@@ -152,7 +152,7 @@ class Cluster:
 
     # --- helpers for tests -------------------------------------------------------------------------
     def get_json(self, *args: str) -> Any:
-        return json.loads(self.cp.kubectl("get", *args, "-o", "json"))
+        return self.cp.get(*args)
 
     def pod_pid(self, namespace: str, name: str) -> int:
         """OS process id of a Pod's container process (the test kubelet's sandbox records it)."""

@@ -10,7 +10,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from k8s_harness.controlplane import ControlPlane, find_binaries
+from k8s_harness.controlplane import ControlPlane, find_binaries, go_tool
 from k8s_harness.images import ROOT, Image, built_images, example_images
 from k8s_harness.nodes import BRIDGE_IP, ContainerNodes
 
@@ -21,7 +21,7 @@ def start(state: Path, *, node_monitor_grace_s: int = 50) -> Started:
     """Starts it; stops what it started if a step fails. The caller stops it (:func:`stop`)."""
     bin_dir = find_binaries()
     if bin_dir is None or not (bin_dir / "kubelet").exists():
-        raise RuntimeError("no Kubernetes binaries with a kubelet: run scripts/k8s-binaries")
+        raise RuntimeError("no Kubernetes binaries with a kubelet: run scripts/go-tools")
     images = built_images()
     ContainerNodes.prepare_network()
     cp = ControlPlane(
@@ -72,9 +72,7 @@ def running(state: Path, *, node_monitor_grace_s: int = 50) -> Iterator[Started]
 def helm_install(started: Started, *, namespace: str, values: tuple[str, ...] = ()) -> None:
     """phalanx from its chart, the operator running from the built image; nothing is ever pulled."""
     cp, _, images = started
-    helm = subprocess.run(
-        [str(ROOT / "scripts" / "helm-binary")], capture_output=True, text=True, check=True
-    ).stdout.split()[-1]
+    helm = str(go_tool("helm"))
     repository, _, tag = images["phalanx"].ref.rpartition(":")
     sets = [f"image.repository={repository}", f"image.tag={tag}", "image.pullPolicy=Never", *values]
     subprocess.run(

@@ -15,9 +15,11 @@ import signal
 import ssl
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from k8s_harness import certs
 from phalanx.api.ports import free_port
@@ -28,17 +30,22 @@ off by default in Kubernetes 1.37) and turns on the scheduler's GangScheduling p
 manager's PodGroup protection, for ElasticJobs with ``spec.gangScheduling``."""
 
 
+GO_TOOLS = Path(__file__).resolve().parents[3] / "scripts" / "go-tools"
+
+
 def find_binaries() -> Path | None:
-    """The cached control-plane binaries, or None when they were not built (see scripts/k8s-binaries)."""
-    env = os.environ.get("PHALANX_K8S_BIN")
-    candidates = [Path(env)] if env else []
-    root = Path(os.environ.get("PHALANX_K8S_CACHE", Path.home() / ".cache/phalanx/k8s"))
-    candidates += sorted(root.glob("*/bin"), reverse=True)
-    needed = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
-    for c in candidates:
-        if all(os.access(c / b, os.X_OK) for b in needed):
-            return c
-    return None
+    """The folder of the control-plane binaries (``$PHALANX_K8S_BIN``, or the build of scripts/go-tools), or
+    None when they were not built."""
+    if env := os.environ.get("PHALANX_K8S_BIN"):
+        return Path(env)
+    result = subprocess.run([str(GO_TOOLS), "--cached"], capture_output=True, text=True, check=False)
+    return Path(result.stdout.split()[-1]) if result.returncode == 0 else None
+
+
+def go_tool(name: str) -> Path:
+    """The path of one of scripts/go-tools' programs, built on first use (``make test`` builds them first)."""
+    out = subprocess.run([str(GO_TOOLS), name], capture_output=True, text=True, check=True, timeout=3600)
+    return Path(out.stdout.split()[-1])
 
 
 def write_kubeconfig(
@@ -62,6 +69,46 @@ def write_kubeconfig(
     return path
 
 
+RESOURCES = {
+    # kubectl's name: (API group path, plural, namespaced)
+    **dict.fromkeys(("ej", "elasticjob", "elasticjobs"), ("apis/phalanx.dev/v1alpha1", "elasticjobs", True)),
+    **dict.fromkeys(("pod", "pods"), ("api/v1", "pods", True)),
+    **dict.fromkeys(("event", "events"), ("api/v1", "events", True)),
+    **dict.fromkeys(("configmap", "configmaps"), ("api/v1", "configmaps", True)),
+    **dict.fromkeys(("secret", "secrets"), ("api/v1", "secrets", True)),
+    **dict.fromkeys(("serviceaccount", "serviceaccounts"), ("api/v1", "serviceaccounts", True)),
+    **dict.fromkeys(("node", "nodes"), ("api/v1", "nodes", False)),
+    **dict.fromkeys(("lease", "leases"), ("apis/coordination.k8s.io/v1", "leases", True)),
+    **dict.fromkeys(("podgroup", "podgroups"), ("apis/scheduling.k8s.io/v1beta1", "podgroups", True)),
+    **dict.fromkeys(("crd", "crds"), ("apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False)),
+}
+
+
+def api_path(*args: str) -> str:
+    """The API server's path for ``kubectl get ARGS`` (see ControlPlane.get); a pure function."""
+    positional: list[str] = []
+    namespace, subresource, query = "default", "", {}
+    rest = iter(args)
+    for arg in rest:
+        if arg == "-n":
+            namespace = next(rest)
+        elif arg == "-l":
+            query["labelSelector"] = next(rest)
+        elif arg == "--field-selector":
+            query["fieldSelector"] = next(rest)
+        elif arg.startswith("--subresource="):
+            subresource = arg.partition("=")[2]
+        elif arg.startswith("-"):
+            raise ValueError(f"kubectl flag {arg} is not read here")
+        else:
+            positional.append(arg)
+    kind, *name = positional
+    group, plural, namespaced = RESOURCES[kind]
+    path = f"/{group}/" + (f"namespaces/{namespace}/" if namespaced else "") + plural
+    path += "".join(f"/{part}" for part in [*name, subresource] if part)
+    return path + (f"?{urllib.parse.urlencode(query)}" if query else "")
+
+
 @dataclass
 class ControlPlane:
     """A running control plane. ``kubeconfig`` is the admin's."""
@@ -77,6 +124,19 @@ class ControlPlane:
     kubeconfig: Path = Path()
     ca: Path = Path()
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _admin_tls: ssl.SSLContext | None = None
+
+    def get(self, *args: str) -> Any:
+        """``kubectl get ARGS -o json`` read straight from the API server with the admin's certificate: the
+        tests poll objects thousands of times a run, and each kubectl costs a process start, about 0.1 CPU-s.
+        ARGS as kubectl takes them: a resource (the names in ``RESOURCES``), an optional name, ``-n NS``,
+        ``-l SELECTOR``, ``--field-selector SELECTOR``, ``--subresource=scale``."""
+        if self._admin_tls is None:
+            self._admin_tls = ssl.create_default_context(cafile=str(self.ca))
+            pki = self.state_dir / "pki"
+            self._admin_tls.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+        with urllib.request.urlopen(self.server + api_path(*args), context=self._admin_tls, timeout=30) as r:
+            return json.load(r)
 
     def kubectl(self, *args: str, input_text: str | None = None, check: bool = True) -> str:
         result = subprocess.run(

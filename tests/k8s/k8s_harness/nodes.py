@@ -1,5 +1,5 @@
 """Real nodes for the test control plane: a kubelet per Node (built with the control plane by
-scripts/k8s-binaries), each with a containerd of its own and runc from Debian, Pods networked by the CNI
+scripts/go-tools), each with a containerd of its own and runc from Debian, Pods networked by the CNI
 bridge plugin, Services routed by kube-proxy (iptables) and names resolved by CoreDNS, all on this machine.
 
 What a node is here:
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import IO
 
 from k8s_harness import certs, layers
-from k8s_harness.controlplane import ControlPlane, free_port, write_kubeconfig
+from k8s_harness.controlplane import ControlPlane, free_port, go_tool, write_kubeconfig
 
 BRIDGE = "phx0"
 BRIDGE_IP = "10.244.0.1"
@@ -281,7 +281,7 @@ class ContainerNodes:
 
     def _cluster_dns(self) -> None:
         """CoreDNS on the bridge, reached as in any cluster through the kube-dns Service's address."""
-        coredns = _tool("coredns-binary")
+        coredns = go_tool("coredns")
         kubeconfig = self._identity("coredns", "phalanx-coredns", "system:masters")
         corefile = self.state / "Corefile"
         corefile.write_text(
@@ -701,11 +701,3 @@ def _normalized(ref: str) -> str:
     if "." in first or ":" in first or first == "localhost":
         return ref
     return f"docker.io/{ref}"
-
-
-def _tool(script: str) -> Path:
-    root = Path(__file__).resolve().parents[3]
-    out = subprocess.run(
-        [str(root / "scripts" / script)], capture_output=True, text=True, check=True, timeout=1800
-    )
-    return Path(out.stdout.strip().splitlines()[-1])
