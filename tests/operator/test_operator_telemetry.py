@@ -131,14 +131,21 @@ _TOKEN_CHARS = st.sampled_from(["", TOKEN, "nope", TOKEN + "x", "Bearer " + TOKE
 
 
 def _raw(url: str, request: bytes) -> bytes:
-    """Sends ``request`` as it is over one connection and returns whatever comes back before it closes."""
+    """Sends ``request`` as it is over one connection and returns whatever comes back before it closes. A
+    server that refuses a request too large to read (a 70 kB path) closes with the rest of it unread, and the
+    kernel then resets the connection: the client may see the reset before or instead of the answer (it did
+    once under the suite's load). A dropped connection is no server error; the port serving afterwards is
+    what the test checks."""
     host, _, port = url.removeprefix("http://").partition(":")
+    chunks = []
     with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(request)
-        conn.shutdown(socket.SHUT_WR)
-        chunks = []
-        while chunk := conn.recv(65536):
-            chunks.append(chunk)
+        try:
+            conn.sendall(request)
+            conn.shutdown(socket.SHUT_WR)
+            while chunk := conn.recv(65536):
+                chunks.append(chunk)
+        except ConnectionResetError:
+            pass
     return b"".join(chunks)
 
 
