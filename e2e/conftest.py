@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from tests import release
+from tests.gotools import go_built
 
 from e2e.kube import Helm, Kube
 
@@ -68,14 +69,7 @@ def _helm_binary() -> str:
     found = shutil.which("helm")
     if os.environ.get("PHALANX_E2E_KUBECONFIG") and found:
         return found
-    has_go = shutil.which("go") or Path("/usr/local/go/bin/go").exists()
-    go_tools = ROOT / "scripts" / "go-tools"
-    cached = subprocess.run([go_tools, "--cached", "helm"], capture_output=True, check=False).returncode == 0
-    if not has_go and not cached:
-        _missing("no helm: install it, or Go to build it with scripts/go-tools")
-    result = subprocess.run([go_tools, "helm"], capture_output=True, text=True, timeout=3600, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.strip().splitlines()[-1]
+    return go_built("helm", unchecked="no e2e scenario runs (or install helm for an external cluster)")
 
 
 @pytest.fixture(scope="session")
