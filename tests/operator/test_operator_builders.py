@@ -138,6 +138,11 @@ def test_the_metrics_token_is_in_a_secret_only_the_master_mounts() -> None:
     assert {"name": "phalanx-metrics", "secret": {"secretName": "j-metrics", "defaultMode": 0o444}} in master[
         "spec"
     ]["volumes"]
+    # The chart's way (the token in a Secret the operator reads) gives the master the same mount.
+    from_secret = OperatorSettings(metrics_token_secret="rel-phalanx-metrics-token")
+    via_secret = builders.master_pod(j, parse_spec(j["spec"]), settings=from_secret)
+    assert "--metrics-token-file" in via_secret["spec"]["containers"][0]["command"]
+    assert via_secret["spec"]["volumes"] == master["spec"]["volumes"]
     secret = supporting.metrics_secret(j, metrics_token="m" * 20)
     assert (secret["metadata"]["name"], secret["stringData"]) == ("j-metrics", {"token": "m" * 20})
     worker = builders.worker_pod(j, parse_spec(j["spec"]), slot=0, incarnation=0, settings=with_metrics)
@@ -362,3 +367,8 @@ def test_a_template_cannot_take_the_job_label_off_its_pods() -> None:
     worker = builders.worker_pod(j, parse_spec(j["spec"]), slot=0, incarnation=0, settings=SETTINGS)
     assert worker["metadata"]["labels"]["phalanx.dev/job"] == "j"
     assert worker["metadata"]["labels"]["team"] == "a"
+
+
+def test_a_metrics_token_from_a_file_and_a_secret_together_is_refused() -> None:
+    with pytest.raises(ConfigError, match="not both"):
+        OperatorSettings(metrics_token_file="/t", metrics_token_secret="s")

@@ -46,7 +46,13 @@ def test_names_scope_and_subresources() -> None:
     crd = build_crd()
     assert crd["metadata"]["name"] == "elasticjobs.phalanx.dev"
     names = crd["spec"]["names"]
-    assert (names["kind"], names["plural"], names["shortNames"]) == ("ElasticJob", "elasticjobs", ["ej"])
+    assert (names["kind"], names["plural"], names["shortNames"]) == (
+        "ElasticJob",
+        "elasticjobs",
+        ["ej", "pxj"],
+    )
+    # DLRover's ElasticJob has the same kind and plural: `kubectl get pxj` and the category stay unambiguous.
+    assert names["categories"] == ["phalanx"]
     version = crd["spec"]["versions"][0]
     assert version["name"] == "v1alpha1"
     assert version["subresources"] == {

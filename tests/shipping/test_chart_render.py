@@ -6,11 +6,8 @@ fail. The first run builds helm from source (a few minutes on 2 cores); later ru
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +18,9 @@ from phalanx.api.settings import OperatorSettings
 from phalanx.operator import names, tls
 from phalanx.operator.leader import ENVIRONMENT as LEADER_ELECTION_ENV
 from phalanx.operator.supporting import master_service
-from tests.gotools import go_built
+from tests.shipping.helmchart import CHART, NAMESPACE, ROOT, Helm
+from tests.shipping.helmchart import one as _one
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "phalanx"
-NAMESPACE = "phalanx-system"
 COMMON_LABELS = (
     "app.kubernetes.io/name",
     "app.kubernetes.io/instance",
@@ -38,45 +33,6 @@ COMMON_LABELS = (
 
 # A cold helm build is the only slow part; a warm cache makes every test here take about a second.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-
-
-class Helm:
-    """A helm binary with its own empty config/cache/data homes (no user repositories or plugins)."""
-
-    def __init__(self, binary: str, home: Path) -> None:
-        self.binary = binary
-        self.env = {
-            "PATH": os.environ.get("PATH", ""),
-            "HELM_CACHE_HOME": str(home / "cache"),
-            "HELM_CONFIG_HOME": str(home / "config"),
-            "HELM_DATA_HOME": str(home / "data"),
-        }
-
-    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [self.binary, *args], capture_output=True, text=True, timeout=60, check=False, env=self.env
-        )
-        if check:
-            assert result.returncode == 0, result.stderr + result.stdout
-        return result
-
-    def render(self, *sets: str) -> list[dict[str, Any]]:
-        args = ["template", "rel", str(CHART), "--namespace", NAMESPACE, "--include-crds"]
-        for s in sets:
-            args += ["--set", s]
-        return [d for d in yaml.safe_load_all(self(*args).stdout) if d]
-
-
-@pytest.fixture(scope="module")
-def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
-    binary = go_built("helm", unchecked="the chart is not rendered")
-    return Helm(binary, tmp_path_factory.mktemp("helm-home"))
-
-
-def _one(objs: list[dict[str, Any]], kind: str, name: str = "") -> dict[str, Any]:
-    found = [o for o in objs if o["kind"] == kind and (not name or o["metadata"]["name"] == name)]
-    assert len(found) == 1, f"{len(found)} objects of kind {kind} {name}"
-    return found[0]
 
 
 def _deploy(kind: str) -> dict[str, Any]:
@@ -118,6 +74,9 @@ def test_default_render(helm: Helm) -> None:
             "Role",  # operator.masterTLS, on by default: the CA Secret of the release namespace
             "RoleBinding",
             "NetworkPolicy",  # operator.networkPolicy, on by default: the operator's own Pods
+            "ClusterRole",  # rbac.aggregateToDefaultRoles: ElasticJobs in the built-in admin/edit roles
+            "ClusterRole",  # ... and in view
+            "PodDisruptionBudget",  # two replicas: a drain takes one at a time
             "Deployment",
             "ConfigMap",
             "ConfigMap",
@@ -260,30 +219,42 @@ def test_pod_monitor_is_optional_and_selects_the_masters(helm: Helm) -> None:
 
 
 def test_the_pod_monitor_and_the_operator_share_one_metrics_token(helm: Helm) -> None:
-    """Without a named Secret the chart makes one; the PodMonitor presents it, and the operator reads it
-    (group-readable through fsGroup) to hand it to every job's master."""
+    """The PodMonitors present the token of one Secret; the operator reads that Secret (and makes it, with a
+    random token, when it is missing) to hand the token to every job's master. The render holds no token."""
     objs = helm.render("podMonitor.enabled=true")
-    secret = _one(objs, "Secret")
-    assert secret["metadata"]["name"] == "rel-phalanx-metrics-token"
-    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    assert not [o for o in objs if o["kind"] == "Secret"], "a rendered token would differ on every render"
     for name in ("rel-phalanx-masters", "rel-phalanx-operator"):
         (endpoint,) = _one(objs, "PodMonitor", name)["spec"]["podMetricsEndpoints"]
         assert endpoint["authorization"]["credentials"] == {
             "name": "rel-phalanx-metrics-token",
             "key": "token",
         }
-    pod = _one(objs, "Deployment")["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
+    (container,) = _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    path = env["PHALANX_OPERATOR_METRICS_TOKEN_FILE"]
-    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "metrics-token"]
-    assert path == f"{mount['mountPath']}/token"
-    assert mount["readOnly"] is True
-    (volume,) = [v for v in pod["volumes"] if v["name"] == "metrics-token"]
-    assert volume["secret"] == {"secretName": "rel-phalanx-metrics-token", "defaultMode": 0o440}
-    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    assert env["PHALANX_OPERATOR_METRICS_TOKEN_SECRET"] == "rel-phalanx-metrics-token"
+    assert env["PHALANX_OPERATOR_METRICS_TOKEN_SECRET_KEY"] == "token"
+    role = _one(objs, "Role", "rel-phalanx-operator-metrics-token")
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "resourceNames": ["rel-phalanx-metrics-token"],
+            "verbs": ["get"],
+        },
+    ]
+    binding = _one(objs, "RoleBinding", "rel-phalanx-operator-metrics-token")
+    assert binding["subjects"][0]["name"] == _one(objs, "ServiceAccount")["metadata"]["name"]
+    own = helm.render("podMonitor.enabled=true", "podMonitor.authorization.secretName=corp-metrics")
+    own_env = {
+        e["name"]: e.get("value")
+        for e in _one(own, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert own_env["PHALANX_OPERATOR_METRICS_TOKEN_SECRET"] == "corp-metrics"
     without = _one(helm.render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert "PHALANX_OPERATOR_METRICS_TOKEN_FILE" not in {e["name"] for e in without["env"]}
+    assert not {"PHALANX_OPERATOR_METRICS_TOKEN_SECRET", "PHALANX_OPERATOR_METRICS_TOKEN_FILE"} & {
+        e["name"] for e in without["env"]
+    }
 
 
 def test_without_rbac_and_with_an_existing_service_account(helm: Helm) -> None:
@@ -316,7 +287,9 @@ def test_notes_render(helm: Helm, tmp_path: Path) -> None:
         "operator.watchNamespace=ml", "podMonitor.enabled=true", "podMonitor.authorization.secretName=t"
     )
     assert "namespace ml" in scoped
-    assert "Secret\nt;" in scoped
+    assert "Secret\nt (made by the operator when missing)" in scoped
+    made = notes("podMonitor.enabled=true")
+    assert "Secret\nrel-phalanx-metrics-token (made by the operator when missing)" in made
 
 
 def test_prometheus_rule_is_optional_and_carries_the_alert_file(helm: Helm) -> None:
@@ -356,7 +329,13 @@ def test_a_namespaced_operator_gets_a_role_and_only_the_cluster_rules_it_needs(h
     assert role["rules"] == _deploy("ClusterRole")["rules"]
     binding = _one(objs, "RoleBinding", "rel-phalanx-operator")
     assert (binding["metadata"]["namespace"], binding["roleRef"]["kind"]) == ("team-a", "Role")
-    (check,) = [o for o in objs if o["kind"] == "ClusterRole"]
+
+    def operators(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The operator's ClusterRoles: those bound to it (not the job authors' aggregated ones)."""
+        bound = {o["roleRef"]["name"] for o in objs if o["kind"] == "ClusterRoleBinding"}
+        return [o for o in objs if o["kind"] == "ClusterRole" and o["metadata"]["name"] in bound]
+
+    (check,) = operators(objs)
     assert check["rules"] == [
         {
             "apiGroups": ["admissionregistration.k8s.io"],
@@ -370,7 +349,7 @@ def test_a_namespaced_operator_gets_a_role_and_only_the_cluster_rules_it_needs(h
     assert cluster["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
     bound = _one(cordoning, "ClusterRoleBinding", "rel-phalanx-operator-cluster")
     assert bound["roleRef"]["name"] == cluster["metadata"]["name"]
-    everywhere = [o for o in helm.render() if o["kind"] == "ClusterRole"]
+    everywhere = operators(helm.render())
     names = [o["metadata"]["name"] for o in everywhere]
     assert names == ["rel-phalanx-operator", "rel-phalanx-operator-admission-check"]
     resources = {r for o in everywhere for rule in o["rules"] for r in rule["resources"]}

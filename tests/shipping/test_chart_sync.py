@@ -74,7 +74,7 @@ def test_check_fails_on_a_changed_crd(tmp_path: Path) -> None:
     assert "elasticjobs.phalanx.dev.yaml" in result.stderr
     assert _run(root).returncode == 0
     chart_crd = yaml.safe_load((root / "charts/phalanx/files/elasticjobs.phalanx.dev.yaml").read_text())
-    assert chart_crd["spec"]["names"]["shortNames"] == ["ejob"]
+    assert chart_crd["spec"]["names"]["shortNames"] == ["ejob", "pxj"]
 
 
 def test_check_fails_when_the_markers_are_gone(tmp_path: Path) -> None:

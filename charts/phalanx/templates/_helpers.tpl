@@ -47,7 +47,7 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
 {{- end -}}
 
-{{/* The Secret holding the metrics token: the one named in values, else the one the chart makes. */}}
+{{/* The Secret holding the metrics token: the one named in values, else <fullname>-metrics-token (made by the operator when missing). */}}
 {{- define "phalanx.metricsTokenSecret" -}}
 {{- default (printf "%s-metrics-token" (include "phalanx.fullname" .)) .Values.podMonitor.authorization.secretName -}}
 {{- end -}}

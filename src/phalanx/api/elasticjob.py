@@ -20,7 +20,11 @@ VERSION = "v1alpha1"
 KIND = "ElasticJob"
 PLURAL = "elasticjobs"
 SINGULAR = "elasticjob"
-SHORT_NAMES = ("ej",)
+# `ej` is short; `pxj` and the category stay unambiguous beside other ElasticJob kinds (DLRover's, the old
+# pytorch/elastic one), whose plural is also `elasticjobs`: `kubectl get pxj`, `kubectl get phalanx`, or
+# the full `kubectl get elasticjobs.phalanx.dev`.
+SHORT_NAMES = ("ej", "pxj")
+CATEGORIES = ("phalanx",)
 CRD_NAME = f"{PLURAL}.{GROUP}"
 API_VERSION = f"{GROUP}/{VERSION}"
 

@@ -273,6 +273,15 @@ class OperatorSettings:
         doc="File holding the token Prometheus presents to every job's master, good for /metrics only; "
         "the operator copies it into each job's token Secret. Empty: /metrics needs each job's own token.",
     )
+    metrics_token_secret: str = setting(
+        "",
+        doc="Instead of metrics_token_file: a Secret of the operator's own namespace that holds the metrics "
+        "token under `token`, read at start and made with a random token when it does not exist (the Helm "
+        "chart's way: its render then holds no secret, and two renders are the same).",
+    )
+    metrics_token_secret_key: str = setting(
+        "token", doc="The key of metrics_token_secret that holds the token."
+    )
     reconcile_interval_s: float = setting(
         2.0, doc="How often each job is reconciled against its Pods, whatever the events.", unit="s"
     )
@@ -336,8 +345,17 @@ class OperatorSettings:
         "through the per-job NetworkPolicy; empty: none.",
     )
 
+    @property
+    def metrics_token_given(self) -> bool:
+        """Whether the masters get a metrics token (from metrics_token_file or metrics_token_secret)."""
+        return bool(self.metrics_token_file or self.metrics_token_secret)
+
     def __post_init__(self) -> None:
         positive(self.reconcile_interval_s, "reconcile_interval_s")
+        if self.metrics_token_file and self.metrics_token_secret:
+            raise ConfigError(
+                "set metrics_token_file or metrics_token_secret, not both", field="metrics_token_secret"
+            )
         positive(self.suspend_ack_timeout_s, "suspend_ack_timeout_s")
         positive(self.stuck_pod_timeout_s, "stuck_pod_timeout_s")
         if self.finish_grace_s < 0:

@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
     from phalanx.operator.executor import Executor
     from phalanx.operator.handlers import Reconciler
     from phalanx.operator.leader import LeaderElector
-    from phalanx.operator.supporting import read_metrics_token
     from phalanx.operator.telemetry import loop_answers, serve
 
     settings = settings_from(args)
@@ -120,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
                 metrics=executor.metrics,
                 # A standby is healthy while it waits; a leader while its periodic passes run.
                 healthy=lambda: loop_answers(loop) and (not started or reconciler.healthy()),
-                token=read_metrics_token(settings.metrics_token_file),
+                token=executor.metrics_token,
             )
         try:
             if elector is not None:

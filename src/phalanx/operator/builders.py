@@ -92,7 +92,7 @@ def _master_command(job: Mapping[str, Any], spec: JobSpec, *, settings: Operator
         "--token-file", TOKEN_FILE,
         "--state", f"k8s://{ns}/{job_name}",
     ]  # fmt: skip
-    if settings.metrics_token_file:
+    if settings.metrics_token_given:
         command += ["--metrics-token-file", METRICS_TOKEN_FILE]
     if settings.tls_ca_secret:
         command += [
@@ -149,7 +149,7 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
         "volumeMounts": [dict(_TOKEN_MOUNT)],
     }
     volumes = [_token_volume(job_name)]
-    if settings.metrics_token_file:
+    if settings.metrics_token_given:
         container["volumeMounts"].append(
             {"name": "phalanx-metrics", "mountPath": METRICS_DIR, "readOnly": True}
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.api import elasticjob as ej
-from phalanx.api.elasticjob import CRD_NAME, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from phalanx.api.elasticjob import CATEGORIES, CRD_NAME, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from phalanx.operator.admission import job_name_rules
 from phalanx.operator.crd_spec import spec_schema
 from phalanx.operator.schema import int_prop, object_prop
@@ -194,6 +194,7 @@ def build_crd() -> dict[str, Any]:
                 "plural": PLURAL,
                 "singular": SINGULAR,
                 "shortNames": list(SHORT_NAMES),
+                "categories": list(CATEGORIES),
                 "listKind": f"{KIND}List",
             },
             "versions": [

@@ -38,10 +38,11 @@ from phalanx.operator.ca import load_authority
 from phalanx.operator.conditions import set_condition
 from phalanx.operator.discovery import Discovery
 from phalanx.operator.events import Aggregator, record_event
+from phalanx.operator.metrics_token import operator_metrics_token
 from phalanx.operator.observe import owned_by, ownership, pod_view, read_metadata
 from phalanx.operator.reconcile import managed_here, reconcile
 from phalanx.operator.spec import gang_enabled
-from phalanx.operator.supporting import read_metrics_token, supporting_names, supporting_objects
+from phalanx.operator.supporting import supporting_names, supporting_objects
 from phalanx.operator.telemetry import OperatorMetrics
 
 log = logging.getLogger("phalanx.operator")
@@ -71,9 +72,10 @@ class Executor:
         """The operator's namespace: where its CA Secret lives (settings.tls_ca_secret)."""
         self._authority: tls.Authority | None = None
         self.metrics = metrics or OperatorMetrics()
-        self._metrics_token = read_metrics_token(settings.metrics_token_file)
         # Typed as Any: the operator passes plain dicts (the builders' output), which the client accepts.
         self.core: Any = client.CoreV1Api(api)
+        self.metrics_token = operator_metrics_token(settings, core=self.core, namespace=own_namespace)
+        """What Prometheus presents to every job's master and to the operator's own /metrics ("": none)."""
         self.rbac: Any = client.RbacAuthorizationV1Api(api)
         self.networking: Any = client.NetworkingV1Api(api)
         self.custom: Any = client.CustomObjectsApi(api)
@@ -156,7 +158,7 @@ class Executor:
                 now=time.time(),
                 settings=self.settings,
                 new_token=secrets.token_urlsafe(32),
-                metrics_token=self._metrics_token,
+                metrics_token=self.metrics_token,
                 issue_tls=lambda: self._issue_tls(observed.job),
             )
             self.apply(observed.job, actions)
@@ -306,7 +308,7 @@ class Executor:
             stub,
             settings=self.settings,
             token="-",  # noqa: S106 -- a placeholder: only the objects' names are used
-            metrics_token=self._metrics_token,
+            metrics_token=self.metrics_token,
         )
         return supporting_names(objects)
 

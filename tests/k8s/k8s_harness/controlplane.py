@@ -247,7 +247,8 @@ class ControlPlane:
                 "namespace-controller,node-lifecycle-controller,endpointslice-controller,"
                 "deployment-controller,replicaset-controller,"  # the e2e suite installs the Helm chart
                 "persistentvolume-binder-controller,"  # and gives its jobs a shared volume
-                "podgroup-protection-controller",
+                "podgroup-protection-controller,"
+                "clusterrole-aggregation-controller",  # the chart's roles for ElasticJob authors
                 f"--node-monitor-grace-period={self.node_monitor_grace_s}s",
                 f"--feature-gates={GATES}",
             ],
