@@ -6,10 +6,11 @@ through :func:`phalanx.announce`.) It uses torch's own hooks only: nothing of to
 DDP comm hook a script may register stays the script's.
 
 - **Steps** come from the optimizer: torch's global optimizer-step post hook publishes a step each time the
-  first optimizer that stepped steps again (two optimizers of one training step count once). The number is
-  the optimizer's own ``step`` state where it keeps one on the CPU (Adam and its kin: a resumed script carries
-  on from its step), else a count from 0. A script that calls :func:`phalanx.report_step` itself keeps its own
-  numbering: the automatic steps stop at its first call.
+  first optimizer that stepped steps again (two optimizers of one training step count once), from its
+  second step on (the first step is the one after which a script that reports its own steps says so). The
+  number is the optimizer's own ``step`` state where it keeps one on the CPU (Adam and its kin: a resumed
+  script carries on from its step), else a count from 0. A script that calls :func:`phalanx.report_step`
+  itself keeps its own numbering: the automatic steps stop at its first call.
 - **Collectives** come from c10d's collective hooks (``ProcessGroup.register_pre_hook`` and
   ``register_post_hook``): a collective starts when it is issued and ends when its Work completes, as the
   recorder's watcher thread sees it within milliseconds (on a GPU, when it is issued: the device side is the
@@ -99,10 +100,13 @@ class _Steps:
         self.seen_steps += 1
         step = optimizer_step(optimizer)
         self.count = step if step is not None else self.count + 1
-        phalanx.auto_step(self.count)
         # From the second step on: a script that reports its own steps has said so by then (it calls
-        # report_step after its first optimizer step), and its own recorder choices stand.
+        # report_step after its first optimizer step), and its own numbering and recorder choices stand.
+        # Its first optimizer step is not published either: after a restart that number (0 for SGD) would
+        # stand beside the step the script resumed at until its own report, and whoever read the beacon
+        # then (the master, a fold-in or recovery count) would take the job to have started over.
         if self.seen_steps >= 2:
+            phalanx.auto_step(self.count)
             intervals.enable()
             self.groups.hook_new()
 
