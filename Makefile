@@ -77,9 +77,15 @@ test-prepare: setup host-packages
 readme-check: test-prepare
 	@scripts/readme-check
 
+# Every benchmark, side by side with its peers, into benchmarks/results/ and docs/benchmarks.md (hours).
+# `make bench QUICK=1`: each once and small, into benchmarks/results/quick/ (minutes; CI runs it).
 bench: setup
+ifdef QUICK
+	$(BIN)/python -m benchmarks.run_all --quick
+else
 	$(BIN)/python -m benchmarks.run_all
 	$(BIN)/python -m benchmarks.report  # docs/benchmarks.md and its plots
+endif
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

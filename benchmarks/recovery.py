@@ -7,6 +7,12 @@ rank 1 is killed with SIGKILL. Recovery time is from the kill to the first step 
 steps that had to be redone; the script also logs when each incarnation began, so the kill -> script start
 part of the restart path is reported on its own. Medians over ``--runs`` runs each, printed as JSON.
 
+With ``--nodes N`` (N > 1) the job has N nodes of 2 processes on this machine: N torchrun agents meeting in a
+c10d rendezvous (its timeouts tuned down as in benchmarks/regroup.py) against ``phalanx local`` (a master and
+an agent per node); the kill is of node 0's second process, and every node restarts its processes (a plain
+script cannot re-form its process group in place). On two cores, 6 training processes and the launchers
+share the CPU, so what each launcher keeps running beside the script (spares, probe servers) counts.
+
 With ``--state-mb N`` every rank carries N MiB more state: torchrun's script torch.saves it every step
 (rank 0), and phalanx flash-checkpoints it every step and persists it every ``--persist-every`` steps, so
 its restart also saves the last in-memory step at the breakpoint. A kill right after a step's log line then
@@ -19,6 +25,8 @@ them again, phalanx-run's warm spare imported them beforehand because the first 
     .venv/bin/python benchmarks/recovery.py --runs 5
     .venv/bin/python benchmarks/recovery.py --runs 5 --optimizer adam \
         --out benchmarks/results/recovery-adam.json
+    .venv/bin/python benchmarks/recovery.py --runs 3 --nodes 3 --optimizer adam \
+        --out benchmarks/results/recovery-3nodes.json
     .venv/bin/python benchmarks/recovery.py --state-mb 512 --steps 40 --kill-step 20 --step-time 0.6 \
         --kill-delay 0.45 --timeout 300 --out benchmarks/results/recovery-512mb.json
 """
@@ -26,9 +34,11 @@ them again, phalanx-run's warm spare imported them beforehand because the first 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -49,13 +59,39 @@ runpy.run_path({script!r}, run_name="__main__")
 (whose start log then begins after them)."""
 
 
-def launcher(name: str, *, checkpoint_dir: Path | None, log_dir: Path) -> list[str]:
-    common = ["--max-restarts", "3", "--nproc-per-node", "2", "--standalone"]
+# torchrun's defaults wait 30 s for late nodes and 5 s x 3 keep-alives for a dead one; tuned down (as in
+# benchmarks/regroup.py) so that the baseline is measured at its best, not at its defaults.
+RDZV_CONF = "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=2"
+
+
+def launchers(name: str, *, nodes: int, checkpoint_dir: Path | None, log_dir: Path) -> list[list[str]]:
+    """The commands that start the job: one per node for torchrun (its agents meet in a c10d rendezvous,
+    the first one hosting the store), one for phalanx (``phalanx-run --standalone`` on one node, ``phalanx
+    local`` with its master and one agent per node on several)."""
+    common = ["--max-restarts", "3", "--nproc-per-node", "2"]
     if name == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", *common]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", *common]
+        if nodes == 1:
+            return [[*torchrun, "--standalone"]]
+        port = _free_port()
+        rdzv = ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        rdzv += ["--rdzv-id", "bench", "--rdzv-conf", RDZV_CONF]
+        return [[*torchrun, *rdzv] for _ in range(nodes)]
+    if nodes > 1:
+        local = [sys.executable, "-m", "phalanx.cli.main", "local", "--nodes", str(nodes), *common]
+        local += ["--workdir", str(log_dir)]
+        if checkpoint_dir is not None:
+            local.append(f"--agent-arg=--checkpoint-dir={checkpoint_dir}")
+        return [[*local, "--"]]
     if checkpoint_dir is not None:
         common += ["--checkpoint-dir", str(checkpoint_dir)]
-    return [sys.executable, "-m", "phalanx.cli.run", *common, "--log-dir", str(log_dir)]
+    return [[sys.executable, "-m", "phalanx.cli.run", *common, "--standalone", "--log-dir", str(log_dir)]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def recorded_imports(log_dir: Path, local_rank: int) -> int | None:
@@ -78,6 +114,7 @@ def read_steps(path: Path) -> list[dict[str, Any]]:
 def one_run(
     name: str,
     *,
+    nodes: int,
     steps: int,
     kill_step: int,
     kill_delay: float,
@@ -105,23 +142,28 @@ def one_run(
             script = d / "train.py"
             script.write_text(WRAPPER.format(names=extra_imports, script=str(SCRIPT)))
         out = (d / "launcher.log").open("w")
-        proc = subprocess.Popen(
-            [
-                *launcher(name, checkpoint_dir=d / "flash" if flash else None, log_dir=d / "logs"),
-                str(script),
-                *args,
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
+        commands = launchers(
+            name, nodes=nodes, checkpoint_dir=d / "flash" if flash else None, log_dir=d / "logs"
         )
+        procs = []
+        for i, command in enumerate(commands):
+            procs.append(
+                subprocess.Popen(
+                    [*command, str(script), *args],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=ROOT,
+                    start_new_session=True,
+                )
+            )
+            if i == 0 and len(commands) > 1:
+                time.sleep(0.5)  # the first torchrun agent hosts the rendezvous store
         t_kill = None
         deadline = time.monotonic() + timeout
         result: dict[str, Any] = {"launcher": name, "ok": False}
         try:
-            while time.monotonic() < deadline and proc.poll() is None:
+            while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
                 lines = read_steps(log)
                 if t_kill is None and lines and lines[-1]["step"] >= kill_step:
                     time.sleep(kill_delay)
@@ -132,10 +174,13 @@ def one_run(
                     result["killed_after_step"] = killed_after
                     result["imports_recorded_before_kill"] = recorded_imports(d / "logs", local_rank=1)
                 time.sleep(0.005)
-            code = proc.wait(max(1.0, deadline - time.monotonic()))
+            codes = [proc.wait(max(1.0, deadline - time.monotonic())) for proc in procs]
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.wait()
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            codes = [proc.wait() for proc in procs]
+        code = max(codes, key=abs)
         lines = read_steps(log)
         after = [entry for entry in lines if t_kill is not None and entry["time"] > t_kill]
         result["exit_code"] = code
@@ -181,6 +226,13 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="nodes of 2 processes each; more than 1: torchrun's agents in a c10d rendezvous against "
+        "phalanx local (its master and an agent per node), the kill on node 0",
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--kill-step", type=int, default=120, help="kill after rank 0 logged this step")
     p.add_argument("--step-time", type=float, default=0.05)
@@ -212,7 +264,7 @@ def main() -> None:
     args = p.parse_args()
     report: dict[str, Any] = {
         "setup": {
-            "nodes": 1,
+            "nodes": args.nodes,
             "nproc_per_node": 2,
             "backend": "gloo",
             "steps": args.steps,
@@ -234,6 +286,7 @@ def main() -> None:
         for name in names:  # interleaved, so drifting machine load hits both alike
             r = one_run(
                 name,
+                nodes=args.nodes,
                 steps=args.steps,
                 kill_step=args.kill_step,
                 kill_delay=args.kill_delay,
