@@ -121,6 +121,14 @@ LABEL org.opencontainers.image.title="phalanx-train" \
       org.opencontainers.image.source="https://github.com/phalanx-dev/phalanx" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="${VERSION}"
+# InfiniBand and RoCE: NCCL opens libibverbs and its device providers (mlx5, efa, ...) at run time and, when
+# it cannot, falls back to TCP sockets without a word: the cluster's fabric unused while NCCL_IB_HCA is set.
+# rdma-core's libraries (Debian's libibverbs1, ibverbs-providers, librdmacm1), not its daemons: the devices
+# come from the node (the RDMA device plugin), the libraries from the image.
+RUN set -eux; \
+    apt-get update -qq; \
+    apt-get install -y -qq --no-install-recommends libibverbs1 ibverbs-providers librdmacm1 >/dev/null; \
+    rm -rf /var/lib/apt/lists/*
 # Everything else of the lock's `operator`, `train` and `s3` extras (torch's closure is the layer below).
 COPY requirements/train.txt /tmp/requirements.txt
 RUN pip install --require-hashes --no-deps -r /tmp/requirements.txt && rm /tmp/requirements.txt

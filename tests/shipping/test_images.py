@@ -145,6 +145,24 @@ def test_train_image_imports_torch_and_phalanx_as_uid_10001(images: dict[str, di
     assert float(total) == 8.0
 
 
+@pytest.mark.timeout(COLD_BUILD_S + 60)
+def test_train_image_has_the_libraries_nccl_needs_for_infiniband_and_roce(
+    images: dict[str, dict[str, str]],
+) -> None:
+    """NCCL dlopens libibverbs.so.1 (and librdmacm for RoCE) and the device's provider; without them it uses
+    TCP sockets without a word. The worker's user must find them, and the Mellanox/NVIDIA (mlx5) and AWS
+    (efa) providers among them."""
+    out = run_in(
+        images["phalanx-train"]["ref"],
+        "python",
+        "-c",
+        "import ctypes, glob; ctypes.CDLL('libibverbs.so.1'); ctypes.CDLL('librdmacm.so.1'); "
+        "print(' '.join(sorted(glob.glob('/usr/lib/*/libibverbs/lib*-rdmav*.so'))))",
+    )
+    providers = {path.rsplit("/", 1)[1].split("-rdmav")[0] for path in out.split()}
+    assert {"libmlx5", "libefa"} <= providers, providers
+
+
 @pytest.fixture
 def pause_binary(images: dict[str, dict[str, str]], tmp_path: Path) -> Path:
     """The /pause program, copied out of the pause image (what a node would run)."""
