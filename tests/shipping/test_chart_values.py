@@ -56,6 +56,7 @@ def test_the_schema_names_every_value_and_nothing_else() -> None:
         ("operator.cordonNode=true", "cordonNode"),  # a misspelt key renders nothing it meant
         ("image.pullPolicy=Sometimes", "image/pullPolicy"),
         ("podMonitor.interval=15", "podMonitor/interval"),
+        ("image.tag=1", "image/tag"),  # printf would render "%!s(int64=1)": --set-string says what is meant
         ("operator.watchNamespace=Team_A", "operator/watchNamespace"),
     ],
 )
@@ -66,6 +67,14 @@ def test_a_wrong_value_is_refused_with_its_path(helm: Helm, setting: str, words:
         assert result.returncode != 0, f"{command} {setting} passed"
         assert "values don't meet the specifications of the schema" in result.stderr + result.stdout
         assert words in result.stderr + result.stdout, result.stderr
+
+
+def test_a_label_value_that_reads_as_a_number_is_taken_as_its_text(helm: Helm) -> None:
+    """`--set dashboards.labelValue=1` (the sidecar's usual value) is a number to helm: still a label."""
+    objs = helm.render("dashboards.labelValue=1")
+    dashboards = [o for o in objs if o["kind"] == "ConfigMap"]
+    assert dashboards
+    assert all(o["metadata"]["labels"]["grafana_dashboard"] == "1" for o in dashboards)
 
 
 def test_two_renders_are_the_same(helm: Helm) -> None:
