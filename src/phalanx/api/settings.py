@@ -271,13 +271,14 @@ class OperatorSettings:
     metrics_token_file: str = setting(
         "",
         doc="File holding the token Prometheus presents to every job's master, good for /metrics only; "
-        "the operator copies it into each job's token Secret. Empty: /metrics needs each job's own token.",
+        "the operator copies it into each job's <job>-metrics Secret. Empty: /metrics needs each job's own "
+        "token.",
     )
     metrics_token_secret: str = setting(
         "",
         doc="Instead of metrics_token_file: a Secret of the operator's own namespace that holds the metrics "
-        "token under `token`, read at start and made with a random token when it does not exist (the Helm "
-        "chart's way: its render then holds no secret, and two renders are the same).",
+        "token under metrics_token_secret_key, read at start and made with a random token when it does not "
+        "exist (the Helm chart's way: its render then holds no secret, and two renders are the same).",
     )
     metrics_token_secret_key: str = setting(
         "token", doc="The key of metrics_token_secret that holds the token."

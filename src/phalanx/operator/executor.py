@@ -69,7 +69,8 @@ class Executor:
 
         self.settings = settings
         self.own_namespace = own_namespace
-        """The operator's namespace: where its CA Secret lives (settings.tls_ca_secret)."""
+        """The operator's namespace: where its CA and metrics token Secrets live (settings.tls_ca_secret,
+        settings.metrics_token_secret)."""
         self._authority: tls.Authority | None = None
         self.metrics = metrics or OperatorMetrics()
         # Typed as Any: the operator passes plain dicts (the builders' output), which the client accepts.
