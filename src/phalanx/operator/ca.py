@@ -11,6 +11,7 @@ from typing import Any
 
 from phalanx.api.errors import KubernetesError
 from phalanx.operator import tls
+from phalanx.operator.meta import own_secret
 
 log = logging.getLogger("phalanx.operator")
 
@@ -29,17 +30,8 @@ def load_authority(core: Any, *, name: str, namespace: str, may_act: Callable[[]
         if not may_act():
             raise KubernetesError(f"the CA Secret {namespace}/{name} does not exist yet") from exc
         made = tls.new_authority(common_name=f"phalanx masters ({namespace}/{name})", now=datetime.now(UTC))
-        body = {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {
-                "name": name,
-                "namespace": namespace,
-                "labels": {"app.kubernetes.io/name": "phalanx"},
-            },
-            "type": "kubernetes.io/tls",
-            "stringData": {tls.CERT_KEY: made.cert_pem, tls.KEY_KEY: made.key_pem},
-        }
+        data = {tls.CERT_KEY: made.cert_pem, tls.KEY_KEY: made.key_pem}
+        body = own_secret(name, namespace, kind="kubernetes.io/tls", data=data)
         try:
             core.create_namespaced_secret(namespace, body)
             log.info("made the CA Secret %s/%s that signs the masters' certificates", namespace, name)

@@ -36,3 +36,14 @@ def object_meta(
         "labels": {**names.labels(meta["name"], component=component), **(extra or {})},
         "ownerReferences": [owner_reference(job)],
     }
+
+
+def own_secret(name: str, namespace: str, *, kind: str, data: Mapping[str, str]) -> Obj:
+    """A Secret of the operator's own (its CA, the metrics token): in its namespace, owned by no job."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/name": "phalanx"}},
+        "type": kind,
+        "stringData": dict(data),
+    }

@@ -12,6 +12,7 @@ from typing import Any
 
 from phalanx.api.errors import ConfigError, KubernetesError
 from phalanx.api.settings import OperatorSettings
+from phalanx.operator.meta import own_secret
 from phalanx.operator.supporting import METRICS_TOKEN_KEY, read_metrics_token
 
 log = logging.getLogger("phalanx.operator")
@@ -57,17 +58,7 @@ def _load(core: Any, *, name: str, key: str, namespace: str) -> str:
     except ApiException as exc:
         if exc.status != 404:
             raise
-        body = {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {
-                "name": name,
-                "namespace": namespace,
-                "labels": {"app.kubernetes.io/name": "phalanx"},
-            },
-            "type": "Opaque",
-            "stringData": {key: secrets.token_urlsafe(36)},
-        }
+        body = own_secret(name, namespace, kind="Opaque", data={key: secrets.token_urlsafe(36)})
         try:
             core.create_namespaced_secret(namespace, body)
             log.info("made the metrics token Secret %s/%s", namespace, name)
