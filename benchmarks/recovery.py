@@ -25,7 +25,7 @@ them again, phalanx-run's warm spare imported them beforehand because the first 
     .venv/bin/python benchmarks/recovery.py --runs 5
     .venv/bin/python benchmarks/recovery.py --runs 5 --optimizer adam \
         --out benchmarks/results/recovery-adam.json
-    .venv/bin/python benchmarks/recovery.py --runs 3 --nodes 3 --optimizer adam \
+    .venv/bin/python benchmarks/recovery.py --runs 5 --nodes 3 --optimizer adam \
         --out benchmarks/results/recovery-3nodes.json
     .venv/bin/python benchmarks/recovery.py --state-mb 512 --steps 40 --kill-step 20 --step-time 0.6 \
         --kill-delay 0.45 --timeout 300 --out benchmarks/results/recovery-512mb.json
