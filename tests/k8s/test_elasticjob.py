@@ -22,7 +22,7 @@ from k8s_harness.kubelet import IMAGE_USER
 from kubernetes import config as k8s_config
 
 from phalanx.operator import discovery as discovery_module
-from phalanx.operator.discovery import Discovery
+from phalanx.operator.discovery import Discovery, unguarded_pods
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 
@@ -697,13 +697,24 @@ def test_a_gang_is_placed_all_at_once_or_not_at_all(cluster: Cluster) -> None:
 
 
 def test_the_operator_finds_its_admission_policy_with_its_own_rights(cluster: Cluster) -> None:
-    """With deploy/operator-rbac.yaml's rights alone, the operator reads its admission policy and binding
-    (installed with the CRD); a policy of another name reads as missing (its rights name only its own), and
-    the operator then refuses privileged templates (tests/operator: AdmissionPolicyMissing)."""
+    """With deploy/operator-rbac.yaml's rights alone, the operator reads its admission policies and their
+    bindings (installed with the CRD); a policy of another name reads as missing (its rights name only its
+    own), and the operator then refuses privileged templates (tests/operator: AdmissionPolicyMissing), or,
+    for the job Pods' policy, says in its log what is open."""
     api = k8s_config.new_client_from_config(str(cluster.operator_kubeconfig))
     assert Discovery(api).admission_policy_found("phalanx-elasticjob-templates")
+    assert Discovery(api).admission_policy_found("phalanx-elasticjob-pods")
     assert not Discovery(api).admission_policy_found("someone-elses-policy")
     assert Discovery(api).admission_policy_found(""), "no policy named: nothing to check"
+    assert unguarded_pods(Discovery(api), "phalanx-elasticjob-pods") is None
+    warning = unguarded_pods(Discovery(api), "someone-elses-policy")
+    assert warning is not None
+    assert "cannot find the admission policy someone-elses-policy" in warning
+    assert "can give one the job's label and ownerReference" in warning
+    log = (cluster.cp.state_dir / "operator.log").read_text()
+    assert "phalanx-elasticjob-pods" not in log, (
+        "the operator found the job Pods' policy when it began to lead"
+    )
 
 
 def test_the_operator_discovers_whether_the_cluster_serves_pod_groups(

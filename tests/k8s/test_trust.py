@@ -129,7 +129,7 @@ apiVersion: rbac.authorization.k8s.io/v1
 kind: Role
 metadata: {{name: pod-creator, namespace: {ns}}}
 rules:
-  - {{apiGroups: [""], resources: [pods], verbs: [create]}}
+  - {{apiGroups: [""], resources: [pods], verbs: [create, get, patch]}}
 ---
 apiVersion: rbac.authorization.k8s.io/v1
 kind: RoleBinding
@@ -437,6 +437,75 @@ def test_a_job_that_will_be_suspended_with_nowhere_to_keep_its_progress_is_warne
     out = _create(cp, _job("never-suspended", authors), user=AUTHOR)
     assert "created" in out, out
     assert "Warning" not in out, out
+
+
+OPERATOR = "system:serviceaccount:phalanx-system:phalanx-operator"
+
+
+def _pod(
+    name: str, namespace: str, *, labels: dict[str, str], owner: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels}
+    if owner is not None:
+        metadata["ownerReferences"] = [
+            {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
+             "uid": owner["metadata"]["uid"], "controller": True}
+        ]  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {"containers": [{"name": "t", "image": "x"}]},
+    }
+
+
+def test_only_the_operator_gives_a_pod_a_jobs_label_or_ownership(
+    control_plane: ControlPlane, authors: str
+) -> None:
+    """The job Pods' policy: bob may create and patch Pods in the namespace, and still may not make one a
+    member of a job (its label, which the job's NetworkPolicies let in, or the job as its owner, which the
+    operator takes for its own), on create or by a patch; the operator's service account, with the rights
+    deploy/operator-rbac.yaml gives it, may. Plain Pods and taking a mark off are never checked."""
+    cp, ns = control_plane, authors
+    cp.kubectl("apply", "-f", str(ROOT / "deploy" / "operator-rbac.yaml"))
+    assert "created" in _create(cp, _job("members", ns))
+    job = json.loads(cp.kubectl("get", "elasticjob", "members", "-n", ns, "-o", "json"))
+    refusal = "is one of that job's own Pods, which only the phalanx operator creates"
+
+    def refused_labelled() -> str:
+        out = _create(cp, _pod("posing", ns, labels={"phalanx.dev/job": "members"}), user=POWER_USER)
+        if refusal in out:
+            return out
+        cp.kubectl("delete", "pod", "posing", "-n", ns, "--wait=false", check=False)
+        return ""
+
+    # The binding takes a moment to reach the API server's admission plugin.
+    out = eventually(refused_labelled, timeout=30, what="the job Pods' policy taking effect")
+    assert f"{POWER_USER} may not update elasticjobs/status in {ns}" in out, out
+    owned = _pod("adopting", ns, labels={"team": "a"}, owner=job)
+    assert refusal in _create(cp, owned, user=POWER_USER)
+    # A plain Pod is admitted; giving it the label or the job as owner afterwards is refused.
+    assert "created" in _create(cp, _pod("plain", ns, labels={"team": "a"}), user=POWER_USER)
+    patch = json.dumps({"metadata": {"labels": {"phalanx.dev/job": "members"}}})
+    assert refusal in cp.kubectl(
+        "patch", "pod", "plain", "-n", ns, "--as", POWER_USER, "-p", patch, check=False
+    )
+    refs = json.dumps({"metadata": {"ownerReferences": owned["metadata"]["ownerReferences"]}})
+    assert refusal in cp.kubectl(
+        "patch", "pod", "plain", "-n", ns, "--as", POWER_USER, "-p", refs, check=False
+    )
+    # The operator may do both; anyone may take the marks off again, and change what is not a mark.
+    member = _pod("member", ns, labels={"phalanx.dev/job": "members", "team": "a"}, owner=job)
+    assert "created" in _create(cp, member, user=OPERATOR)
+    untouched = json.dumps({"metadata": {"labels": {"team": "b"}}})
+    assert "patched" in cp.kubectl("patch", "pod", "member", "-n", ns, "--as", POWER_USER, "-p", untouched)
+    off = json.dumps({"metadata": {"labels": {"phalanx.dev/job": None}, "ownerReferences": []}})
+    assert "patched" in cp.kubectl("patch", "pod", "member", "-n", ns, "--as", POWER_USER, "-p", off)
+    assert refusal in cp.kubectl(
+        "patch", "pod", "member", "-n", ns, "--as", POWER_USER, "-p", patch, check=False
+    )
+    cp.kubectl("delete", "pod", "plain", "member", "-n", ns, "--wait=false")
+    cp.kubectl("delete", "ej", "members", "-n", ns, "--wait=false")
 
 
 def test_an_oversized_job_is_refused_at_admission(control_plane: ControlPlane) -> None:

@@ -63,11 +63,13 @@ def test_default_render(helm: Helm) -> None:
             "ServiceAccount",
             "ClusterRole",  # the operator's rules; no cluster-scoped one without operator.cordonNodes
             "ClusterRoleBinding",
-            "ClusterRole",  # reading its own admission policy, by name (fail closed without it)
+            "ClusterRole",  # reading its own admission policies, by name (fail closed without them)
             "ClusterRoleBinding",
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
             "ValidatingAdmissionPolicy",  # the advice: a Warning for a job that will be suspended
+            "ValidatingAdmissionPolicyBinding",
+            "ValidatingAdmissionPolicy",  # only the operator makes a job's Pods
             "ValidatingAdmissionPolicyBinding",
             "Role",
             "RoleBinding",
@@ -340,7 +342,7 @@ def test_a_namespaced_operator_gets_a_role_and_only_the_cluster_rules_it_needs(h
         {
             "apiGroups": ["admissionregistration.k8s.io"],
             "resources": ["validatingadmissionpolicies", "validatingadmissionpolicybindings"],
-            "resourceNames": ["rel-phalanx-elasticjob-templates"],
+            "resourceNames": ["rel-phalanx-elasticjob-templates", "rel-phalanx-elasticjob-pods"],
             "verbs": ["get"],
         }
     ]
@@ -365,7 +367,8 @@ def test_the_admission_policy_renders_the_allow_list_and_the_deploy_checks(helm:
     assert json.loads(variables["allowedServiceAccounts"]) == ["default", "trainer"]
     assert variables["allowHostNetwork"] == "true"
     deployed = list(yaml.safe_load_all((ROOT / "deploy" / "elasticjob-admission.yaml").read_text()))
-    for name, action in (("elasticjob-templates", "Deny"), ("elasticjob-advice", "Warn")):
+    policies = (("elasticjob-templates", "Deny"), ("elasticjob-advice", "Warn"), ("elasticjob-pods", "Deny"))
+    for name, action in policies:
         rendered = _one(objs, "ValidatingAdmissionPolicy", f"rel-phalanx-{name}")
         source = next(
             d for d in deployed
@@ -450,4 +453,7 @@ def test_the_operator_is_told_its_admission_policy_unless_job_authors_are_truste
     assert _one(objs, "ValidatingAdmissionPolicy", "rel-phalanx-elasticjob-templates")
     trusted = helm.render("operator.trustJobAuthors=true")
     assert env(trusted)["PHALANX_OPERATOR_ADMISSION_POLICY"] == ""
-    assert not [o for o in trusted if o["metadata"]["name"].endswith("-admission-check")]
+    # Trusted authors: the templates' policy is not read; the job Pods' one still is (forged members).
+    (check,) = [o for o in trusted if o["metadata"]["name"].endswith("-admission-check") and "rules" in o]
+    assert check["rules"][0]["resourceNames"] == ["rel-phalanx-elasticjob-pods"]
+    assert env(trusted)["PHALANX_OPERATOR_POD_ADMISSION_POLICY"] == "rel-phalanx-elasticjob-pods"

@@ -340,6 +340,13 @@ class OperatorSettings:
         "ask for host access, privileges, another service account or a node. Empty: no check (every job "
         "author is trusted with the operator's rights).",
     )
+    pod_admission_policy: str = setting(
+        "phalanx-elasticjob-pods",
+        doc="The ValidatingAdmissionPolicy (and its binding of the same name) that lets only the operator "
+        "give a Pod a job's label or ownerReference. The operator takes such Pods for the job's own; "
+        "without the policy, anyone who may create Pods in a job's namespace can pose as one of its "
+        "members, and the operator says so in its log when it starts to lead. Empty: no check.",
+    )
     monitoring_namespace: str = setting(
         "monitoring",
         doc="Namespace (its kubernetes.io/metadata.name label) whose Pods may scrape every master's /metrics "

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kubernetes import client, config
 
+    from phalanx.operator.discovery import unguarded_pods
     from phalanx.operator.executor import Executor
     from phalanx.operator.handlers import Reconciler
     from phalanx.operator.leader import LeaderElector
@@ -129,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
                         await asyncio.wait_for(stop.wait(), 0.2)
                 if stop.is_set():
                     return
+            if unguarded := await loop.run_in_executor(
+                None, unguarded_pods, executor.discovery, settings.pod_admission_policy
+            ):
+                logging.getLogger("phalanx.operator").warning(unguarded)
             await loop.run_in_executor(None, reconciler.start)
             started = True
             await stop.wait()

@@ -1,7 +1,7 @@
 """What the cluster serves and holds that the operator's decisions depend on, read through the API
-server: the PodGroup API (gang scheduling) and the operator's own admission policy
-(:mod:`phalanx.operator.privileged`). A "yes", which only an administrator's hand changes, is cached; a
-"no" is asked again."""
+server: the PodGroup API (gang scheduling) and the operator's own admission policies (the templates' one,
+:mod:`phalanx.operator.privileged`, and the one that keeps a job's Pods the operator's). A "yes", which only
+an administrator's hand changes, is cached; a "no" is asked again."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class Discovery:
         self.custom: Any = client.CustomObjectsApi(api)
         self.admission: Any = client.AdmissionregistrationV1Api(api)
         self._pod_group_api = False
-        self._policy_seen_until = 0.0
+        self._policy_seen_until: dict[str, float] = {}
 
     def serves_pod_groups(self) -> bool:
         """Whether the API server serves PodGroups (API discovery). A yes is kept for the life of the
@@ -50,7 +50,7 @@ class Discovery:
         an API server's hiccup."""
         from kubernetes.client.exceptions import ApiException
 
-        if not name or time.monotonic() < self._policy_seen_until:
+        if not name or time.monotonic() < self._policy_seen_until.get(name, 0.0):
             return True
         try:
             self.admission.read_validating_admission_policy(name)
@@ -59,5 +59,21 @@ class Discovery:
             if exc.status in (403, 404):
                 return False
             raise KubernetesError(f"cannot read the admission policy {name}: {exc.reason}") from exc
-        self._policy_seen_until = time.monotonic() + POLICY_SEEN_FOR_S
+        self._policy_seen_until[name] = time.monotonic() + POLICY_SEEN_FOR_S
         return True
+
+
+def unguarded_pods(discovery: Discovery, policy: str) -> str | None:
+    """What is given up while the operator cannot find ``policy``, the admission policy that lets only it
+    give a Pod a job's label or ownerReference (None: found, or no policy named)."""
+    try:
+        if discovery.admission_policy_found(policy):
+            return None
+        why = f"cannot find the admission policy {policy} and its binding"
+    except KubernetesError as exc:
+        why = str(exc)
+    return (
+        f"{why}: anyone who may create Pods in a job's namespace can give one the job's label and "
+        "ownerReference, and the operator takes it for one of the job's members (install "
+        "deploy/elasticjob-admission.yaml, or the chart with admission.enabled)"
+    )
