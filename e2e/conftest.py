@@ -5,9 +5,10 @@ install` of charts/phalanx (the operator Deployment, its RBAC, the CRD).
   ``PHALANX_E2E_IMAGE`` (the Dockerfile's ``base`` target: operator and masters) and
   ``PHALANX_E2E_TRAIN_IMAGE`` (``train``: workers). See e2e/README.md.
 * Otherwise (``make test``, CI): a control plane started here from the binaries of scripts/go-tools and
-  two real nodes (a kubelet each, with containerd and runc, CNI, kube-proxy and CoreDNS: see
-  tests/k8s/k8s_harness/nodes.py) running the images scripts/images builds here. Without the binaries, the
-  host packages or helm the scenarios skip with a loud reason, except under CI=true, where that is a failure.
+  two real nodes (a kubelet each, with containerd and runc, CNI, kube-proxy, CoreDNS and NetworkPolicies
+  enforced on the first node's Pods: see tests/k8s/k8s_harness/nodes.py) running the images scripts/images
+  builds here. Without the binaries, the host packages or helm the scenarios skip with a loud reason, except
+  under CI=true, where that is a failure.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class Target:
     """Brings a Node that :attr:`power_off` killed back, empty, as a rebooted machine."""
     storage: Callable[[str], str] | None = None
     """Makes a ReadWriteMany PersistentVolumeClaim in a namespace that every node mounts; returns its name."""
+    guarded_node: str = ""
+    """The one node whose Pods the cluster's network plugin holds to NetworkPolicies; "" for every node (an
+    external cluster must enforce them: kind's kindnet does since kind 0.24)."""
 
     def shared_storage(self, namespace: str) -> str:
         if self.storage is None:
@@ -176,6 +180,7 @@ def _own_cluster(home: Path) -> Iterator[Target]:
                 power_off=nodes.power_off,
                 power_on=nodes.power_on,
                 storage=lambda namespace: _host_claim(kube, state / "volumes", state / "volumes", namespace),
+                guarded_node=nodes.names[0],  # kube-router's firewall (tests/k8s/k8s_harness/netpol.py)
             )
     finally:  # also when the generator is closed early (tests/release.py)
         if os.environ.get("PHALANX_K8S_KEEP") == "1":

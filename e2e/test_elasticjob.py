@@ -16,6 +16,7 @@ cluster's own way of losing one), each in a namespace that enforces the ``restri
 from __future__ import annotations
 
 import copy
+import json
 import re
 import uuid
 from collections.abc import Iterator
@@ -58,10 +59,12 @@ def _apply_example(
     state_mb: int = 0,
     storage_claim: str = "",
     master_on: str = "",
+    workers_on: str = "",
 ) -> None:
     """The example with its knobs turned through the container's environment (steps, step time, state size)
     and, for a job that persists, a shared volume for its checkpoint storage. ``master_on``: the master Pod
-    is placed on that node and the workers one per node, as on a GPU cluster."""
+    is placed on that node and the workers one per node, as on a GPU cluster. ``workers_on``: every worker on
+    that node."""
     docs = example_documents()
     job = next(d for d in docs if d["kind"] == "ElasticJob")
     (container,) = job["spec"]["template"]["spec"]["containers"]
@@ -88,6 +91,8 @@ def _apply_example(
                 "nodeTaintsPolicy": "Honor",  # a lost node (tainted unreachable) is no place to spread to
             }
         ]
+    if workers_on:
+        job["spec"]["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": workers_on}
     t.kube("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump_all(docs))
 
 
@@ -252,6 +257,94 @@ def test_a_lost_node_is_replaced_on_a_node_still_there(phalanx: Target, ns: str)
 
 def _survivor(workers: list[dict[str, Any]], lost: str) -> str:
     return str(next(p["metadata"]["name"] for p in workers if p["spec"]["nodeName"] != lost))
+
+
+LISTENING = """
+import json
+ports = set()
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, port = local.rsplit(":", 1)
+        if state == "0A" and address not in ("0100007F", "00000000000000000000000001000000"):
+            ports.add(int(port, 16))
+print(json.dumps(sorted(ports)))
+"""
+"""Prints the TCP ports a Pod listens on beyond loopback (its network namespace's LISTEN sockets)."""
+
+CONNECT = """
+import json, socket, sys
+answers = {}
+for host, port in json.loads(sys.argv[1]):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(2)
+    try:
+        s.connect((host, port))
+        answers[f"{host}:{port}"] = "open"
+    except OSError as exc:
+        answers[f"{host}:{port}"] = type(exc).__name__
+    finally:
+        s.close()
+print(json.dumps(answers))
+"""
+"""Tries a TCP connection to each (address, port) of argv[1]; prints what became of each."""
+
+
+def _python(t: Target, ns: str, pod: str, script: str, *args: str) -> Any:
+    return json.loads(
+        t.kube("exec", "-n", ns, pod, "--", "python", "-c", script, *args).strip().splitlines()[-1]
+    )
+
+
+def test_a_pod_of_another_namespace_cannot_reach_the_workers_stores(phalanx: Target, ns: str) -> None:
+    """The job's NetworkPolicies (on by default) where the cluster enforces them: every port the workers
+    listen on (the rank-0 worker's rendezvous store, torch's store, the agents' servers) takes connections
+    from the job's own master and from no Pod of another namespace, not even one that carries the job's
+    labels. The workers run on the node whose Pods the test cluster guards (k8s_harness/netpol.py)."""
+    _apply_example(phalanx, ns, steps=400, step_s=0.2, workers_on=phalanx.guarded_node)
+    _training(phalanx, ns)
+    workers = _pods(phalanx, ns, "worker")
+    targets = [
+        (w["status"]["podIP"], port)
+        for w in workers
+        for port in _python(phalanx, ns, w["metadata"]["name"], LISTENING)
+    ]
+    print(f"\nthe workers listen on {targets}")
+    assert len({ip for ip, _ in targets}) == 2, f"found no listening port on some worker: {targets}"
+    (master,) = _pods(phalanx, ns, "master")
+    from_master = _python(phalanx, ns, master["metadata"]["name"], CONNECT, json.dumps(targets))
+    assert set(from_master.values()) == {"open"}, f"the job's own master was refused: {from_master}"
+
+    stranger_ns = f"{ns}-stranger"[:63]
+    phalanx.kube("create", "namespace", stranger_ns)
+    try:
+        stranger = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "stranger",
+                "namespace": stranger_ns,
+                "labels": {"phalanx.dev/job": "tiny", "phalanx.dev/role": "worker"},
+            },
+            "spec": {
+                "containers": [{
+                    "name": "c", "image": phalanx.image, "command": ["sleep", "3600"],
+                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                }],
+                "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            },
+        }  # fmt: skip
+        phalanx.kube("apply", "-f", "-", input_text=json.dumps(stranger))
+        phalanx.kube("wait", "--for=condition=Ready", "pod/stranger", "-n", stranger_ns, "--timeout=120s")
+        from_stranger = _python(phalanx, stranger_ns, "stranger", CONNECT, json.dumps(targets))
+        assert "open" not in from_stranger.values(), f"a Pod of another namespace got in: {from_stranger}"
+    finally:
+        phalanx.kube("delete", "namespace", stranger_ns, "--wait=false")
+    # The job never noticed.
+    reached = int(_status(phalanx, ns)["step"])
+    phalanx.kube.wait_for(
+        "training going on", lambda: int(_status(phalanx, ns)["step"]) > reached + 5, timeout=60, namespace=ns
+    )
 
 
 def test_a_deleted_worker_pod_is_replaced_and_the_job_succeeds(phalanx: Target, ns: str) -> None:

@@ -12,7 +12,7 @@ from tests.gotools import SCRIPT, go_built
 
 PROGRAMS = (
     "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy", "etcd",
-    "helm", "prometheus", "promtool", "minio", "coredns",
+    "helm", "prometheus", "promtool", "minio", "coredns", "kube-router",
 )  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """Real nodes for the test control plane: a kubelet per Node (built with the control plane by
 scripts/go-tools), each with a containerd of its own and runc from Debian, Pods networked by the CNI
-bridge plugin, Services routed by kube-proxy (iptables) and names resolved by CoreDNS, all on this machine.
+bridge plugin, Services routed by kube-proxy (iptables), names resolved by CoreDNS and the first node's Pods
+guarded by NetworkPolicies (kube-router's firewall: :mod:`k8s_harness.netpol`), all on this machine.
 
 What a node is here:
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from k8s_harness import certs, layers
+from k8s_harness import certs, layers, netpol
 from k8s_harness.controlplane import ControlPlane, free_port, go_tool, write_kubeconfig
 
 BRIDGE = "phx0"
@@ -52,7 +53,7 @@ LOCK = Path("/run/phalanx-nodes.lock")
 STATE_NOTE = Path("/run/phalanx-nodes.state")
 """Where the running cluster keeps its nodes' state: what a clean-up after a killed run unmounts."""
 CACHE = Path(os.environ.get("PHALANX_NODES_CACHE", Path.home() / ".cache/phalanx/nodes"))
-HOST_TOOLS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables", "ip")
+HOST_TOOLS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables", "ip", "ipset")
 
 
 def missing_host_tools() -> list[str]:
@@ -253,6 +254,7 @@ class ContainerNodes:
         self.wait_ready(self.names)
         # After the Nodes exist: kube-proxy reads its node's addresses at start and exits when they change.
         self._kube_proxy()
+        self._network_policies()
         return self
 
     # --- cluster services -----------------------------------------------------------------------------
@@ -348,6 +350,23 @@ class ContainerNodes:
             "--iptables-sync-period=5s",
         ]
         self._spawn("kube-proxy", argv, cgroup="/phalanx-kube-proxy")
+
+    def _network_policies(self) -> None:
+        """NetworkPolicies enforced on the first node's Pods, from its first sync on."""
+        kubeconfig = self._identity("kube-router", "phalanx-kube-router", "system:masters")
+        argv = netpol.argv(
+            go_tool("kube-router"),
+            kubeconfig=kubeconfig,
+            node=self.names[0],
+            service_cidr=SERVICE_CIDR,
+            health_port=free_port(),
+        )
+        self._spawn("kube-router", argv, cgroup="/phalanx-kube-router")
+        deadline = time.monotonic() + 60
+        while not netpol.enforcing():
+            if self.procs["kube-router"].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kube-router did not start enforcing:\n{self._tail('kube-router')}")
+            time.sleep(0.2)
 
     # --- one node -------------------------------------------------------------------------------------
     @staticmethod
@@ -623,8 +642,9 @@ KUBELET_CHAINS = (
 def clean_machine(bin_dir: Path) -> None:
     """Removes every trace of container nodes from this machine, a run killed before its own clean-up
     included: their processes (each node's cgroup root, kube-proxy's, CoreDNS's), what they mounted, their
-    Pods' network namespaces (nobody ran the CNI DEL of a Pod killed with its node), kube-proxy's rules and
-    the kubelets' iptables chains. The bridge and its addresses stay; they are reused."""
+    Pods' network namespaces (nobody ran the CNI DEL of a Pod killed with its node), kube-proxy's and
+    kube-router's rules and the kubelets' iptables chains. The bridge and its addresses stay; they are
+    reused."""
     for h in _hierarchies():
         for stale in h.glob("phalanx-*"):
             _kill_cgroup("/" + stale.name)
@@ -640,6 +660,7 @@ def clean_machine(bin_dir: Path) -> None:
             check=False,
             timeout=60,
         )
+    netpol.remove_rules()
     for table, chain, parent in KUBELET_CHAINS:
         if parent:
             subprocess.run(
