@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ class Target:
     """Brings a Node that :attr:`power_off` killed back, empty, as a rebooted machine."""
     storage: Callable[[str], str] | None = None
     """Makes a ReadWriteMany PersistentVolumeClaim in a namespace that every node mounts; returns its name."""
+    pods_reachable: bool = False
+    """Whether this machine reaches Pod IPs (a Prometheus started here scrapes them)."""
     guarded_node: str = ""
     """The one node whose Pods the cluster's network plugin holds to NetworkPolicies; "" for every node (an
     external cluster must enforce them: kind's kindnet does since kind 0.24)."""
@@ -180,6 +183,7 @@ def _own_cluster(home: Path) -> Iterator[Target]:
                 power_off=nodes.power_off,
                 power_on=nodes.power_on,
                 storage=lambda namespace: _host_claim(kube, state / "volumes", state / "volumes", namespace),
+                pods_reachable=True,  # the nodes' bridge is this machine's
                 guarded_node=nodes.names[0],  # kube-router's firewall (tests/k8s/k8s_harness/netpol.py)
             )
     finally:  # also when the generator is closed early (tests/release.py)
@@ -206,6 +210,9 @@ def phalanx(target: Target) -> Iterator[Target]:
         # Every scenario runs over TLS: the operator issues each master a certificate for its Service name,
         # which the agents verify through cluster DNS (the process kubelet's rewritten addresses cannot).
         "--set", "operator.masterTLS.enabled=true",
+        # The metrics token without a PodMonitor (no prometheus-operator here): a plain Prometheus scrapes the
+        # masters with deploy/prometheus-scrape.yaml.
+        "--set", "metricsToken.enabled=true",
         *(arg for value in target.chart_values for arg in ("--set", value)),
     )  # fmt: skip
     with contextlib.ExitStack() as stop:
@@ -217,6 +224,17 @@ def phalanx(target: Target) -> Iterator[Target]:
             "rollout", "status", f"deployment/{RELEASE}-operator", "-n", RELEASE_NAMESPACE, "--timeout=120s"
         )
         yield target
+
+
+@pytest.fixture
+def ns(phalanx: Target, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A namespace of the scenario's own that enforces the restricted Pod Security level, deleted afterwards
+    (with everything the job made in it)."""
+    name = f"e2e-{request.node.name.removeprefix('test_')[:40].replace('_', '-')}-{uuid.uuid4().hex[:5]}"
+    phalanx.kube("create", "namespace", name)
+    phalanx.kube("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted")
+    yield name
+    phalanx.kube("delete", "namespace", name, "--wait=false")
 
 
 @pytest.hookimpl(trylast=True)  # after the scenario's own fixtures (its namespace) were torn down

@@ -18,8 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +31,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.timeout(480)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "elasticjob.yaml"
 LOADED = re.compile(r"flash: loaded step (\d+) from (\w+)")
-
-
-@pytest.fixture
-def ns(phalanx: Target, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A namespace of the scenario's own that enforces the restricted Pod Security level, deleted afterwards
-    (with everything the job made in it)."""
-    name = f"e2e-{request.node.name.removeprefix('test_')[:40].replace('_', '-')}-{uuid.uuid4().hex[:5]}"
-    phalanx.kube("create", "namespace", name)
-    phalanx.kube("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted")
-    yield name
-    phalanx.kube("delete", "namespace", name, "--wait=false")
 
 
 def example_documents() -> list[dict[str, Any]]:
@@ -345,6 +332,35 @@ def test_a_pod_of_another_namespace_cannot_reach_the_workers_stores(phalanx: Tar
     phalanx.kube.wait_for(
         "training going on", lambda: int(_status(phalanx, ns)["step"]) > reached + 5, timeout=60, namespace=ns
     )
+
+
+def test_workers_slow_to_start_do_not_run_down_the_min_nodes_timeout(phalanx: Target, ns: str) -> None:
+    """A worker Pod that is placed but whose containers have not started (an init container sleeping 25 s
+    stands for a training image pulled onto a new node for minutes) keeps the min-nodes clock stopped: with
+    nodes.minNodesTimeout 8s the job waits for its workers and succeeds. Counted from placement, as it once
+    was, the job failed 8 s after its Pods were placed, with "only 0 of the 2 required nodes"."""
+    docs = example_documents()
+    job = next(d for d in docs if d["kind"] == "ElasticJob")
+    job["spec"]["nodes"]["minNodesTimeout"] = "8s"
+    pod = job["spec"]["template"]["spec"]
+    (trainer,) = pod["containers"]
+    trainer["env"] = [{"name": "TINY_STEPS", "value": "10"}, {"name": "TINY_STEP_S", "value": "0.1"}]
+    pod["initContainers"] = [{"name": "pull", "image": trainer["image"], "command": ["sleep", "25"]}]
+    phalanx.kube("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump_all(docs))
+    phalanx.kube.wait_for(
+        "both workers placed, their init container running",
+        lambda: len([
+            p for p in phalanx.kube.get("pods", "-n", ns, "-l", "phalanx.dev/role=worker")["items"]
+            if p["spec"].get("nodeName") and p["status"].get("phase") == "Pending"
+        ]) == 2,
+        timeout=120,
+        namespace=ns,
+    )  # fmt: skip
+    job_now = phalanx.kube.get("ej", "tiny", "-n", ns)
+    assert job_now["metadata"]["annotations"].get("phalanx.dev/scheduled-workers") == "0", job_now["metadata"]
+    status = _succeeded(phalanx, ns, timeout=300)
+    assert status["step"] >= 9, status
+    assert status.get("replacements", 0) == 0, status
 
 
 def test_a_deleted_worker_pod_is_replaced_and_the_job_succeeds(phalanx: Target, ns: str) -> None:

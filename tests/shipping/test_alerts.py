@@ -31,7 +31,9 @@ from tests.shipping.realmaster import TOKEN, node_reports, nodes_step, persist_f
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "charts" / "phalanx" / "alerts" / "phalanx.rules.yaml"
-LABELS = {"namespace": "ml", "job": "gpt", "instance": "10.0.0.7:8080"}
+LABELS = {"namespace": "ml", "job": "ml/phalanx-masters", "elasticjob": "gpt", "instance": "10.0.0.7:8080"}
+"""A master's series as the chart's PodMonitor labels them: `job` prometheus-operator's, `elasticjob` the
+ElasticJob's name."""
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # a cold build of Prometheus is slow
 
@@ -98,7 +100,7 @@ CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str, Any]
         "PhalanxJobStuckRestarting",
         [
             _series("phalanx_job_phase", "1x14", phase="Restarting"),
-            _series("phalanx_job_phase", "0 1 1 0x12", phase="Restarting", job="brief"),
+            _series("phalanx_job_phase", "0 1 1 0x12", phase="Restarting", elasticjob="brief"),
         ],
         [("5m", []), ("12m", [_firing("PhalanxJobStuckRestarting")])],
     ),
@@ -106,7 +108,7 @@ CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str, Any]
         "PhalanxJobRestartingOften",
         [
             _series("phalanx_restarts_total", "0+1x40"),
-            _series("phalanx_restarts_total", "0+0.05x40", job="steady"),
+            _series("phalanx_restarts_total", "0+0.05x40", elasticjob="steady"),
         ],
         [("40m", [_firing("PhalanxJobRestartingOften", "30")])],
     ),
@@ -114,7 +116,12 @@ CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str, Any]
         "PhalanxNodesEvicted",
         [
             _series("phalanx_evictions_total", "0 1 2 3 3 3", reason="probe_failed"),
-            _series("phalanx_evictions_total", "0 1 1 1 1 1", reason="heartbeat_timeout", job="one-bad-node"),
+            _series(
+                "phalanx_evictions_total",
+                "0 1 1 1 1 1",
+                reason="heartbeat_timeout",
+                elasticjob="one-bad-node",
+            ),
         ],
         [("5m", [_firing("PhalanxNodesEvicted", "3")])],
     ),
@@ -123,10 +130,10 @@ CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str, Any]
         [
             _series("phalanx_job_phase", "1x40", phase="Running"),
             _series("phalanx_training_step", "0+1x10 10x30"),
-            _series("phalanx_job_phase", "1x40", phase="Running", job="healthy"),
-            _series("phalanx_training_step", "0+1x40", job="healthy"),
-            _series("phalanx_job_phase", "1x40", phase="Running", job="silent"),
-            _series("phalanx_training_step", "-1x40", job="silent"),  # its script never reports steps
+            _series("phalanx_job_phase", "1x40", phase="Running", elasticjob="healthy"),
+            _series("phalanx_training_step", "0+1x40", elasticjob="healthy"),
+            _series("phalanx_job_phase", "1x40", phase="Running", elasticjob="silent"),
+            _series("phalanx_training_step", "-1x40", elasticjob="silent"),  # its script never reports steps
         ],
         [("20m", []), ("30m", [_firing("PhalanxTrainingStalled")])],
     ),
@@ -140,7 +147,9 @@ CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str, Any]
         [
             _series("up", "1 1 1 0x10"),
             _series("phalanx_job_phase", "1 1 1", phase="Running"),
-            _series("up", "0x10", job="some-exporter"),  # never exported phalanx series: not a master
+            _series(
+                "up", "0x10", job="some-exporter", elasticjob=""
+            ),  # never exported phalanx series: not a master
         ],
         [("4m", []), ("6m", [_firing("PhalanxMasterDown")])],
     ),
@@ -148,7 +157,7 @@ CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str, Any]
         "PhalanxMasterSlow",
         [
             _series("phalanx_event_loop_lag_seconds", "2x10"),
-            _series("phalanx_event_loop_lag_seconds", "0.5x10", job="ok"),
+            _series("phalanx_event_loop_lag_seconds", "0.5x10", elasticjob="ok"),
         ],
         [("4m", []), ("6m", [_firing("PhalanxMasterSlow")])],
     ),
@@ -173,7 +182,7 @@ CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str, Any]
         "PhalanxLogLinesDropped",
         [
             _series("phalanx_log_lines_dropped_total", "0+10x30"),
-            _series("phalanx_log_lines_dropped_total", "0x30", job="ok"),
+            _series("phalanx_log_lines_dropped_total", "0x30", elasticjob="ok"),
         ],
         [("5m", []), ("15m", [_firing("PhalanxLogLinesDropped")])],
     ),
@@ -271,12 +280,14 @@ def test_a_real_prometheus_scrapes_the_master_evaluates_the_rules_and_answers_th
                 {
                     "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                     "rule_files": [str(RULES)],
-                    # As the chart's PodMonitor labels a master: job = the ElasticJob, and its namespace.
+                    # As the chart's PodMonitor labels a master: elasticjob, and its namespace.
                     "scrape_configs": [
                         {
-                            "job_name": "gpt",
+                            "job_name": "phalanx-masters",
                             "authorization": {"type": "Bearer", "credentials_file": str(token)},
-                            "static_configs": [{"targets": [http_addr], "labels": {"namespace": "ml"}}],
+                            "static_configs": [
+                                {"targets": [http_addr], "labels": {"namespace": "ml", "elasticjob": "gpt"}}
+                            ],
                         }
                     ],
                 }
@@ -292,7 +303,9 @@ def test_a_real_prometheus_scrapes_the_master_evaluates_the_rules_and_answers_th
         # A persist fails once Prometheus has seen the counter at 0: PhalanxCheckpointPersistFailing is then
         # what the job's state calls for, and nothing else.
         eventually(
-            lambda: _api(url, "query", query='phalanx_checkpoint_failures_total{job="gpt"} == 0')["result"],
+            lambda: _api(url, "query", query='phalanx_checkpoint_failures_total{elasticjob="gpt"} == 0')[
+                "result"
+            ],
             timeout=30,
             what="a scrape of the counter at 0",
             interval=0.5,
@@ -300,7 +313,7 @@ def test_a_real_prometheus_scrapes_the_master_evaluates_the_rules_and_answers_th
         persist_fails(grpc_addr, step=5)
         eventually(
             lambda: _api(
-                url, "query", query='increase(phalanx_checkpoint_failures_total{job="gpt"}[1m]) > 0'
+                url, "query", query='increase(phalanx_checkpoint_failures_total{elasticjob="gpt"}[1m]) > 0'
             )["result"],
             timeout=30,
             what="its increase seen",
@@ -316,7 +329,10 @@ def test_a_real_prometheus_scrapes_the_master_evaluates_the_rules_and_answers_th
             what="the checkpoint alert",
             interval=0.5,
         )
-        assert firing[0]["labels"].items() >= {"job": "gpt", "namespace": "ml", "severity": "warning"}.items()
+        assert (
+            firing[0]["labels"].items()
+            >= {"elasticjob": "gpt", "namespace": "ml", "severity": "warning"}.items()
+        )
         rules = [r for g in _api(url, "rules")["groups"] for r in g["rules"]]
         assert len(rules) == len(_rules())
         bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
@@ -335,7 +351,7 @@ def test_a_real_prometheus_scrapes_the_master_evaluates_the_rules_and_answers_th
         empty = []
         for path in DASHBOARDS:
             for expr in exprs(load(path)):
-                query = expr.replace("$namespace", "ml").replace("$job", "gpt")
+                query = expr.replace("$namespace", "ml").replace("$elasticjob", "gpt")
                 query = query.replace("$__rate_interval", "1m").replace("$__range", "5m")
                 result = _api(url, "query", query=query)["result"]
                 # A query of series the master exports with samples must show something.
@@ -362,9 +378,11 @@ def test_a_real_prometheus_shows_the_step_times_and_straggler_scores_of_each_nod
                     "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                     "scrape_configs": [
                         {
-                            "job_name": "gpt",
+                            "job_name": "phalanx-masters",
                             "authorization": {"type": "Bearer", "credentials_file": str(token)},
-                            "static_configs": [{"targets": [http_addr], "labels": {"namespace": "ml"}}],
+                            "static_configs": [
+                                {"targets": [http_addr], "labels": {"namespace": "ml", "elasticjob": "gpt"}}
+                            ],
                         }
                     ],
                 }
@@ -373,7 +391,7 @@ def test_a_real_prometheus_shows_the_step_times_and_straggler_scores_of_each_nod
         assert httpx.post(f"{url}/-/reload", timeout=10).status_code == 200
         relative = eventually(
             lambda: _api(
-                url, "query", query='phalanx_node_straggler_score{job="gpt", kind="relative"} > 1.5'
+                url, "query", query='phalanx_node_straggler_score{elasticjob="gpt", kind="relative"} > 1.5'
             )["result"],
             timeout=30,
             what="the slow node's relative score",
@@ -399,7 +417,7 @@ def test_a_real_prometheus_shows_the_step_times_and_straggler_scores_of_each_nod
                 names = metric_names(expr) & set(per_node)
                 if not names or "$" not in expr:
                     continue
-                query = expr.replace("$namespace", "ml").replace("$job", "gpt")
+                query = expr.replace("$namespace", "ml").replace("$elasticjob", "gpt")
                 result = _api(url, "query", query=query)["result"]
                 [name] = names
                 labels = ("node",) if name == "phalanx_node_step_time_seconds" else ("node", "kind")

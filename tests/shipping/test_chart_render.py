@@ -172,9 +172,11 @@ def test_operator_deployment(helm: Helm) -> None:
     assert {
         "apiGroups": [""],
         "resources": ["secrets"],
-        "resourceNames": ["phalanx-ca"],
+        "resourceNames": ["phalanx-ca", "phalanx-metrics-token"],
         "verbs": ["get"],
     } in role["rules"]
+    # The kubectl install keeps the metrics token too (deploy/prometheus-scrape.yaml presents it).
+    assert ref_env["PHALANX_OPERATOR_METRICS_TOKEN_SECRET"] == "phalanx-metrics-token"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["PHALANX_OPERATOR_NAMESPACE"] == "team-a"
     assert env["PHALANX_OPERATOR_IMAGE"] == container["image"]
@@ -198,14 +200,22 @@ def test_dashboards_configmaps_carry_the_files(helm: Helm) -> None:
     assert not [o for o in helm.render("dashboards.enabled=false") if o["kind"] == "ConfigMap"]
 
 
+def _meta_label(label: str) -> str:
+    """Prometheus' service-discovery name of a Pod label: every character not allowed in a name becomes _."""
+    return "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in label)
+
+
 def test_pod_monitor_is_optional_and_selects_the_masters(helm: Helm) -> None:
     assert not [o for o in helm.render() if o["kind"] in ("PodMonitor", "Secret")]
     objs = helm.render("podMonitor.enabled=true", "podMonitor.authorization.secretName=metrics-token")
     assert not [o for o in objs if o["kind"] == "Secret"], "a named Secret is the user's, not the chart's"
     monitor = _one(objs, "PodMonitor", "rel-phalanx-masters")
     spec = monitor["spec"]
-    # The dashboards' `job` variable is the ElasticJob name: the master Pod's phalanx.dev/job label.
-    assert spec["jobLabel"] == names.JOB_LABEL
+    # The dashboards' and alerts' `elasticjob` label is the ElasticJob name, the master Pod's phalanx.dev/job
+    # label; Prometheus' own `job` label is left as prometheus-operator sets it.
+    assert "jobLabel" not in spec
+    (relabel,) = spec["podMetricsEndpoints"][0]["relabelings"]
+    assert relabel == {"sourceLabels": [_meta_label(names.JOB_LABEL)], "targetLabel": "elasticjob"}
     # The operator's own builders give the master's labels and port names (the Service shares the Pod's).
     service = master_service(
         {"metadata": {"name": "train-gpt", "namespace": "ml", "uid": "u-1"}}, settings=OperatorSettings()

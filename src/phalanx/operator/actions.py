@@ -56,6 +56,12 @@ class PodView:
     def live(self) -> bool:
         return not self.terminating and self.phase in LIVE_PHASES
 
+    @property
+    def started(self) -> bool:
+        """Its containers were started (phase Running): placed, its images pulled, its volumes mounted. A Pod
+        still pulling a large training image is placed but not started."""
+        return not self.terminating and self.phase == "Running"
+
 
 def _worker(name: str) -> tuple[int, int] | None:
     """(slot, incarnation) of a worker Pod's name, or None for a name the operator never gives: a slot at or

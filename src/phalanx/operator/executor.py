@@ -178,14 +178,14 @@ class Executor:
         return actions
 
     def _publish_scheduled(self, observed: Observed) -> None:
-        """Tells the master how many worker Pods the scheduler placed (annotation
-        ``phalanx.dev/scheduled-workers``, which it reads with the spec): its min-nodes timeout runs only
-        once min_nodes of them could be scheduled, so a job waiting in a queue or for an autoscaler is
-        not failed for nodes that never had a machine. Written only when the count changes."""
+        """Tells the master how many worker Pods have started (annotation ``phalanx.dev/scheduled-workers``,
+        which it reads with the spec): its min-nodes timeout runs only once min_nodes of them could join, so
+        a job waiting in a queue, for an autoscaler or for its image to be pulled is not failed for nodes
+        that never had a machine or a process. Written only when the count changes."""
         meta = observed.job["metadata"]
         if (observed.job.get("status") or {}).get("phase") in FINISHED_PHASES or not self.may_act():
             return
-        placed = sum(1 for p in observed.pods if p.role == "worker" and p.live and p.node_name)
+        placed = sum(1 for p in observed.pods if p.role == "worker" and p.started)
         if (meta.get("annotations") or {}).get(SCHEDULED_ANNOTATION) == str(placed):
             return
         body = {"metadata": {"annotations": {SCHEDULED_ANNOTATION: str(placed)}}}
