@@ -75,6 +75,28 @@ def test_a_pod_that_cannot_start_says_why_in_the_kubelets_or_the_schedulers_word
     )
 
 
+def test_a_root_image_refused_by_run_as_non_root_says_what_to_set() -> None:
+    """The kubelet's words for a vendor image that runs as root (or names its user) under phalanx's
+    restricted default, and the fix beside them: the template's runAsUser, or runAsNonRoot: false."""
+    root = pod_view(_waiting(
+        "CreateContainerConfigError",
+        "container has runAsNonRoot and image will run as root "
+        '(pod: "j-worker-0-0_ml(u1)", container: trainer)',
+    ))  # fmt: skip
+    reason, message = root.stuck
+    assert reason == "CreateContainerConfigError"
+    assert message.startswith("container trainer: container has runAsNonRoot and image will run as root")
+    assert "set spec.template.spec.securityContext.runAsUser" in message
+    assert "runAsNonRoot: false" in message
+    named = pod_view(_waiting(
+        "CreateContainerConfigError",
+        "container has runAsNonRoot and image has non-numeric user (trainer), cannot verify user is non-root",
+    ))  # fmt: skip
+    assert "set spec.template.spec.securityContext.runAsUser to that user's uid" in named.stuck[1]
+    secret = pod_view(_waiting("CreateContainerConfigError", 'secret "creds" not found'))
+    assert secret.stuck[1] == 'container trainer: secret "creds" not found', "no fix where none is known"
+
+
 def test_a_pod_that_starts_normally_or_has_ended_is_not_stuck() -> None:
     assert pod_view(_waiting("ContainerCreating", "")).stuck == ("", "")
     assert pod_view(_pod()).stuck == ("", "")

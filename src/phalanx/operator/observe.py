@@ -45,6 +45,27 @@ STUCK_WAITING = frozenset({
 ``PodInitializing`` are a normal start)."""
 
 
+FIXES = (
+    (
+        "image will run as root",
+        "the image runs as root, and phalanx's restricted default gives the Pod runAsNonRoot: set "
+        "spec.template.spec.securityContext.runAsUser (and fsGroup) to a uid the image can run as, or "
+        "runAsNonRoot: false where the namespace's Pod Security level allows root",
+    ),
+    (
+        "image has non-numeric user",
+        "the image names its user, which runAsNonRoot cannot check: set "
+        "spec.template.spec.securityContext.runAsUser to that user's uid",
+    ),
+)
+"""What to do about a kubelet's message that names no fix: (words in the message, the fix). Vendor training
+images (NGC's among them) run as root, which the restricted level's ``runAsNonRoot`` refuses at start."""
+
+
+def _with_fix(message: str) -> str:
+    return next((f"{message}; {fix}" for words, fix in FIXES if words in message), message)
+
+
 def stuck(pod: Any) -> tuple[str, str]:
     """Why ``pod`` does not run (:attr:`PodView.stuck`): the scheduler's Unschedulable, else the first init or
     main container waiting for a reason of :data:`STUCK_WAITING`."""
@@ -57,7 +78,7 @@ def stuck(pod: Any) -> tuple[str, str]:
     for cs in [*(status.init_container_statuses or []), *(status.container_statuses or [])]:
         waiting = cs.state.waiting if cs.state else None
         if waiting is not None and waiting.reason in STUCK_WAITING:
-            return str(waiting.reason), f"container {cs.name}: {waiting.message or waiting.reason}"
+            return str(waiting.reason), _with_fix(f"container {cs.name}: {waiting.message or waiting.reason}")
     return "", ""
 
 
