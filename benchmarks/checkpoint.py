@@ -233,6 +233,7 @@ def bench_phalanx(
     first_runs: int,
     train_step: Callable[[], None],
     storage: str = "",
+    first_steps: int = 3,
 ) -> dict[str, Any]:
     """phalanx's saves, persists and loads; ``storage``: where to persist (default: a directory in
     ``workdir``; e.g. ``s3://bucket/prefix`` with the AWS_* variables set), one location per job.
@@ -243,11 +244,16 @@ def bench_phalanx(
     from phalanx.checkpoint.storage import open_storage
 
     results: dict[str, Any] = {}
-    firsts: dict[bool, list[float]] = {False: [], True: []}
-    beside: dict[bool, list[float]] = {False: [], True: []}
+    # How the first save of a new process finds its memory: "unprepared" (saved at once after the
+    # construction, before any optimizer step: the worst case), "optimizer" (no prepare(): ``first_steps``
+    # training steps first, the Checkpointer readying its slots from the optimizer's state at the second, as
+    # in a plain script), "prepared" (prepare(state) and wait_prepared() first).
+    modes = ("unprepared", "optimizer", "prepared")
+    firsts: dict[str, list[float]] = {m: [] for m in modes}
+    beside: dict[str, list[float]] = {m: [] for m in modes}
     # A first save happens once per job: its median needs a fresh job (host, memory) per sample. The last
     # prepared job goes on to the steady-state saves, persistence and loads.
-    for prepared in [False] * first_runs + [True] * first_runs:
+    for mode in [m for m in modes for _ in range(first_runs)]:
         job = f"bench-{uuid.uuid4().hex[:8]}"
         store = f"{storage.rstrip('/')}/{job}" if storage else str(workdir / f"phalanx-{job}")
         handle = host_mod.start(job_id=job, storage=store, socket_path=workdir / f"{job}.sock")
@@ -255,31 +261,37 @@ def bench_phalanx(
             ckpt = Checkpointer(
                 job_id=job, storage=store, host_socket=str(handle.socket_path), rank=0, world_size=1
             )
-            if prepared:
+            if mode == "prepared":
                 ckpt.prepare(state)  # what a training script does once its state exists
                 ckpt.wait_prepared()
+            elif mode == "optimizer":
+                for _ in range(first_steps):
+                    train_step()
             started = time.perf_counter()
             ckpt.save(1, state)
-            firsts[prepared].append(time.perf_counter() - started)
+            firsts[mode].append(time.perf_counter() - started)
             # A steady save right after, on the same loaded or quiet machine: each first save's ratio to it.
             ckpt.wait_prepared()
             started = time.perf_counter()
             ckpt.save(2, state)
-            beside[prepared].append(time.perf_counter() - started)
-            if len(firsts[prepared]) < first_runs:
+            beside[mode].append(time.perf_counter() - started)
+            if len(firsts[mode]) < first_runs:
                 ckpt.close()
                 continue
-            if not prepared:
-                results["first_unprepared_blocking_s"] = statistics.median(firsts[False])
-                results["first_unprepared_samples_s"] = firsts[False]
-                results["first_unprepared_steady_beside_s"] = beside[False]
-                results["first_unprepared_ratio_median"] = ratio_median(firsts[False], beside[False])
+            if mode != "prepared":
+                key = "first_unprepared" if mode == "unprepared" else "first_from_optimizer"
+                results[f"{key}_blocking_s"] = statistics.median(firsts[mode])
+                results[f"{key}_samples_s"] = firsts[mode]
+                results[f"{key}_steady_beside_s"] = beside[mode]
+                results[f"{key}_ratio_median"] = ratio_median(firsts[mode], beside[mode])
+                if mode == "optimizer":
+                    results["first_from_optimizer_after_steps"] = first_steps
                 ckpt.close()
                 continue
-            results["first_blocking_s"] = statistics.median(firsts[True])
-            results["first_samples_s"] = firsts[True]
-            results["first_steady_beside_s"] = beside[True]
-            results["first_ratio_median"] = ratio_median(firsts[True], beside[True])
+            results["first_blocking_s"] = statistics.median(firsts["prepared"])
+            results["first_samples_s"] = firsts["prepared"]
+            results["first_steady_beside_s"] = beside["prepared"]
+            results["first_ratio_median"] = ratio_median(firsts["prepared"], beside["prepared"])
             steps = itertools.count(3)
             saves = []
             for _ in range(max(repeats, 5)):
@@ -648,6 +660,13 @@ def main() -> int:
     parser.add_argument("--size-gb", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--first-runs", type=int, default=5, help="fresh jobs for the medians of first saves")
+    parser.add_argument(
+        "--first-steps",
+        type=int,
+        default=3,
+        help="training steps before the first save of a script that never calls prepare() (its memory is "
+        "readied from the optimizer at the second)",
+    )
     parser.add_argument("--workdir", default="")
     parser.add_argument(
         "--storage", default="", help="where phalanx persists, e.g. s3://bucket/prefix (default: the workdir)"
@@ -716,6 +735,7 @@ def main() -> int:
                 first_runs=args.first_runs,
                 train_step=training_step(model, opt, batch=train.batch),
                 storage=args.storage,
+                first_steps=args.first_steps,
             )
         if "training" in only:
             results["phalanx"] = {

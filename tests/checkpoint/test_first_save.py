@@ -209,3 +209,68 @@ def test_a_new_job_that_loads_into_its_state_is_ready_before_its_first_save(
     assert torch.equal(got["opt"]["m"], state["opt"]["m"])
     assert slot_steps(job_id) == {0: 1, 1: 2}
     ckpt.close()
+
+
+def _train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int, *, width: int = 256) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(8, width)).square().mean().backward()
+        opt.step()
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, object]:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def test_a_new_process_is_prepared_from_its_optimizers_without_calling_prepare(
+    host: host_mod.HostHandle, job_id: str
+) -> None:
+    """No prepare(): the Checkpointer readies its slots in the background at the optimizers' second step
+    (when Adam's moments exist), sized for the parameters and the optimizers' state, and the first save is a
+    plain copy into them; the saved state round-trips."""
+    # Most of the state is the second optimizer's: slots sized for the first alone would not hold it.
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 4096))
+    opt, head = torch.optim.Adam(model[0].parameters()), torch.optim.SGD(model[1].parameters(), momentum=0.9)
+    ckpt = Checkpointer()
+    for optimizer in (opt, head):
+        _train_steps(model, optimizer, 1)
+    assert ckpt.memory.mapped is None, "nothing is prepared before an optimizer's second step"
+    _train_steps(model, opt, 1)
+    ckpt.wait_prepared()
+    assert ckpt.memory.mapped is not None
+    state = _state(model, opt) | {"head": head.state_dict()}
+    ckpt.save(1, state)
+    assert ckpt.last_save["allocated"] is False, "the first save found its slots ready"
+    loaded = ckpt.load()
+    assert loaded is not None
+    step, restored = loaded
+    assert step == 1
+    assert torch.equal(restored["model"]["0.weight"], model[0].weight.detach())
+    ckpt.close()
+
+
+def test_a_save_before_the_second_step_or_the_switch_off_leaves_the_save_to_size_its_slots(
+    host: host_mod.HostHandle, job_id: str
+) -> None:
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.Adam(model.parameters())
+    off = Checkpointer(prepare_from_optimizer=False)
+    _train_steps(model, opt, 3)
+    assert off.memory.mapped is None, "switched off: nothing is prepared"
+    off.save(1, _state(model, opt))
+    assert off.last_save["allocated"] is True
+    off.close(stop_host=False)
+
+    early = torch.nn.Linear(128, 128)
+    early_opt = torch.optim.Adam(early.parameters())
+    ckpt = Checkpointer(job_id=f"{job_id}-early")
+    _train_steps(early, early_opt, 1, width=128)
+    ckpt.save(1, _state(early, early_opt))  # the save came first: it sized the slots
+    assert ckpt.last_save["allocated"] is True
+    mapped = ckpt.memory.mapped
+    _train_steps(early, early_opt, 2, width=128)  # the second step finds slots and prepares nothing more
+    ckpt.wait_prepared()
+    assert ckpt.memory.mapped is mapped
+    ckpt.save(2, _state(early, early_opt))
+    assert ckpt.last_save["allocated"] is False
+    ckpt.close()

@@ -27,6 +27,7 @@ import torch
 from phalanx.api import round as round_file
 from phalanx.api.errors import CheckpointError, PersistError
 from phalanx.checkpoint import codec, copier, protocol, restore, shm
+from phalanx.checkpoint.autoprepare import OptimizerWatch
 from phalanx.checkpoint.connection import HostConnection
 from phalanx.checkpoint.persist_queue import PersistQueue
 from phalanx.checkpoint.persister import pin_queued
@@ -91,6 +92,9 @@ class Checkpointer:
     starts one (detached, so it survives the training process) and the other local ranks connect to it.
     ``copy_threads`` (0: the node's cores divided by its local ranks, at most 4) copy while training waits:
     a blocking save, and what a save behind training has left when :meth:`fence` is called.
+    ``prepare_from_optimizer`` (on by default): a new process's slots are readied in the background at its
+    optimizers' second step, so that its first save is a plain copy without :meth:`prepare`
+    (:mod:`phalanx.checkpoint.autoprepare`).
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class Checkpointer:
         host_socket: str | None = None,
         host_idle_exit_s: float = 300.0,
         copy_threads: int = 0,
+        prepare_from_optimizer: bool = True,
     ) -> None:
         env = os.environ
         self.rank = rank if rank is not None else _env_int("RANK", 0)
@@ -156,6 +161,13 @@ class Checkpointer:
         # is known before the first save. Their pages are mapped from now on, while the script imports, builds
         # its model and loads, so that its first save is a plain copy (see RankMemory.adopt).
         self.memory.adopt()
+        # A new process: its slots are sized from its optimizers' state at their second step, in the
+        # background, unless a save, load or prepare() came first (see autoprepare).
+        self._optimizer_watch = (
+            OptimizerWatch(self._prepare_from_optimizer)
+            if prepare_from_optimizer and self.memory.mapped is None
+            else None
+        )
         self._host_storage_checked = False
         self.last_load: dict[str, Any] = {}
         self.last_save: dict[str, Any] = {}
@@ -193,6 +205,12 @@ class Checkpointer:
         from a previous incarnation, or that loaded a state, is prepared already (see :meth:`load`)."""
         self.fence()  # a reallocation must not unmap a slot under a running copy
         self.memory.prepare(state)
+
+    def _prepare_from_optimizer(self, estimated: Any) -> None:
+        """The optimizer watch's call (on the training path, inside an optimizer step): prepares for
+        ``estimated`` unless this process has slots or a save is copying."""
+        if self.memory.mapped is None and self._behind is None and not self.memory.prepared_for(estimated):
+            self.memory.prepare(estimated)
 
     def wait_prepared(self) -> None:
         """Waits for a :meth:`prepare` in progress, and for the slot an unprepared first save readies in the
@@ -418,6 +436,8 @@ class Checkpointer:
 
     def close(self, *, stop_host: bool = False) -> None:
         """Unmaps the slots; with ``stop_host`` also stops the host, which unlinks the job's memory."""
+        if self._optimizer_watch is not None:
+            self._optimizer_watch.stop()
         with contextlib.suppress(CheckpointError):  # never unmap under a running copy
             self.fence()
         self.persists.close()
