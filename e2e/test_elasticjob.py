@@ -242,6 +242,46 @@ def test_a_lost_node_is_replaced_on_a_node_still_there(phalanx: Target, ns: str)
         phalanx.power_on(lost)
 
 
+def test_a_drained_nodes_worker_is_replaced_without_spending_the_eviction_budget(
+    phalanx: Target, ns: str
+) -> None:
+    """`kubectl drain` of a worker's node on real kubelets: the eviction API ends the worker (its Pod gets
+    the DisruptionTarget condition), the operator replaces it on the node still open, the job re-forms and
+    succeeds, and the replacement is counted as a disruption, not against restart.maxEvictions."""
+    operators = phalanx.kube.get(
+        "pods", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/component=operator"
+    )
+    spared = sorted({p["spec"]["nodeName"] for p in operators["items"]})[0]
+    _apply_example(phalanx, ns, steps=150, step_s=0.2, master_on=spared)
+    _training(phalanx, ns)
+    workers = _pods(phalanx, ns, "worker")
+    drained = next((p["spec"]["nodeName"] for p in workers if p["spec"]["nodeName"] != spared), None)
+    assert drained is not None, f"no worker away from the master: {[p['spec']['nodeName'] for p in workers]}"
+    victim = next(p for p in workers if p["spec"]["nodeName"] == drained)
+    try:
+        phalanx.kube(
+            "drain", drained, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s",
+            "--pod-selector=phalanx.dev/job=tiny",  # the job's Pods: other scenarios' leftovers are not ours
+        )  # fmt: skip
+        phalanx.kube.wait_for(
+            "a replacement worker Running on the node still open",
+            lambda: len([
+                p for p in _pods(phalanx, ns, "worker")
+                if p["metadata"]["uid"] != victim["metadata"]["uid"] and p["spec"]["nodeName"] == spared
+            ]) == 2,
+            timeout=180,
+            namespace=ns,
+        )  # fmt: skip
+        status = _succeeded(phalanx, ns, timeout=300)
+    finally:
+        phalanx.kube("uncordon", drained)
+    assert status["step"] >= 149, status
+    assert status.get("replacements", 0) == 0, f"a drain spent the eviction budget: {status}"
+    assert status.get("disruptions", 0) == 1, status
+    assert int(status["round"]) >= 2, f"the job re-formed with the replacement: {status}"
+    assert "WorkerDisrupted" in _events(phalanx, ns)
+
+
 def _survivor(workers: list[dict[str, Any]], lost: str) -> str:
     return str(next(p["metadata"]["name"] for p in workers if p["spec"]["nodeName"] != lost))
 
