@@ -274,3 +274,19 @@ def test_a_save_before_the_second_step_or_the_switch_off_leaves_the_save_to_size
     ckpt.save(2, _state(early, early_opt))
     assert ckpt.last_save["allocated"] is False
     ckpt.close()
+
+
+def test_a_checkpointer_that_only_reads_another_nodes_memory_prepares_nothing_from_the_optimizer(
+    host: host_mod.HostHandle, job_id: str, tmp_path: Path
+) -> None:
+    """A Checkpointer told to look at memory the host does not keep (another node's, in a test) is one that
+    loads: the optimizers' steps neither connect it to the host nor take shared memory for it, as after a
+    load (its lingering socket once warned in a later test)."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    reader = Checkpointer(shm_dir=str(tmp_path))
+    _train_steps(model, opt, 3, width=64)
+    reader.wait_prepared()
+    assert reader.memory.mapped is None
+    assert reader.host._client is None, "it never connected to the host"
+    reader.close()

@@ -162,10 +162,11 @@ class Checkpointer:
         # its model and loads, so that its first save is a plain copy (see RankMemory.adopt).
         self.memory.adopt()
         # A new process: its slots are sized from its optimizers' state at their second step, in the
-        # background, unless a save, load or prepare() came first (see autoprepare).
+        # background, unless a save, load or prepare() came first (see autoprepare); as after a load, only
+        # where the host keeps its memory where this process looks.
         self._optimizer_watch = (
             OptimizerWatch(self._prepare_from_optimizer)
-            if prepare_from_optimizer and self.memory.mapped is None
+            if prepare_from_optimizer and self._host_memory and self.memory.mapped is None
             else None
         )
         self._host_storage_checked = False
@@ -208,9 +209,10 @@ class Checkpointer:
 
     def _prepare_from_optimizer(self, estimated: Any) -> None:
         """The optimizer watch's call (on the training path, inside an optimizer step): prepares for
-        ``estimated`` unless this process has slots or a save is copying."""
-        if self.memory.mapped is None and self._behind is None and not self.memory.prepared_for(estimated):
-            self.memory.prepare(estimated)
+        ``estimated`` in the background unless this process has slots or a save is copying, and only where a
+        host runs (see :meth:`_prepare_like`: a process that never saves starts none)."""
+        if self.memory.mapped is None and self._behind is None:
+            self._prepare_like(estimated)
 
     def wait_prepared(self) -> None:
         """Waits for a :meth:`prepare` in progress, and for the slot an unprepared first save readies in the
