@@ -65,10 +65,6 @@ class OptimizerWatch:
             _hooked = True
         _watches.add(self)
 
-    @property
-    def watching(self) -> bool:
-        return self in _watches
-
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer not in self._seen:
             self._seen.add(optimizer)

@@ -185,10 +185,10 @@ class Executor:
         meta = observed.job["metadata"]
         if (observed.job.get("status") or {}).get("phase") in FINISHED_PHASES or not self.may_act():
             return
-        placed = sum(1 for p in observed.pods if p.role == "worker" and p.started)
-        if (meta.get("annotations") or {}).get(SCHEDULED_ANNOTATION) == str(placed):
+        started = sum(1 for p in observed.pods if p.role == "worker" and p.started)
+        if (meta.get("annotations") or {}).get(SCHEDULED_ANNOTATION) == str(started):
             return
-        body = {"metadata": {"annotations": {SCHEDULED_ANNOTATION: str(placed)}}}
+        body = {"metadata": {"annotations": {SCHEDULED_ANNOTATION: str(started)}}}
         patched = self.custom.patch_namespaced_custom_object(
             GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body
         )
