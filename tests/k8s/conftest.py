@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from k8s_harness import kueue as kueue_harness
 from k8s_harness.cluster import METRICS_TOKEN, Cluster
 from k8s_harness.controlplane import ControlPlane, find_binaries
 from tests import release
@@ -89,3 +90,20 @@ def cluster(control_plane: ControlPlane) -> Iterator[Cluster]:
         c.install_operator_rbac()
         c.start_operator()
         yield c
+
+
+@pytest.fixture(scope="session")
+def kueue(cluster: Cluster) -> Iterator[kueue_harness.Kueue]:
+    """Kueue's manager (scripts/go-tools builds it) running against the control plane, with its webhooks."""
+    binary = cluster.cp.bin_dir / "kueue"
+    if not binary.exists():
+        _missing("kueue was not built (scripts/go-tools)")
+    with contextlib.ExitStack() as stop:
+        cp = cluster.cp
+        running = stop.enter_context(
+            kueue_harness.running(
+                binary=binary, kubeconfig=cp.kubeconfig, kubectl=cp.bin_dir / "kubectl", state=cp.state_dir
+            )
+        )
+        release.when_done("tests/k8s/", stop.close)  # before the control plane it runs against
+        yield running

@@ -64,7 +64,7 @@ def test_other_errors_are_logged_and_the_next_pass_tries_again(caplog: pytest.Lo
 
 def test_a_failed_pass_is_recorded_without_the_api_response() -> None:
     """An ApiException's text carries the response's headers and body; the job's condition gets neither."""
-    from phalanx.operator.executor import pass_error_message
+    from phalanx.operator.events import pass_error_message
 
     exc = ApiException(status=500, reason="Internal Server Error")
     exc.body = '{"message": "secret-looking body"}'

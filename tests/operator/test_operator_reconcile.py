@@ -64,20 +64,13 @@ class FakeCluster:
     def step(self, *, dies_before_closing_patch: bool = False) -> list[Action]:
         """One pass, its actions carried out; ``dies_before_closing_patch``: the operator died after every
         other action of the pass, before the status patch that ends it."""
-        observed = Observed(
-            job=copy.deepcopy(self.job),
-            pods=list(self.pods.values()),
-            existing=frozenset(self.objects),
-            pod_group=copy.deepcopy(self.pod_group),
-            pod_group_api=self.pod_group_api,
-            admission_policy=self.admission_policy,
-            foreign=frozenset(self.foreign),
-        )
-        actions = reconcile(observed, now=self.now, settings=self.settings, new_token="tok")
+        actions = reconcile(self.observed(), now=self.now, settings=self.settings, new_token="tok")
         carried_out = actions
         if dies_before_closing_patch and actions and isinstance(actions[-1], PatchStatus):
             carried_out = actions[:-1]
         for a in carried_out:
+            if self.carry_out(a):
+                continue
             if isinstance(a, Create):
                 kind, name = a.obj["kind"], a.obj["metadata"]["name"]
                 if kind == "Pod":
@@ -111,6 +104,21 @@ class FakeCluster:
                 self.deleted_job.append(a)
         self.now += 1
         return actions
+
+    def observed(self) -> Observed:
+        return Observed(
+            job=copy.deepcopy(self.job),
+            pods=list(self.pods.values()),
+            existing=frozenset(self.objects),
+            pod_group=copy.deepcopy(self.pod_group),
+            pod_group_api=self.pod_group_api,
+            admission_policy=self.admission_policy,
+            foreign=frozenset(self.foreign),
+        )
+
+    def carry_out(self, action: Action) -> bool:
+        """Carries out an action this fake handles beyond the ones below; True if it did."""
+        return False
 
     def run_all(self, *, node: str = "m1") -> None:
         for name, pod in list(self.pods.items()):

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.api import elasticjob
@@ -75,6 +75,19 @@ def _worker(name: str) -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class QueueView:
+    """What a pass of a queued job needs to know of Kueue."""
+
+    served: bool = True
+    """Whether the API server serves Workloads."""
+    workload: Mapping[str, Any] | None = None
+    flavors: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """The ``spec`` of each ResourceFlavor the Workload's admission names."""
+    priority: Mapping[str, Any] = field(default_factory=dict)
+    """``priorityClassRef`` and ``priority`` for a new Workload (read only while there is none)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Observed:
     """A job as the operator sees it at one moment."""
 
@@ -91,6 +104,8 @@ class Observed:
     admission_policy: bool = True
     """Whether the operator's admission policy and its binding exist (read only for jobs whose templates
     ask for privileges: :mod:`phalanx.operator.privileged`)."""
+    queue: QueueView | None = None
+    """Kueue's side of a queued job (label ``kueue.x-k8s.io/queue-name``: :mod:`phalanx.operator.kueue`)."""
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -145,4 +160,36 @@ class DeleteJob:
     message: str
 
 
-Action = Create | DeletePod | PatchStatus | PatchPodGroup | Event | CordonNode | DeleteJob
+@dataclass(frozen=True)
+class SetSuspend:
+    """Sets the job's ``spec.suspend``: a queued job's is its admission by Kueue (:mod:`~.kueue`)."""
+
+    suspend: bool
+
+
+@dataclass(frozen=True)
+class DeleteWorkload:
+    name: str
+
+
+@dataclass(frozen=True)
+class PatchWorkloadStatus:
+    """A merge patch of a Workload's status, made only if the Workload is still at ``resource_version``."""
+
+    name: str
+    resource_version: str
+    status: dict[str, Any]
+
+
+Action = (
+    Create
+    | DeletePod
+    | PatchStatus
+    | PatchPodGroup
+    | Event
+    | CordonNode
+    | DeleteJob
+    | SetSuspend
+    | DeleteWorkload
+    | PatchWorkloadStatus
+)

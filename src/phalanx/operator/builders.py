@@ -26,6 +26,7 @@ from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings, ProbeSettings
 from phalanx.operator import names, resources, security, supporting, tls
 from phalanx.operator.meta import Obj, object_meta, owner_reference
+from phalanx.operator.placement import place
 from phalanx.operator.schema import format_duration as _dur
 from phalanx.operator.spec import JobSpec
 from phalanx.operator.supporting import METRICS_TOKEN_KEY
@@ -186,6 +187,7 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
     if template_spec.get("securityContext"):
         pod_spec["securityContext"] = copy.deepcopy(dict(template_spec["securityContext"]))
     security.pod_defaults(pod_spec)
+    place(pod_spec, spec.placement.get("master"))
     return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": pod_spec}
 
 
@@ -358,6 +360,7 @@ def worker_pod(
     security.pod_defaults(pod_spec)
     if excluded_machines:
         _keep_off(pod_spec, sorted(set(excluded_machines)))
+    place(pod_spec, spec.placement.get("workers"))
     if spec.gang_min_nodes is not None:
         pod_spec["schedulingGroup"] = {"podGroupName": elasticjob.pod_group(job_name)}
     return {

@@ -19,7 +19,7 @@ from phalanx.operator.schema import int_prop, object_prop
 
 CONDITION_TYPES = (
     "Created", "MasterReady", "GangScheduled", "ReplicaFailure", "PodsReady", "Running", "Restarting",
-    "Suspended", "Succeeded", "Failed", "ReconcileError",
+    "Suspended", "Admitted", "Succeeded", "Failed", "ReconcileError",
 )  # fmt: skip
 PHASES = tuple(phase.value for phase in ej.Phase)
 

@@ -134,3 +134,15 @@ def record_event(core: Any, aggregator: Aggregator, job: Mapping[str, Any], even
 
 def _event_name(meta: Mapping[str, Any]) -> str:
     return f"{meta['name']}.{secrets.token_hex(8)}"
+
+
+def pass_error_message(exc: Exception) -> str:
+    """What a failed pass records on its job: the exception's type and message, without an API response's
+    headers and body (an ApiException's text carries both)."""
+    from kubernetes.client.exceptions import ApiException
+
+    if isinstance(exc, ApiException):
+        text = f"the API server answered {exc.status} {exc.reason}"
+    else:
+        text = str(exc) or "no message"
+    return f"reconciliation pass failed ({type(exc).__name__}): {text}"[:1024]

@@ -16,17 +16,20 @@ from phalanx.api import elasticjob
 from phalanx.api.elasticjob import FINISHED_PHASES, GROUP, PLURAL, SCHEDULED_ANNOTATION, VERSION
 from phalanx.api.errors import KubernetesError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import names, privileged, refusals, tls
+from phalanx.operator import kueue, names, privileged, refusals, tls
 from phalanx.operator.actions import (
     Action,
     CordonNode,
     Create,
     DeleteJob,
     DeletePod,
+    DeleteWorkload,
     Event,
     Observed,
     PatchPodGroup,
     PatchStatus,
+    PatchWorkloadStatus,
+    SetSuspend,
 )
 from phalanx.operator.builders import (
     POD_GROUP_GROUP,
@@ -37,7 +40,8 @@ from phalanx.operator.builders import (
 from phalanx.operator.ca import load_authority
 from phalanx.operator.conditions import set_condition
 from phalanx.operator.discovery import Discovery
-from phalanx.operator.events import Aggregator, record_event
+from phalanx.operator.events import Aggregator, pass_error_message, record_event
+from phalanx.operator.kueue_api import QueueClient
 from phalanx.operator.metrics_token import operator_metrics_token
 from phalanx.operator.observe import owned_by, ownership, pod_view, read_metadata
 from phalanx.operator.reconcile import managed_here, reconcile
@@ -81,6 +85,7 @@ class Executor:
         self.networking: Any = client.NetworkingV1Api(api)
         self.custom: Any = client.CustomObjectsApi(api)
         self.discovery = Discovery(api)
+        self.queues = QueueClient(custom=self.custom, scheduling=client.SchedulingV1Api(api))
         self._events = Aggregator()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._dirty: set[tuple[str, str]] = set()
@@ -240,6 +245,7 @@ class Executor:
             pod_group=group,
             pod_group_api=serves,
             admission_policy=policy,
+            queue=self.queues.observe(job) if kueue.queue_name(job) else None,
         )
 
     def _pod_group(self, namespace: str, name: str) -> Mapping[str, Any] | None:
@@ -412,6 +418,10 @@ class Executor:
             self._cordon(action)
         elif isinstance(action, DeleteJob):
             self._delete_job(job, action)
+        elif isinstance(action, SetSuspend | DeleteWorkload | PatchWorkloadStatus):
+            patched = self.queues.apply(job, action)
+            if patched is not None and self.jobs is not None:
+                self.jobs.put(patched)
 
     def _foreign_pod(self, job: Mapping[str, Any], name: str) -> None:
         """A Pod of the name the job's Pod should have exists: normally the job's own (made by an earlier
@@ -430,6 +440,8 @@ class Executor:
         self._event(job, Event("Warning", "ForeignObject", message))
 
     def _create(self, ns: str, obj: dict[str, Any]) -> Any:
+        if obj["kind"] == "Workload":
+            return self.queues.create(ns, obj)
         if obj["kind"] == "PodGroup":
             return self.custom.create_namespaced_custom_object(
                 POD_GROUP_GROUP, POD_GROUP_VERSION, ns, POD_GROUP_PLURAL, obj
@@ -477,15 +489,3 @@ _CREATES = {
     "NetworkPolicy": ("networking", "create_namespaced_network_policy"),
 }
 """The Executor's API client and its create method, by kind (PodGroups are custom objects)."""
-
-
-def pass_error_message(exc: Exception) -> str:
-    """What a failed pass records on its job: the exception's type and message, without an API response's
-    headers and body (an ApiException's text carries both)."""
-    from kubernetes.client.exceptions import ApiException
-
-    if isinstance(exc, ApiException):
-        text = f"the API server answered {exc.status} {exc.reason}"
-    else:
-        text = str(exc) or "no message"
-    return f"reconciliation pass failed ({type(exc).__name__}): {text}"[:1024]

@@ -65,7 +65,7 @@ from phalanx.api import elasticjob
 from phalanx.api.elasticjob import Phase
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import builders, lifecycle, names, privileged, readiness, refusals
+from phalanx.operator import builders, kueue, lifecycle, names, privileged, readiness, refusals
 from phalanx.operator.actions import Action, Create, DeleteJob, DeletePod, Event, Observed, PatchPodGroup
 from phalanx.operator.admission import MANAGED_BY
 from phalanx.operator.conditions import get_condition, is_true, parse_rfc3339, rfc3339
@@ -113,6 +113,8 @@ def reconcile(
     if ctx.phase in FINISHED_PHASES:
         return _finished_job(ctx)
     spec = _runnable_spec(ctx)
+    if spec is not None and kueue.queue_name(ctx.job):
+        spec = kueue.queued(ctx, spec)  # held until Kueue admits it, then as admitted
     if spec is None:
         return ctx.finish()
     if (
@@ -125,12 +127,15 @@ def reconcile(
         return ctx.finish()
     if spec.suspend and lifecycle.never_started(ctx):
         lifecycle.held(ctx)  # queued: not even a master Pod until it is admitted
+        if kueue.queue_name(ctx.job):
+            kueue.held_queued(ctx)
         return _settled(ctx)
     master_ready = _keep_master(ctx, spec)
     if spec.gang_min_nodes is not None:  # before the first worker Pod: its group must be there to place it
         _keep_gang(ctx, spec)
     if spec.suspend:
         _suspend(ctx, spec)
+        kueue.release_if_stopped(ctx)  # a job Kueue evicted gives its quota back once stopped
         return _settled(ctx)
     ctx.out[lifecycle.SUSPENDING_SINCE] = None  # a suspension cancelled before it completed
     resuming = _resume(ctx)
@@ -154,8 +159,11 @@ def _clear_reconcile_error(ctx: Pass) -> None:
 
 
 def _finished_job(ctx: Pass) -> list[Action]:
-    """A Succeeded or Failed job: its Pods cleaned up, and the job itself deleted after its TTL."""
+    """A Succeeded or Failed job: its Pods cleaned up, its Workload finished (a queued job's quota freed),
+    and the job itself deleted after its TTL."""
     lifecycle.cleanup(ctx, finished_for=lifecycle.finished_for(ctx.status, ctx.now))
+    if kueue.queue_name(ctx.job):
+        kueue.finish(ctx, succeeded=ctx.phase == Phase.SUCCEEDED, message=f"the job {ctx.phase}")
     actions = ctx.finish()
     if expired := lifecycle.ttl_expired(ctx.job, ctx.status, phase=ctx.phase, now=ctx.now):
         actions.append(DeleteJob(expired))  # last: nothing is patched on a job being deleted
@@ -297,7 +305,8 @@ def _suspend(ctx: Pass, spec: JobSpec) -> None:
     published before a resume and the next suspension (seconds apart) is stale, and the master may not
     know yet."""
     followed = int(ctx.master_status.get(elasticjob.MASTER_OBSERVED_GENERATION) or 0)
-    acked = ctx.verdict == "suspended" and followed >= ctx.generation
+    written = (ctx.job.get("spec") or {}).get("suspend") is True  # not yet, when a queue just evicted it
+    acked = written and ctx.verdict == "suspended" and followed >= ctx.generation
     lifecycle.suspend(ctx, spec, acked=acked)
 
 

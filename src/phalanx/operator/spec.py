@@ -40,6 +40,7 @@ from phalanx.operator.admission import (
     MAX_RESTART_BUDGET,
     MAX_SHARED_MEMORY,
 )
+from phalanx.operator.placement import Placement
 
 MAX_TEMPLATE_BYTES = 256 * 1024
 """The largest worker or master template, as compact JSON. The operator builds a Pod from the worker
@@ -88,6 +89,7 @@ class JobSpec:
     """``spec.gangScheduling``: worker Pods the scheduler must place at once; None: no gang scheduling."""
     max_disruptions: int = JobPodSettings().max_disruptions
     """``spec.restart.maxDisruptions``: worker Pods the cluster may end and the operator replace."""
+    placement: Mapping[str, Placement] = field(default_factory=dict)  # by pod set: Kueue's admission
 
     @property
     def min_nodes(self) -> int:
