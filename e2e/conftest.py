@@ -59,6 +59,9 @@ class Target:
     guarded_node: str = ""
     """The one node whose Pods the cluster's network plugin holds to NetworkPolicies; "" for every node (an
     external cluster must enforce them: kind's kindnet does since kind 0.24)."""
+    kueue: Callable[[], contextlib.AbstractContextManager[object]] | None = None
+    """Runs Kueue against the cluster for the scenarios that need it (None: the cluster must have it, with
+    ElasticJob.v1alpha1.phalanx.dev in its integrations.externalFrameworks)."""
 
     def shared_storage(self, namespace: str) -> str:
         if self.storage is None:
@@ -155,6 +158,7 @@ def _own_cluster(home: Path) -> Iterator[Target]:
     imported into each node's containerd (tests/k8s/k8s_harness/containers.py)."""
     sys.path.insert(0, str(ROOT / "tests" / "k8s"))
     from k8s_harness import containers
+    from k8s_harness import kueue as kueue_harness
     from k8s_harness.controlplane import find_binaries
     from k8s_harness.nodes import missing_host_tools
 
@@ -185,6 +189,13 @@ def _own_cluster(home: Path) -> Iterator[Target]:
                 storage=lambda namespace: _host_claim(kube, state / "volumes", state / "volumes", namespace),
                 pods_reachable=True,  # the nodes' bridge is this machine's
                 guarded_node=nodes.names[0],  # kube-router's firewall (tests/k8s/k8s_harness/netpol.py)
+                # Kueue's manager on this machine, its webhooks on 127.0.0.1, where the API server runs
+                kueue=lambda: kueue_harness.running(
+                    binary=cp.bin_dir / "kueue",
+                    kubeconfig=cp.kubeconfig,
+                    kubectl=cp.bin_dir / "kubectl",
+                    state=state,
+                ),
             )
     finally:  # also when the generator is closed early (tests/release.py)
         if os.environ.get("PHALANX_K8S_KEEP") == "1":

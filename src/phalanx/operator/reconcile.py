@@ -37,6 +37,10 @@ Rules, per pass:
   persists its newest in-memory checkpoint on SIGTERM), and once none is left the job is Suspended. The
   master Pod stays and keeps the job's state. None of this is a replacement;
 * a job created suspended (a queue's pattern) gets no Pod at all, not even its master, until it is resumed;
+* a job labelled ``kueue.x-k8s.io/queue-name`` is Kueue's to admit (:mod:`phalanx.operator.kueue`): its
+  Workload is created, the job held (``spec.suspend``) until admitted, its Pods placed by the admission's
+  flavors, suspended when evicted (its quota given back once no worker is left) and its Workload finished
+  with it;
 * ``spec.suspend`` false again resumes (once the deleted Pods are gone, so the new ones start from the
   checkpoint they persisted): every slot gets a Pod of its next incarnation, again not a replacement;
 * ``spec.activeDeadline`` fails a job active for longer (reason DeadlineExceeded), counted from

@@ -31,8 +31,9 @@ from k8s_harness import certs
 
 EXTERNAL_FRAMEWORK = "ElasticJob.v1alpha1.phalanx.dev"
 NAMESPACE = "kueue-system"
-CONVERTED = ("clusterqueues", "cohorts", "localqueues", "workloads", "resourceflavors")
-"""The kinds whose CRDs the release patches with its conversion webhook (v1beta1 <-> v1beta2)."""
+CONVERTED = ("clusterqueues", "cohorts", "localqueues", "workloads", "multikueueclusters")
+"""The kinds whose CRDs its release patches with its conversion webhook (v1beta1 <-> v1beta2): those of its
+config/components/crd/kustomization.yaml."""
 
 
 @dataclass(frozen=True)
