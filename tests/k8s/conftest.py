@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from k8s_harness import kueue as kueue_harness
+from k8s_harness import coscheduling as coscheduling_harness
 from k8s_harness.cluster import METRICS_TOKEN, Cluster
 from k8s_harness.controlplane import ControlPlane, find_binaries
 from tests import release
@@ -93,17 +93,17 @@ def cluster(control_plane: ControlPlane) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="session")
-def kueue(cluster: Cluster) -> Iterator[kueue_harness.Kueue]:
-    """Kueue's manager (scripts/go-tools builds it) running against the control plane, with its webhooks."""
-    binary = cluster.cp.bin_dir / "kueue"
+def coscheduling(cluster: Cluster) -> Iterator[str]:
+    """scheduler-plugins' scheduler with its Coscheduling plugin beside the default one; yields its name."""
+    binary = cluster.cp.bin_dir / "scheduler-plugins"
     if not binary.exists():
-        _missing("kueue was not built (scripts/go-tools)")
+        _missing("scheduler-plugins was not built (scripts/go-tools)")
     with contextlib.ExitStack() as stop:
         cp = cluster.cp
-        running = stop.enter_context(
-            kueue_harness.running(
+        name = stop.enter_context(
+            coscheduling_harness.running(
                 binary=binary, kubeconfig=cp.kubeconfig, kubectl=cp.bin_dir / "kubectl", state=cp.state_dir
             )
         )
-        release.when_done("tests/k8s/", stop.close)  # before the control plane it runs against
-        yield running
+        release.when_done("tests/k8s/", stop.close)
+        yield name

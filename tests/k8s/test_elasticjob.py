@@ -18,11 +18,12 @@ import pytest
 import yaml
 from k8s_harness.cluster import METRICS_TOKEN, Cluster
 from k8s_harness.controlplane import ControlPlane
+from k8s_harness.coscheduling import PERMIT_WAIT_S
 from k8s_harness.kubelet import IMAGE_USER
 from kubernetes import config as k8s_config
 
-from phalanx.operator import discovery as discovery_module
 from phalanx.operator.discovery import Discovery, unguarded_pods
+from phalanx.operator.gang import GangApi
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 
@@ -622,12 +623,18 @@ def _condition(cluster: Cluster, namespace: str, kind: str, name: str = "tiny") 
 
 
 @pytest.mark.timeout(300)
-def test_a_gang_is_placed_all_at_once_or_not_at_all(cluster: Cluster) -> None:
-    """spec.gangScheduling through the real kube-scheduler's GangScheduling plugin: 3 worker Pods of 30 CPUs
-    each, with a 40-CPU Pod on one of the two 64-CPU process nodes, do not all fit. Without a gang two would
-    be bound and sit idle; with one, none is bound and the job says why. Once the blocker is gone the three
-    are placed together and the job succeeds."""
-    ns = "gang"
+@pytest.mark.parametrize("scheduler", ["kubernetes", "coscheduling"])
+def test_a_gang_is_placed_all_at_once_or_not_at_all(
+    cluster: Cluster, scheduler: str, request: pytest.FixtureRequest
+) -> None:
+    """spec.gangScheduling through a real scheduler (kube-scheduler's GangScheduling plugin, or scheduler-
+    plugins' Coscheduling as a second scheduler): 3 worker Pods of 30 CPUs each, with a 40-CPU Pod on one of
+    the two 64-CPU process nodes, do not all fit. Without a gang two would be bound and sit idle; with one,
+    none is bound and the job says why. Once the blocker is gone the three are placed together and the job
+    succeeds."""
+    if scheduler == "coscheduling":
+        request.getfixturevalue("coscheduling")
+    ns = f"gang-{scheduler}"
     cluster.cp.kubectl("create", "namespace", ns)
     blocker = {
         "apiVersion": "v1",
@@ -650,7 +657,8 @@ def test_a_gang_is_placed_all_at_once_or_not_at_all(cluster: Cluster) -> None:
     docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
     for doc in docs:
         if doc["kind"] == "ElasticJob":
-            doc["spec"].update(nodes={"min": 3, "max": 3}, nprocPerNode=1, gangScheduling={"enabled": True})
+            gang = {"enabled": True, "scheduler": scheduler}
+            doc["spec"].update(nodes={"min": 3, "max": 3}, nprocPerNode=1, gangScheduling=gang)
             container = doc["spec"]["template"]["spec"]["containers"][0]
             container["resources"] = {"requests": {"cpu": "30"}}
             container["env"] = [
@@ -673,9 +681,22 @@ def test_a_gang_is_placed_all_at_once_or_not_at_all(cluster: Cluster) -> None:
     workers = _pods(cluster, ns)
     assert len(workers) == 3
     assert [w["spec"].get("nodeName") for w in workers] == [None] * 3, "no worker of a gang that does not fit"
-    assert all(w["spec"]["schedulingGroup"] == {"podGroupName": "tiny-workers"} for w in workers)
-    group = cluster.get_json("podgroup", "tiny-workers", "-n", ns)
-    assert group["spec"]["schedulingPolicy"] == {"gang": {"minCount": 3}}
+    if scheduler == "kubernetes":
+        assert all(w["spec"]["schedulingGroup"] == {"podGroupName": "tiny-workers"} for w in workers)
+        group = cluster.get_json("podgroup", "tiny-workers", "-n", ns)
+        assert group["spec"]["schedulingPolicy"] == {"gang": {"minCount": 3}}
+    else:
+        assert all(
+            w["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "tiny-workers" for w in workers
+        )
+        assert {w["spec"]["schedulerName"] for w in workers} == {"scheduler-plugins-scheduler"}
+        got = cluster.cp.kubectl(
+            "get", "podgroups.scheduling.x-k8s.io", "tiny-workers", "-n", ns, "-o", "json"
+        )
+        group = json.loads(got)
+        assert group["spec"]["minMember"] == 3
+        time.sleep(2 * PERMIT_WAIT_S)  # past the plugin's hold of the Pods it placed: still none bound
+        assert [w["spec"].get("nodeName") for w in _pods(cluster, ns)] == [None] * 3
     (master,) = _pods(cluster, ns, "master")
     assert master["status"]["phase"] == "Running", "the master is no member of the gang"
     assert "GangUnschedulable" in _events(cluster, ns)
@@ -691,7 +712,7 @@ def test_a_gang_is_placed_all_at_once_or_not_at_all(cluster: Cluster) -> None:
         lambda: _phase(cluster, ns) == "Succeeded" or _unless_failed(cluster, ns, "tiny"),
         timeout=150,
     )
-    print(f"\ngang: blocker deleted -> all 3 workers bound in {placed_s:.1f}s")
+    print(f"\ngang ({scheduler}): blocker deleted -> all 3 workers bound in {placed_s:.1f}s")
     assert _condition(cluster, ns, "GangScheduled")["status"] == "True"
     assert "GangScheduled" in _events(cluster, ns)
     status = _job(cluster, ns)["status"]
@@ -729,5 +750,4 @@ def test_the_operator_discovers_whether_the_cluster_serves_pod_groups(
     GangSchedulingUnavailable instead of placing its Pods one by one."""
     api = k8s_config.new_client_from_config(str(control_plane.kubeconfig))
     assert Discovery(api).serves_pod_groups()
-    monkeypatch.setattr(discovery_module, "POD_GROUP_VERSION", "v1alpha9")
-    assert not Discovery(api).serves_pod_groups()
+    assert not Discovery(api).serves_pod_groups(GangApi("scheduling.k8s.io", "v1alpha9"))

@@ -95,7 +95,10 @@ class FakeCluster:
             elif isinstance(a, PatchPodGroup):
                 assert self.pod_group is not None
                 assert a.name == self.pod_group["metadata"]["name"]
-                self.pod_group["spec"]["schedulingPolicy"]["gang"]["minCount"] = a.min_count
+                if a.scheduler == "coscheduling":
+                    self.pod_group["spec"]["minMember"] = a.min_count
+                else:
+                    self.pod_group["spec"]["schedulingPolicy"]["gang"]["minCount"] = a.min_count
             elif isinstance(a, Event):
                 self.events.append(a)
             elif isinstance(a, CordonNode):
@@ -1276,6 +1279,52 @@ def test_gang_scheduling_on_a_cluster_without_the_pod_group_api_fails_the_job_at
     assert failed["reason"] == "GangSchedulingUnavailable"
     assert "GenericWorkload feature gate" in failed["message"]
     assert "without spec.gangScheduling" in failed["message"]
+
+
+def test_coscheduling_places_the_gang_through_scheduler_plugins_and_reads_its_verdict_from_the_pods() -> None:
+    gang = {"enabled": True, "scheduler": "coscheduling"}
+    c = FakeCluster(job_obj(nodes={"min": 2, "max": 3}, gangScheduling=gang))
+    actions = c.step()
+    assert c.pod_group is not None
+    assert (c.pod_group["apiVersion"], c.pod_group["spec"]) == (
+        "scheduling.x-k8s.io/v1alpha1",
+        {"minMember": 2},
+    )
+    workers = [
+        a.obj
+        for a in actions
+        if isinstance(a, Create) and a.obj["kind"] == "Pod" and a.obj["metadata"]["name"].startswith("j-w")
+    ]
+    assert len(workers) == 3
+    for pod in workers:
+        assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "j-workers"
+        assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+        assert "schedulingGroup" not in pod["spec"]
+    assert "GangScheduled" not in [x["type"] for x in c.job["status"]["conditions"]], "no word yet"
+    waited = "0/6 nodes are available: rejected due to timeout after waiting 10s at plugin Coscheduling"
+    for name in c.workers():
+        c.pods[name] = dataclasses.replace(c.pods[name], stuck=("Unschedulable", waited))
+    c.step()
+    said = c.condition("GangScheduled")
+    assert (said["status"], said["reason"]) == ("False", "Unschedulable")
+    assert said["message"] == f"the scheduler cannot place 2 worker Pods at once: {waited}"
+    assert c.reasons().count("GangUnschedulable") == 1
+    c.run_all()
+    c.step()
+    assert c.condition("GangScheduled")["status"] == "True"
+    c.job["spec"]["nodes"] = {"min": 3, "max": 3}
+    assert [a for a in c.step() if isinstance(a, PatchPodGroup)] == [
+        PatchPodGroup("j-workers", 3, "coscheduling")
+    ]
+    assert c.pod_group["spec"]["minMember"] == 3
+
+
+def test_coscheduling_without_scheduler_plugins_fails_the_job_saying_so() -> None:
+    gang = {"enabled": True, "scheduler": "coscheduling", "schedulerName": "gangs"}
+    c = FakeCluster(job_obj(gangScheduling=gang), pod_group_api=False)
+    c.step()
+    assert c.condition("Failed")["reason"] == "GangSchedulingUnavailable"
+    assert "install scheduler-plugins" in c.condition("Failed")["message"]
 
 
 def test_a_suspended_job_stays_suspended_while_the_master_catches_up_with_a_spec_edit() -> None:

@@ -151,6 +151,12 @@ def test_gang_scheduling_is_off_by_default_and_its_minimum_follows_nodes_min() -
     assert parse_spec(spec(gangScheduling={"enabled": False, "minNodes": 3})).gang_min_nodes is None
     assert parse_spec(spec(gangScheduling={"enabled": True})).gang_min_nodes == 2
     assert parse_spec(spec(gangScheduling={"enabled": True, "minNodes": 3})).gang_min_nodes == 3
+    kubernetes = parse_spec(spec(gangScheduling={"enabled": True})).gang
+    assert kubernetes is not None
+    assert (kubernetes.scheduler, kubernetes.scheduler_name) == ("kubernetes", "")
+    cosched = parse_spec(spec(gangScheduling={"enabled": True, "scheduler": "coscheduling"})).gang
+    assert cosched is not None
+    assert (cosched.scheduler, cosched.scheduler_name) == ("coscheduling", "scheduler-plugins-scheduler")
 
 
 @pytest.mark.parametrize(
@@ -164,6 +170,11 @@ def test_gang_scheduling_is_off_by_default_and_its_minimum_follows_nodes_min() -
         ),
         ({"enabled": True, "minNodes": 0}, r"spec\.gangScheduling\.minNodes: .* got 0"),
         ({"enabled": True, "minNodes": True}, r"spec\.gangScheduling\.minNodes: .* got True"),
+        (
+            {"enabled": True, "scheduler": "volcano"},
+            r"spec\.gangScheduling\.scheduler: must be one of kubernetes, coscheduling, got 'volcano'",
+        ),
+        ({"enabled": True, "schedulerName": 3}, r"spec\.gangScheduling\.schedulerName: expected a string"),
     ],
 )
 def test_invalid_gang_scheduling_names_the_field(gang: dict[str, Any], message: str) -> None:

@@ -65,6 +65,8 @@ def test_default_render(helm: Helm) -> None:
             "ClusterRoleBinding",
             "ClusterRole",  # reading its own admission policies, by name (fail closed without them)
             "ClusterRoleBinding",
+            "ClusterRole",  # kueue.enabled: reading ResourceFlavors and priority classes for queued jobs
+            "ClusterRoleBinding",
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
             "ValidatingAdmissionPolicy",  # the advice: a Warning for a job that will be suspended
@@ -334,7 +336,8 @@ def test_the_operator_has_a_liveness_probe_and_its_own_pod_monitor(helm: Helm) -
 def test_a_namespaced_operator_gets_a_role_and_only_the_cluster_rules_it_needs(helm: Helm) -> None:
     """operator.watchNamespace: the rules on namespaced objects (Secrets included) are a Role there, and
     nothing is cluster-wide (no CRDs, no namespaces: the operator watches jobs and Pods only) but reading its
-    own admission policy by name; nodes only with operator.cordonNodes."""
+    own admission policy by name and, with kueue.enabled, Kueue's flavors and priority classes; nodes only
+    with operator.cordonNodes."""
     objs = helm.render("operator.watchNamespace=team-a")
     role = _one(objs, "Role", "rel-phalanx-operator")
     assert role["metadata"]["namespace"] == "team-a"
@@ -347,7 +350,15 @@ def test_a_namespaced_operator_gets_a_role_and_only_the_cluster_rules_it_needs(h
         bound = {o["roleRef"]["name"] for o in objs if o["kind"] == "ClusterRoleBinding"}
         return [o for o in objs if o["kind"] == "ClusterRole" and o["metadata"]["name"] in bound]
 
-    (check,) = operators(objs)
+    check, queues = operators(objs)
+    assert queues["metadata"]["name"] == "rel-phalanx-operator-kueue"
+    assert {r for rule in queues["rules"] for r in rule["resources"]} == {
+        "resourceflavors",
+        "workloadpriorityclasses",
+        "priorityclasses",
+    }
+    assert {v for rule in queues["rules"] for v in rule["verbs"]} == {"get"}
+    assert operators(helm.render("operator.watchNamespace=team-a", "kueue.enabled=false")) == [check]
     assert check["rules"] == [
         {
             "apiGroups": ["admissionregistration.k8s.io"],
@@ -363,7 +374,11 @@ def test_a_namespaced_operator_gets_a_role_and_only_the_cluster_rules_it_needs(h
     assert bound["roleRef"]["name"] == cluster["metadata"]["name"]
     everywhere = operators(helm.render())
     names = [o["metadata"]["name"] for o in everywhere]
-    assert names == ["rel-phalanx-operator", "rel-phalanx-operator-admission-check"]
+    assert names == [
+        "rel-phalanx-operator",
+        "rel-phalanx-operator-admission-check",
+        "rel-phalanx-operator-kueue",
+    ]
     resources = {r for o in everywhere for rule in o["rules"] for r in rule["resources"]}
     assert not resources & {"nodes", "namespaces", "customresourcedefinitions"}
 

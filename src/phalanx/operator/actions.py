@@ -130,10 +130,12 @@ class PatchStatus:
 
 @dataclass(frozen=True)
 class PatchPodGroup:
-    """Sets the gang's minCount of the job's PodGroup (it follows nodes.min unless the spec fixes it)."""
+    """Sets the gang's minimum of the job's PodGroup (it follows nodes.min unless the spec fixes it)."""
 
     name: str
     min_count: int
+    scheduler: str = "kubernetes"
+    """Whose PodGroup (:mod:`phalanx.operator.gang`)."""
 
 
 @dataclass(frozen=True)

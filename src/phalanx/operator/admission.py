@@ -154,6 +154,14 @@ def spec_rules() -> list[dict[str, Any]]:
             "message": "gangScheduling.enabled cannot be changed on a running job: a Pod's "
             "scheduling group is fixed when it is created; create a new job instead",
         },
+        {
+            "rule": "self.gangScheduling.scheduler == oldSelf.gangScheduling.scheduler && "
+            "(has(self.gangScheduling.schedulerName) == has(oldSelf.gangScheduling.schedulerName)) && "
+            "(!has(self.gangScheduling.schedulerName) || "
+            "self.gangScheduling.schedulerName == oldSelf.gangScheduling.schedulerName)",
+            "message": "gangScheduling.scheduler and schedulerName cannot be changed on a running job: its "
+            "Pods' scheduler and group are fixed when they are created; create a new job instead",
+        },
     ]
 
 

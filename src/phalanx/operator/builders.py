@@ -24,7 +24,7 @@ from phalanx.api.auth import TLS_CA_ENV
 from phalanx.api.elasticjob import TOKEN_KEY
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings, ProbeSettings
-from phalanx.operator import names, resources, security, supporting, tls
+from phalanx.operator import gang, names, resources, security, supporting, tls
 from phalanx.operator.meta import Obj, object_meta, owner_reference
 from phalanx.operator.placement import place
 from phalanx.operator.schema import format_duration as _dur
@@ -36,8 +36,6 @@ TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"
 METRICS_DIR = "/var/run/phalanx/metrics"
 TLS_DIR = "/var/run/phalanx/tls"
 METRICS_TOKEN_FILE = f"{METRICS_DIR}/{METRICS_TOKEN_KEY}"
-POD_GROUP_GROUP, POD_GROUP_VERSION, POD_GROUP_PLURAL = "scheduling.k8s.io", "v1beta1", "podgroups"
-POD_GROUP_API_VERSION = f"{POD_GROUP_GROUP}/{POD_GROUP_VERSION}"
 
 
 def _tls_volume(job_name: str, *, keys: Sequence[str]) -> Obj:
@@ -361,9 +359,7 @@ def worker_pod(
     if excluded_machines:
         _keep_off(pod_spec, sorted(set(excluded_machines)))
     place(pod_spec, spec.placement.get("workers"))
-    if spec.gang_min_nodes is not None:
-        pod_spec["schedulingGroup"] = {"podGroupName": elasticjob.pod_group(job_name)}
-    return {
+    pod: Obj = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
@@ -375,6 +371,9 @@ def worker_pod(
         },
         "spec": pod_spec,
     }
+    if spec.gang is not None:
+        gang.join(pod, elasticjob.pod_group(job_name), spec.gang)
+    return pod
 
 
 def _shared_memory(pod_spec: Obj, size: int) -> None:
@@ -400,15 +399,13 @@ def pod_group(job: Mapping[str, Any], spec: JobSpec) -> Obj:
     of them until ``minCount`` fit at once. Once placed, a group takes its members' replacements one by one
     (the scheduled ones count towards minCount). The master Pod is not a member: it holds no accelerator,
     and it must run for the job to report why it waits."""
-    assert spec.gang_min_nodes is not None
-    group_spec: Obj = {"schedulingPolicy": {"gang": {"minCount": spec.gang_min_nodes}}}
-    if priority := (spec.template.get("spec") or {}).get("priorityClassName"):
-        group_spec["priorityClassName"] = priority  # the group preempts and is preempted as its Pods are
+    assert spec.gang is not None
+    priority = str((spec.template.get("spec") or {}).get("priorityClassName") or "")
     return {
-        "apiVersion": POD_GROUP_API_VERSION,
+        "apiVersion": gang.APIS[spec.gang.scheduler].api_version,
         "kind": "PodGroup",
         "metadata": object_meta(job, elasticjob.pod_group(job["metadata"]["name"]), component="worker"),
-        "spec": group_spec,
+        "spec": gang.group_spec(spec.gang, priority_class=priority),
     }
 
 

@@ -23,6 +23,7 @@ from phalanx.operator.admission import (
     shared_memory_size_rules,
     spec_rules,
 )
+from phalanx.operator.gang import COSCHEDULING, DEFAULT_SCHEDULER_NAMES, KUBERNETES, SCHEDULERS
 from phalanx.operator.resources import AUTO, GPU_RESOURCE, MIN_SHARED_MEMORY
 from phalanx.operator.schema import (
     format_duration,
@@ -291,11 +292,9 @@ def _template() -> dict[str, Any]:
 
 def _gang() -> dict[str, Any]:
     return object_prop(
-        "All-or-nothing placement of the worker Pods by the Kubernetes scheduler: none of them is bound to a "
-        "node until minNodes of them fit at once, so a job that cannot start holds no GPU while it waits. "
-        "Needs the PodGroup API (scheduling.k8s.io/v1beta1, Kubernetes 1.37 or later with the "
-        "GenericWorkload feature gate on in kube-apiserver and kube-scheduler); a job asking for it on a "
-        "cluster without that API fails with reason GangSchedulingUnavailable.",
+        "All-or-nothing placement of the worker Pods: none of them is bound to a node until minNodes of "
+        "them fit at once, so a job that cannot start holds no GPU while it waits. A job asking for it on a "
+        "cluster without the scheduler's PodGroup API fails with reason GangSchedulingUnavailable.",
         {
             "enabled": {
                 "type": "boolean",
@@ -309,6 +308,22 @@ def _gang() -> dict[str, Any]:
                 minimum=1,
                 maximum=MAX_NODES,
             ),
+            "scheduler": {
+                "type": "string",
+                "description": "Who places the gang. kubernetes: the in-tree PodGroup (scheduling.k8s.io/"
+                "v1beta1, Kubernetes 1.37 or later with the GenericWorkload feature gate on in "
+                "kube-apiserver and kube-scheduler). coscheduling: scheduler-plugins' Coscheduling plugin "
+                "(its PodGroup scheduling.x-k8s.io/v1alpha1, its scheduler named by schedulerName). Fixed "
+                "when the job is created.",
+                "enum": list(SCHEDULERS),
+                "default": KUBERNETES,
+            },
+            "schedulerName": {
+                "type": "string",
+                "description": "The worker Pods' schedulerName. Default: the template's for kubernetes, "
+                f"{DEFAULT_SCHEDULER_NAMES[COSCHEDULING]} (scheduler-plugins' own) for coscheduling.",
+                "maxLength": 253,
+            },
         },
         default={},
     )

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from phalanx.api.errors import KubernetesError
-from phalanx.operator.builders import POD_GROUP_GROUP, POD_GROUP_PLURAL, POD_GROUP_VERSION
+from phalanx.operator.gang import APIS, KUBERNETES, GangApi
 
 POLICY_SEEN_FOR_S = 60.0
 """How long a found admission policy is taken to exist before it is read again."""
@@ -21,27 +21,26 @@ class Discovery:
 
         self.custom: Any = client.CustomObjectsApi(api)
         self.admission: Any = client.AdmissionregistrationV1Api(api)
-        self._pod_group_api = False
+        self._pod_group_apis: set[GangApi] = set()
         self._policy_seen_until: dict[str, float] = {}
 
-    def serves_pod_groups(self) -> bool:
-        """Whether the API server serves PodGroups (API discovery). A yes is kept for the life of the
-        process; a no is asked again, so a cluster whose administrator is enabling the API is not judged by
-        a stale answer."""
+    def serves_pod_groups(self, api: GangApi = APIS[KUBERNETES]) -> bool:
+        """Whether the API server serves ``api``'s PodGroups (API discovery). A yes is kept for the life of
+        the process; a no is asked again, so a cluster whose administrator is enabling the API is not judged
+        by a stale answer."""
         from kubernetes.client.exceptions import ApiException
 
-        if self._pod_group_api:
+        if api in self._pod_group_apis:
             return True
         try:
-            found = self.custom.get_api_resources(POD_GROUP_GROUP, POD_GROUP_VERSION)
+            found = self.custom.get_api_resources(api.group, api.version)
         except ApiException as exc:
             if exc.status == 404:
                 return False
-            raise KubernetesError(
-                f"cannot discover the {POD_GROUP_GROUP}/{POD_GROUP_VERSION} API: {exc.reason}"
-            ) from exc
-        self._pod_group_api = any(r.name == POD_GROUP_PLURAL for r in found.resources or [])
-        return self._pod_group_api
+            raise KubernetesError(f"cannot discover the {api.api_version} API: {exc.reason}") from exc
+        if any(r.name == api.plural for r in found.resources or []):
+            self._pod_group_apis.add(api)
+        return api in self._pod_group_apis
 
     def admission_policy_found(self, name: str) -> bool:
         """Whether the ValidatingAdmissionPolicy ``name`` and its binding of the same name exist ("": no

@@ -16,7 +16,7 @@ from phalanx.api import elasticjob
 from phalanx.api.elasticjob import FINISHED_PHASES, GROUP, PLURAL, SCHEDULED_ANNOTATION, VERSION
 from phalanx.api.errors import KubernetesError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import kueue, names, privileged, refusals, tls
+from phalanx.operator import gang, kueue, names, privileged, refusals, tls
 from phalanx.operator.actions import (
     Action,
     CordonNode,
@@ -31,12 +31,7 @@ from phalanx.operator.actions import (
     PatchWorkloadStatus,
     SetSuspend,
 )
-from phalanx.operator.builders import (
-    POD_GROUP_GROUP,
-    POD_GROUP_PLURAL,
-    POD_GROUP_VERSION,
-    with_bad_node_taint,
-)
+from phalanx.operator.builders import with_bad_node_taint
 from phalanx.operator.ca import load_authority
 from phalanx.operator.conditions import set_condition
 from phalanx.operator.discovery import Discovery
@@ -45,7 +40,6 @@ from phalanx.operator.kueue_api import QueueClient
 from phalanx.operator.metrics_token import operator_metrics_token
 from phalanx.operator.observe import owned_by, ownership, pod_view, read_metadata
 from phalanx.operator.reconcile import managed_here, reconcile
-from phalanx.operator.spec import gang_enabled
 from phalanx.operator.supporting import supporting_names, supporting_objects
 from phalanx.operator.telemetry import OperatorMetrics
 
@@ -226,10 +220,10 @@ class Executor:
             selector = f"{names.JOB_LABEL}={name}"
             pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
         owned = [p for p in pods if owned_by(p.metadata.owner_references, job["metadata"]["uid"])]
-        group, serves = None, True
-        if gang_enabled(job.get("spec") or {}):
-            serves = self.discovery.serves_pod_groups()
-            group = self._pod_group(namespace, name) if serves else None
+        group, serves, api = None, True, gang.APIS[gang.scheduler_of(job.get("spec") or {})]
+        if gang.enabled(job.get("spec") or {}):
+            serves = self.discovery.serves_pod_groups(api)
+            group = self._pod_group(namespace, name, api) if serves else None
         existing, foreign = self._existing(namespace, name, job["metadata"]["uid"])
         if group is not None and not any(
             r.get("uid") == job["metadata"]["uid"] for r in group["metadata"].get("ownerReferences") or []
@@ -248,13 +242,13 @@ class Executor:
             queue=self.queues.observe(job) if kueue.queue_name(job) else None,
         )
 
-    def _pod_group(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+    def _pod_group(self, namespace: str, name: str, api: gang.GangApi) -> Mapping[str, Any] | None:
         from kubernetes.client.exceptions import ApiException
 
         group = elasticjob.pod_group(name)
         try:
             found: Mapping[str, Any] = self.custom.get_namespaced_custom_object(
-                POD_GROUP_GROUP, POD_GROUP_VERSION, namespace, POD_GROUP_PLURAL, group
+                api.group, api.version, namespace, api.plural, group
             )
         except ApiException as exc:
             if exc.status == 404:
@@ -402,9 +396,12 @@ class Executor:
                 if exc.status != 404:
                     raise
         elif isinstance(action, PatchPodGroup):
-            body = {"spec": {"schedulingPolicy": {"gang": {"minCount": action.min_count}}}}
+            api = gang.APIS[action.scheduler]
+            body = {
+                "spec": gang.group_spec(gang.Gang(min_nodes=action.min_count, scheduler=action.scheduler))
+            }
             self.custom.patch_namespaced_custom_object(
-                POD_GROUP_GROUP, POD_GROUP_VERSION, ns, POD_GROUP_PLURAL, action.name, body
+                api.group, api.version, ns, api.plural, action.name, body
             )
         elif isinstance(action, PatchStatus):
             patched = self.custom.patch_namespaced_custom_object_status(
@@ -443,9 +440,8 @@ class Executor:
         if obj["kind"] == "Workload":
             return self.queues.create(ns, obj)
         if obj["kind"] == "PodGroup":
-            return self.custom.create_namespaced_custom_object(
-                POD_GROUP_GROUP, POD_GROUP_VERSION, ns, POD_GROUP_PLURAL, obj
-            )
+            group, version = obj["apiVersion"].split("/")
+            return self.custom.create_namespaced_custom_object(group, version, ns, "podgroups", obj)
         if obj["kind"] not in _CREATES:
             raise KubernetesError(f"the operator does not create {obj['kind']} objects")
         api, method = _CREATES[obj["kind"]]

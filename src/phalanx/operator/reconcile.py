@@ -70,23 +70,18 @@ from phalanx.api.elasticjob import Phase
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import builders, kueue, lifecycle, names, privileged, readiness, refusals
+from phalanx.operator import gang as gang_module
 from phalanx.operator.actions import Action, Create, DeleteJob, DeletePod, Event, Observed, PatchPodGroup
 from phalanx.operator.admission import MANAGED_BY
 from phalanx.operator.conditions import get_condition, is_true, parse_rfc3339, rfc3339
 from phalanx.operator.context import FINISHED_PHASES, Pass
 from phalanx.operator.schema import format_duration
-from phalanx.operator.spec import JobSpec, gang_enabled, parse_spec
+from phalanx.operator.spec import JobSpec, parse_spec
 from phalanx.operator.supporting import master_address, supporting_names, supporting_objects
 from phalanx.operator.workers import Replacements, finished_slots, pod_exit, reconcile_workers
 
 GANG_VERDICT = "PodGroupInitiallyScheduled"
 """The condition the Kubernetes scheduler sets on a PodGroup: whether it placed the gang (it stays True)."""
-NO_POD_GROUP_API = (
-    "spec.gangScheduling needs the PodGroup API (scheduling.k8s.io/v1beta1), which this cluster does not "
-    "serve: it comes with Kubernetes 1.37 or later, with the GenericWorkload feature gate on in "
-    "kube-apiserver and kube-scheduler and --runtime-config=scheduling.k8s.io/v1beta1=true on "
-    "kube-apiserver. Enable it, or create the job without spec.gangScheduling"
-)
 
 
 def managed_here(job: Mapping[str, Any]) -> bool:
@@ -187,8 +182,9 @@ def _runnable_spec(ctx: Pass) -> JobSpec | None:
         message = privileged.refusal(asked, policy=ctx.settings.admission_policy)
         lifecycle.fail(ctx, reason=privileged.REASON, message=message, spec=spec)
         return None
-    if spec.gang_min_nodes is not None and not ctx.observed.pod_group_api:
-        lifecycle.fail(ctx, reason="GangSchedulingUnavailable", message=NO_POD_GROUP_API, spec=spec)
+    if spec.gang is not None and not ctx.observed.pod_group_api:
+        message = gang_module.UNAVAILABLE[spec.gang.scheduler]
+        lifecycle.fail(ctx, reason="GangSchedulingUnavailable", message=message, spec=spec)
         return None
     if expired := _refused_for_too_long(ctx, spec):
         lifecycle.fail(ctx, reason=refusals.REASON, message=expired, spec=spec)
@@ -208,7 +204,9 @@ def _supporting_objects_blocked(
     job = ctx.job
     wanted = supporting_objects(job, settings=ctx.settings, token=new_token, metrics_token=metrics_token)
     names = set(supporting_names(wanted))
-    if gang_enabled(job.get("spec") or {}):  # its PodGroup too: a foreign one would take the job's Pods in
+    if gang_module.enabled(
+        job.get("spec") or {}
+    ):  # its PodGroup too: a foreign one would take the job's Pods in
         names.add(("PodGroup", elasticjob.pod_group(ctx.name)))
     if foreign := sorted(names & ctx.observed.foreign):
         _blocked_by_foreign(ctx, foreign)
@@ -441,32 +439,47 @@ def _refused_for_too_long(ctx: Pass, spec: JobSpec) -> str:
 
 
 def _keep_gang(ctx: Pass, spec: JobSpec) -> None:
-    """Keeps the job's PodGroup (created once, its minCount following the spec) and mirrors the
-    scheduler's verdict on it, PodGroupInitiallyScheduled, as the GangScheduled condition, with an Event
-    when it changes: a job whose gang does not fit says so instead of sitting Pending without a word."""
-    assert spec.gang_min_nodes is not None
-    group = ctx.observed.pod_group
+    """Keeps the job's PodGroup (created once, its minimum following the spec) and mirrors the scheduler's
+    verdict as the GangScheduled condition, with an Event when it changes: a job whose gang does not fit says
+    so instead of sitting Pending without a word."""
+    assert spec.gang is not None
+    group, scheduler = ctx.observed.pod_group, spec.gang.scheduler
     if group is None:
         ctx.actions.append(Create(builders.pod_group(ctx.job, spec)))
         return
-    gang = ((group.get("spec") or {}).get("schedulingPolicy") or {}).get("gang") or {}
-    if gang.get("minCount") != spec.gang_min_nodes:
-        ctx.actions.append(PatchPodGroup(elasticjob.pod_group(ctx.name), spec.gang_min_nodes))
-    verdict = get_condition((group.get("status") or {}).get("conditions") or [], GANG_VERDICT)
+    count = gang_module.min_count(group, scheduler)
+    if count != spec.gang.min_nodes:
+        ctx.actions.append(PatchPodGroup(elasticjob.pod_group(ctx.name), spec.gang.min_nodes, scheduler))
+    verdict = _gang_verdict(ctx, group, spec.gang)
     if verdict is None:  # the scheduler has not looked at it yet
         return
-    placed = verdict.get("status") == "True"
-    count, detail = gang.get("minCount"), str(verdict.get("message") or "")
+    placed, reason, detail = verdict
     if placed:
         message = f"the scheduler placed at least {count} worker Pods at once"
     else:
         message = f"the scheduler cannot place {count} worker Pods at once{': ' if detail else ''}{detail}"
-    reason = str(verdict.get("reason") or ("Scheduled" if placed else "Unknown"))
     before = get_condition(ctx.conditions, "GangScheduled")
     ctx.condition("GangScheduled", placed, reason, message)
     if before is None or before.get("status") != str(placed):  # an Event per change, not per pass
         kind, event = ("Normal", "GangScheduled") if placed else ("Warning", "GangUnschedulable")
         ctx.actions.append(Event(kind, event, message))
+
+
+def _gang_verdict(
+    ctx: Pass, group: Mapping[str, Any], gang: gang_module.Gang
+) -> tuple[bool, str, str] | None:
+    """The scheduler's verdict: the in-tree PodGroup's condition, or, for a scheduler that writes none on
+    its group, what its worker Pods say (bound, or its message on one it holds back)."""
+    if gang.scheduler == gang_module.KUBERNETES:
+        verdict = get_condition((group.get("status") or {}).get("conditions") or [], GANG_VERDICT)
+        if verdict is None:
+            return None
+        placed = verdict.get("status") == "True"
+        reason = str(verdict.get("reason") or ("Scheduled" if placed else "Unknown"))
+        return placed, reason, str(verdict.get("message") or "")
+    live = [w for w in ctx.workers if w.live]
+    waiting = [w.stuck[1] for w in live if not w.node_name and w.stuck[0] == "Unschedulable" and w.stuck[1]]
+    return gang_module.verdict_from_pods(sum(1 for w in live if w.node_name), waiting, gang)
 
 
 def _blocked_by_foreign(ctx: Pass, foreign: Sequence[tuple[str, str]]) -> None:

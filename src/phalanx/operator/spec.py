@@ -40,6 +40,8 @@ from phalanx.operator.admission import (
     MAX_RESTART_BUDGET,
     MAX_SHARED_MEMORY,
 )
+from phalanx.operator.gang import Gang
+from phalanx.operator.gang import parse as parse_gang
 from phalanx.operator.placement import Placement
 
 MAX_TEMPLATE_BYTES = 256 * 1024
@@ -85,8 +87,8 @@ class JobSpec:
     """``spec.activeDeadline``: seconds the job may be active (from its start or last resume); None: none."""
     ttl_after_finished_s: float | None = None
     """``spec.ttlAfterFinished``: seconds a finished job is kept, then the operator deletes it; None: kept."""
-    gang_min_nodes: int | None = None
-    """``spec.gangScheduling``: worker Pods the scheduler must place at once; None: no gang scheduling."""
+    gang: Gang | None = None
+    """``spec.gangScheduling``: the scheduler and the worker Pods it must place at once; None: off."""
     max_disruptions: int = JobPodSettings().max_disruptions
     """``spec.restart.maxDisruptions``: worker Pods the cluster may end and the operator replace."""
     placement: Mapping[str, Placement] = field(default_factory=dict)  # by pod set: Kueue's admission
@@ -98,6 +100,10 @@ class JobSpec:
     @property
     def max_nodes(self) -> int:
         return self.rendezvous.max_nodes
+
+    @property
+    def gang_min_nodes(self) -> int | None:
+        return self.gang.min_nodes if self.gang else None
 
 
 def _group(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -164,29 +170,6 @@ def ttl_after_finished(spec: Mapping[str, Any]) -> float | None:
     """``spec.ttlAfterFinished`` in seconds (None: keep the finished job); a ConfigError naming the field
     unless it is a duration. Read on its own as well: a job that failed for an invalid spec still has one."""
     return _optional_dur(spec, "ttlAfterFinished")
-
-
-def gang_enabled(spec: Mapping[str, Any]) -> bool:
-    """Whether ``spec.gangScheduling`` is on; read on its own by the executor, before the spec is parsed."""
-    gang = spec.get("gangScheduling")
-    return isinstance(gang, Mapping) and gang.get("enabled") is True
-
-
-def _gang_min_nodes(spec: Mapping[str, Any], rendezvous: RendezvousSettings) -> int | None:
-    """``spec.gangScheduling`` -> the gang's minimum (nodes.min unless minNodes is given), None when off."""
-    gang = _group(spec, "gangScheduling")
-    enabled = gang.get("enabled", False)
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"expected true or false, got {enabled!r}", field="spec.gangScheduling.enabled")
-    if not enabled:
-        return None
-    count = gang.get("minNodes", rendezvous.min_nodes)
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= rendezvous.max_nodes:
-        raise ConfigError(
-            f"must be a whole number from 1 to nodes.max ({rendezvous.max_nodes}), got {count!r}",
-            field="spec.gangScheduling.minNodes",
-        )
-    return count
 
 
 def _factor(value: Any) -> float:
@@ -458,7 +441,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     suspend = _suspend(spec)
     deadline = active_deadline(spec)
     ttl = ttl_after_finished(spec)
-    gang = _gang_min_nodes(spec, rendezvous)
+    gang = parse_gang(spec, min_nodes=rendezvous.min_nodes, max_nodes=rendezvous.max_nodes)
     template, container = _first_container(spec)
     nproc = _nproc(spec, container)
     tensor, pipeline = _parallelism(par, nproc=nproc, unit=rendezvous.unit)
@@ -487,7 +470,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         create_refused_timeout_s=_create_refused_timeout(spec),
         active_deadline_s=deadline,
         ttl_after_finished_s=ttl,
-        gang_min_nodes=gang,
+        gang=gang,
         max_disruptions=_max_disruptions(_group(spec, "restart")),
     )
 

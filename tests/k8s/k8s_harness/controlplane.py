@@ -69,7 +69,6 @@ def write_kubeconfig(
     return path
 
 
-KUEUE = "apis/kueue.x-k8s.io/v1beta2"
 RESOURCES = {
     # kubectl's name: (API group path, plural, namespaced)
     **dict.fromkeys(("ej", "elasticjob", "elasticjobs"), ("apis/phalanx.dev/v1alpha1", "elasticjobs", True)),
@@ -82,8 +81,6 @@ RESOURCES = {
     **dict.fromkeys(("lease", "leases"), ("apis/coordination.k8s.io/v1", "leases", True)),
     **dict.fromkeys(("podgroup", "podgroups"), ("apis/scheduling.k8s.io/v1beta1", "podgroups", True)),
     **dict.fromkeys(("crd", "crds"), ("apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False)),
-    **dict.fromkeys(("workload", "workloads"), (KUEUE, "workloads", True)),
-    **dict.fromkeys(("clusterqueue", "clusterqueues"), (KUEUE, "clusterqueues", False)),
 }
 
 

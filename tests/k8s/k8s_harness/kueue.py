@@ -18,16 +18,14 @@ import base64
 import contextlib
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
-from k8s_harness import certs
+from k8s_harness import certs, served
 
 EXTERNAL_FRAMEWORK = "ElasticJob.v1alpha1.phalanx.dev"
 NAMESPACE = "kueue-system"
@@ -137,18 +135,13 @@ def running(*, binary: Path, kubeconfig: Path, kubectl: Path, state: Path) -> It
             start_new_session=True,
         )  # fmt: skip
     try:
-        _wait_ready(process, f"http://127.0.0.1:{probes}/readyz", log)
+        served.wait_answering(process, f"http://127.0.0.1:{probes}/readyz", log, what="kueue")
         yield Kueue(config_dir=folder, log=log)
     finally:
         names = [f"{w['kind'].lower()}/{w['metadata']['name']}" for w in objects if "webhooks" in w]
         subprocess.run([str(kubectl), f"--kubeconfig={kubeconfig}", "delete", "--ignore-not-found", *names],
                        capture_output=True, timeout=60, check=False)  # fmt: skip
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        served.stop(process)
 
 
 def _with_metrics_certificate(argv: list[str], folder: Path) -> list[str]:
@@ -177,17 +170,3 @@ def make_ca_and_cert(folder: Path) -> None:
     serving.mkdir(exist_ok=True)
     (serving / "tls.crt").write_bytes(served.cert.read_bytes())
     (serving / "tls.key").write_bytes(served.key.read_bytes())
-
-
-def _wait_ready(process: subprocess.Popen[bytes], url: str, log: Path, *, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"kueue exited with {process.returncode}: {log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"kueue not ready within {timeout:g}s: {log.read_text()[-4000:]}")
