@@ -147,7 +147,7 @@ def test_valid_job_gets_defaults_and_immutable_fields(control_plane: ControlPlan
             "enabled": False, "probes": ["matmul", "allgather"], "interval": "0s", "timeout": "2m",
             "confirmRounds": 2, "evictSlowNodes": False,
         }  # fmt: skip
-        assert spec["gangScheduling"] == {"enabled": False}
+        assert spec["gangScheduling"] == {"enabled": False, "scheduler": "kubernetes"}
         changed = copy.deepcopy(got)
         changed["spec"]["nprocPerNode"] = 4
         out = control_plane.kubectl("replace", "-f", "-", input_text=json.dumps(changed), check=False)
@@ -156,5 +156,9 @@ def test_valid_job_gets_defaults_and_immutable_fields(control_plane: ControlPlan
         changed["spec"]["gangScheduling"] = {"enabled": True}
         out = control_plane.kubectl("replace", "-f", "-", input_text=json.dumps(changed), check=False)
         assert "gangScheduling.enabled cannot be changed on a running job" in out
+        changed = copy.deepcopy(got)
+        changed["spec"]["gangScheduling"]["scheduler"] = "coscheduling"
+        out = control_plane.kubectl("replace", "-f", "-", input_text=json.dumps(changed), check=False)
+        assert "gangScheduling.scheduler and schedulerName cannot be changed on a running job" in out
     finally:
         control_plane.kubectl("delete", "ej", "defaults", "--wait=false")

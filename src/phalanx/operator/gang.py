@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.api.errors import ConfigError
+from phalanx.operator.actions import PodView
+from phalanx.operator.conditions import get_condition
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ APIS = {
     COSCHEDULING: GangApi("scheduling.x-k8s.io", "v1alpha1"),
 }
 SCHEDULERS = tuple(APIS)
+GANG_VERDICT = "PodGroupInitiallyScheduled"
+"""The condition the Kubernetes scheduler sets on a PodGroup: whether it placed the gang (it stays True)."""
 COSCHEDULING_LABEL = "scheduling.x-k8s.io/pod-group"
 DEFAULT_SCHEDULER_NAMES = {KUBERNETES: "", COSCHEDULING: "scheduler-plugins-scheduler"}
 """The Pods' ``schedulerName`` unless ``gangScheduling.schedulerName`` says otherwise ("": the template's)."""
@@ -134,12 +138,23 @@ def join(pod: dict[str, Any], group: str, gang: Gang) -> None:
         pod["spec"]["schedulerName"] = gang.scheduler_name
 
 
-def verdict_from_pods(bound: int, waiting: Sequence[str], gang: Gang) -> tuple[bool, str, str] | None:
-    """(placed, reason, detail) of a gang whose scheduler writes no verdict on the group: placed once
-    ``min_nodes`` workers are bound; not placed while a worker waits with the scheduler's message; None
-    before the scheduler said anything."""
-    if bound >= gang.min_nodes:
+def verdict(group: Mapping[str, Any], workers: Sequence[PodView], gang: Gang) -> tuple[bool, str, str] | None:
+    """(placed, reason, detail) of the scheduler on the gang; None before it said anything. The in-tree
+    scheduler's is its PodGroup's condition; one that writes none on its group (Coscheduling without its
+    controller) is read from the worker Pods: placed once ``min_nodes`` are bound, not placed while one waits
+    with the scheduler's message."""
+    if gang.scheduler == KUBERNETES:
+        said = get_condition((group.get("status") or {}).get("conditions") or [], GANG_VERDICT)
+        if said is None:
+            return None
+        placed = said.get("status") == "True"
+        return (
+            placed,
+            str(said.get("reason") or ("Scheduled" if placed else "Unknown")),
+            str(said.get("message") or ""),
+        )
+    live = [w for w in workers if w.live]
+    if sum(1 for w in live if w.node_name) >= gang.min_nodes:
         return True, "Scheduled", ""
-    if waiting:
-        return False, "Unschedulable", waiting[0]
-    return None
+    waiting = [w.stuck[1] for w in live if not w.node_name and w.stuck[0] == "Unschedulable" and w.stuck[1]]
+    return (False, "Unschedulable", waiting[0]) if waiting else None

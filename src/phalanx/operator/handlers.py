@@ -1,6 +1,7 @@
 """When to reconcile: every trigger only asks for a pass of the executor; the decision is
 :func:`phalanx.operator.reconcile.reconcile`, and the state it sees comes from the watch caches
-(:mod:`phalanx.operator.cache`).
+(:mod:`phalanx.operator.cache`): the jobs, their Pods and, where Kueue is installed when the operator starts,
+their Workloads.
 
 Level based: every job is reconciled every ``reconcile_interval_s`` whatever events were missed (an
 operator restarted mid-job, or a new leader, simply continues); a change of a job (created, spec or status
@@ -23,7 +24,7 @@ from typing import Any, cast
 
 from phalanx.api.elasticjob import GROUP, PLURAL, VERSION
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import names
+from phalanx.operator import kueue, names
 from phalanx.operator.cache import WatchCache
 from phalanx.operator.executor import Executor
 
@@ -71,6 +72,8 @@ class Reconciler:
             on_change=self._changed,
         )  # fmt: skip
         executor.use_caches(jobs=self.jobs, pods=self.pods)
+        self.workloads: WatchCache | None = None
+        self._namespace = settings.namespace
         self._pool = ThreadPoolExecutor(max_workers=PASS_WORKERS, thread_name_prefix="pass")
         self._stop = threading.Event()
         self._synced = threading.Event()
@@ -78,8 +81,8 @@ class Reconciler:
         self._last_tick = time.monotonic()
 
     def start(self) -> Reconciler:
-        self.jobs.start()
-        self.pods.start()
+        for cache in (self.jobs, self.pods):
+            cache.start()
         for cache in (self.jobs, self.pods):
             if not cache.wait_synced(SYNC_TIMEOUT_S):
                 raise TimeoutError(f"could not list {cache.kind} within {SYNC_TIMEOUT_S}s")
@@ -91,6 +94,8 @@ class Reconciler:
         self._stop.set()
         self.jobs.stop()
         self.pods.stop()
+        if self.workloads is not None:
+            self.workloads.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def healthy(self) -> bool:
@@ -110,9 +115,34 @@ class Reconciler:
         if self._synced.is_set() and not self._stop.is_set():
             self._pool.submit(self._pass, namespace, name)
 
+    def _watch_workloads(self) -> None:
+        """Once Kueue serves Workloads (installed before the operator or after), the jobs' Workloads are
+        watched too: a queued job's pass reads its Workload from memory and runs at once when Kueue admits or
+        evicts it. Until the watch has listed them, a pass reads its job's Workload with a GET."""
+        queues = self.executor.queues
+        if self.workloads is not None or not queues.serves_workloads():
+            return
+        custom, ns = self.executor.custom, self._namespace
+        self.workloads = WatchCache(
+            kind=kueue.WORKLOADS,
+            list_fn=custom.list_namespaced_custom_object if ns else custom.list_cluster_custom_object,
+            list_args=(kueue.GROUP, kueue.VERSION, *([ns] if ns else []), kueue.WORKLOADS),
+            label_selector=f"app.kubernetes.io/managed-by={names.MANAGED_BY}", index=pod_key,
+            on_change=self._changed,
+        ).start()  # fmt: skip
+        threading.Thread(target=self._use_workloads, args=(self.workloads,), daemon=True).start()
+
+    def _use_workloads(self, cache: WatchCache) -> None:
+        if cache.wait_synced(SYNC_TIMEOUT_S):
+            self.executor.queues.use_cache(cache)
+
     def _resync(self) -> None:
         while not self._stop.is_set():
             self._last_tick = time.monotonic()
+            try:
+                self._watch_workloads()
+            except Exception:  # the API server's hiccup: the passes read Workloads with GETs meanwhile
+                log.exception("cannot start watching Kueue's Workloads")
             for namespace, name in self.jobs.idents():
                 self.trigger(namespace, name)
             self._stop.wait(self.interval_s)

@@ -17,35 +17,52 @@ from phalanx.operator.actions import DeleteWorkload, PatchWorkloadStatus, QueueV
 KUEUE = kueue.GROUP
 SERVED_SEEN_FOR_S = 60.0
 """How long a "no" to whether Workloads are served is believed before it is asked again."""
+FLAVOR_SEEN_FOR_S = 60.0
+"""How long a ResourceFlavor read is used before it is read again (they change when an administrator edits
+them; a pass of every admitted job would otherwise read them every reconcile interval)."""
 
 
 class QueueClient:
-    """One per operator process; ``custom`` is a CustomObjectsApi, ``scheduling`` a SchedulingV1Api."""
+    """One per operator process; ``custom`` is a CustomObjectsApi, ``scheduling`` a SchedulingV1Api. With
+    :meth:`use_cache`, Workloads are read from the operator's watch of them (:mod:`phalanx.operator.cache`),
+    else with a GET per pass of a queued job."""
 
     def __init__(self, *, custom: Any, scheduling: Any) -> None:
         self.custom, self.scheduling = custom, scheduling
+        self.workloads: Any = None
         self._served = False
         self._unserved_until = 0.0
+        self._flavors: dict[str, tuple[float, Mapping[str, Any]]] = {}
+
+    def use_cache(self, workloads: Any) -> None:
+        self.workloads = workloads
 
     def observe(self, job: Mapping[str, Any]) -> QueueView:
-        if not self._serves_workloads():
+        if not self.serves_workloads(fresh=True):  # a "no" fails the job: never a stale one
             return QueueView(served=False)
-        found = self._get(
-            kueue.VERSION, kueue.WORKLOADS, kueue.workload_name(job), job["metadata"]["namespace"]
-        )
-        flavors = {}
-        for name in kueue.flavor_names(found):
-            flavor = self._get("v1beta2", "resourceflavors", name)
-            if flavor is None:
-                raise KubernetesError(f"ResourceFlavor {name}, named by the job's admission, does not exist")
-            flavors[name] = flavor.get("spec") or {}
+        name, namespace = kueue.workload_name(job), job["metadata"]["namespace"]
+        if self.workloads is not None:
+            found = self.workloads.get(namespace, name)
+        else:
+            found = self._get(kueue.VERSION, kueue.WORKLOADS, name, namespace)
+        flavors = {flavor: self._flavor(flavor) for flavor in kueue.flavor_names(found)}
         return QueueView(workload=found, flavors=flavors, priority={} if found else self._priority(job))
 
-    def _serves_workloads(self) -> bool:
-        """API discovery: a yes is kept for the process's life, a no for a minute."""
+    def _flavor(self, name: str) -> Mapping[str, Any]:
+        seen_at, spec = self._flavors.get(name, (0.0, {}))
+        if time.monotonic() - seen_at < FLAVOR_SEEN_FOR_S:
+            return spec
+        flavor = self._get("v1beta2", "resourceflavors", name)
+        if flavor is None:
+            raise KubernetesError(f"ResourceFlavor {name}, named by the job's admission, does not exist")
+        self._flavors[name] = (time.monotonic(), flavor.get("spec") or {})
+        return self._flavors[name][1]
+
+    def serves_workloads(self, *, fresh: bool = False) -> bool:
+        """API discovery: a yes is kept for the process's life, a no for a minute (``fresh``: asked again)."""
         from kubernetes.client.exceptions import ApiException
 
-        if self._served or time.monotonic() < self._unserved_until:
+        if self._served or (not fresh and time.monotonic() < self._unserved_until):
             return self._served
         try:
             found = self.custom.get_api_resources(KUEUE, kueue.VERSION)
@@ -100,9 +117,12 @@ class QueueClient:
         return {"priorityClassRef": ref, "priority": int(value or 0)}
 
     def create(self, namespace: str, obj: Mapping[str, Any]) -> Any:
-        return self.custom.create_namespaced_custom_object(
+        created = self.custom.create_namespaced_custom_object(
             KUEUE, kueue.VERSION, namespace, kueue.WORKLOADS, obj
         )
+        if self.workloads is not None:
+            self.workloads.put(created)  # write-through: the next pass sees it before the watch does
+        return created
 
     def apply(self, job: Mapping[str, Any], action: SetSuspend | DeleteWorkload | PatchWorkloadStatus) -> Any:
         """Carries out one of the queue's actions; returns the job as patched for :class:`SetSuspend`."""
@@ -119,11 +139,15 @@ class QueueClient:
                 self.custom.delete_namespaced_custom_object(
                     KUEUE, kueue.VERSION, ns, kueue.WORKLOADS, action.name
                 )
+                if self.workloads is not None:
+                    self.workloads.remove(ns, action.name)
             else:
                 patch = {"metadata": {"resourceVersion": action.resource_version}, "status": action.status}
-                self.custom.patch_namespaced_custom_object_status(
+                patched = self.custom.patch_namespaced_custom_object_status(
                     KUEUE, kueue.VERSION, ns, kueue.WORKLOADS, action.name, patch
                 )
+                if self.workloads is not None:
+                    self.workloads.put(patched)
         except ApiException as exc:
             if exc.status not in (404, 409):  # gone, or changed since read: the next pass sees it anew
                 raise

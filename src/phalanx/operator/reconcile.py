@@ -80,9 +80,6 @@ from phalanx.operator.spec import JobSpec, parse_spec
 from phalanx.operator.supporting import master_address, supporting_names, supporting_objects
 from phalanx.operator.workers import Replacements, finished_slots, pod_exit, reconcile_workers
 
-GANG_VERDICT = "PodGroupInitiallyScheduled"
-"""The condition the Kubernetes scheduler sets on a PodGroup: whether it placed the gang (it stays True)."""
-
 
 def managed_here(job: Mapping[str, Any]) -> bool:
     """Whether this operator reconciles the job: ``spec.managedBy`` absent or naming it. A job another
@@ -450,7 +447,7 @@ def _keep_gang(ctx: Pass, spec: JobSpec) -> None:
     count = gang_module.min_count(group, scheduler)
     if count != spec.gang.min_nodes:
         ctx.actions.append(PatchPodGroup(elasticjob.pod_group(ctx.name), spec.gang.min_nodes, scheduler))
-    verdict = _gang_verdict(ctx, group, spec.gang)
+    verdict = gang_module.verdict(group, ctx.workers, spec.gang)
     if verdict is None:  # the scheduler has not looked at it yet
         return
     placed, reason, detail = verdict
@@ -463,23 +460,6 @@ def _keep_gang(ctx: Pass, spec: JobSpec) -> None:
     if before is None or before.get("status") != str(placed):  # an Event per change, not per pass
         kind, event = ("Normal", "GangScheduled") if placed else ("Warning", "GangUnschedulable")
         ctx.actions.append(Event(kind, event, message))
-
-
-def _gang_verdict(
-    ctx: Pass, group: Mapping[str, Any], gang: gang_module.Gang
-) -> tuple[bool, str, str] | None:
-    """The scheduler's verdict: the in-tree PodGroup's condition, or, for a scheduler that writes none on
-    its group, what its worker Pods say (bound, or its message on one it holds back)."""
-    if gang.scheduler == gang_module.KUBERNETES:
-        verdict = get_condition((group.get("status") or {}).get("conditions") or [], GANG_VERDICT)
-        if verdict is None:
-            return None
-        placed = verdict.get("status") == "True"
-        reason = str(verdict.get("reason") or ("Scheduled" if placed else "Unknown"))
-        return placed, reason, str(verdict.get("message") or "")
-    live = [w for w in ctx.workers if w.live]
-    waiting = [w.stuck[1] for w in live if not w.node_name and w.stuck[0] == "Unschedulable" and w.stuck[1]]
-    return gang_module.verdict_from_pods(sum(1 for w in live if w.node_name), waiting, gang)
 
 
 def _blocked_by_foreign(ctx: Pass, foreign: Sequence[tuple[str, str]]) -> None:
