@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from k8s_harness import served
+from phalanx.api.ports import free_port
 
 SCHEDULER_NAME = "scheduler-plugins-scheduler"
 PERMIT_WAIT_S = 5
@@ -24,12 +25,6 @@ REQUEUE_S = 10
 rejected when a Pod is created or a PodGroup changes, not when one is deleted: a gang that waits for a
 deleted Pod's room is tried again only after this. A busy cluster creates Pods all the time; the test's
 does not."""
-
-
-def _free_port() -> int:
-    from phalanx.api.ports import free_port
-
-    return free_port()
 
 
 @contextlib.contextmanager
@@ -59,7 +54,7 @@ def running(*, binary: Path, kubeconfig: Path, kubectl: Path, state: Path) -> It
         }],
     }  # fmt: skip
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     log = folder / "scheduler.log"
     argv = [
         str(binary), f"--config={folder / 'config.yaml'}", "--v=2",

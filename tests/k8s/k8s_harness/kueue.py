@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from k8s_harness import certs, served
+from phalanx.api.ports import free_port
 
 EXTERNAL_FRAMEWORK = "ElasticJob.v1alpha1.phalanx.dev"
 NAMESPACE = "kueue-system"
@@ -38,12 +39,6 @@ config/components/crd/kustomization.yaml."""
 class Kueue:
     config_dir: Path
     log: Path
-
-
-def _free_port() -> int:
-    from phalanx.api.ports import free_port
-
-    return free_port()
 
 
 def _ca_bundle(ca: Path) -> str:
@@ -93,7 +88,7 @@ def running(*, binary: Path, kubeconfig: Path, kubectl: Path, state: Path) -> It
     folder.mkdir(parents=True, exist_ok=True)
     config = binary.parent / "kueue-config"
     make_ca_and_cert(folder)
-    port, probes, metrics = _free_port(), _free_port(), _free_port()
+    port, probes, metrics = free_port(), free_port(), free_port()
     url, bundle = f"https://127.0.0.1:{port}", _ca_bundle(folder / "ca.crt")
 
     def kube(*args: str, text: str | None = None) -> str:
