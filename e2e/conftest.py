@@ -52,6 +52,10 @@ class Target:
     """Kills a Node's machine (kubelet, runtime, containers) by name, where the cluster lets the tests."""
     power_on: Callable[[str], None] | None = None
     """Brings a Node that :attr:`power_off` killed back, empty, as a rebooted machine."""
+    stop_kubelet: Callable[[str], None] | None = None
+    """Kills a Node's kubelet only (its containers run on), where the cluster lets the tests."""
+    start_kubelet: Callable[[str], None] | None = None
+    """Starts the kubelet :attr:`stop_kubelet` killed again."""
     storage: Callable[[str], str] | None = None
     """Makes a ReadWriteMany PersistentVolumeClaim in a namespace that every node mounts; returns its name."""
     pods_reachable: bool = False
@@ -186,6 +190,8 @@ def _own_cluster(home: Path) -> Iterator[Target]:
                 ),
                 power_off=nodes.power_off,
                 power_on=nodes.power_on,
+                stop_kubelet=nodes.stop_kubelet,
+                start_kubelet=nodes.start_kubelet,
                 storage=lambda namespace: _host_claim(kube, state / "volumes", state / "volumes", namespace),
                 pods_reachable=True,  # the nodes' bridge is this machine's
                 guarded_node=nodes.names[0],  # kube-router's firewall (tests/k8s/k8s_harness/netpol.py)
@@ -218,6 +224,9 @@ def phalanx(target: Target) -> Iterator[Target]:
         # One replica: the node-loss scenario spares the operator's node (tests/k8s/test_operator_ha.py runs
         # two replicas and kills the leader).
         "--set", "operator.replicas=1",
+        # A master whose node stops answering is evicted after 10 s rather than the default 30 s: a scenario
+        # waits for it (on top of the 20 s a silent node takes to turn NotReady here).
+        "--set", "operator.masterNodeLostSeconds=10",
         # Every scenario runs over TLS: the operator issues each master a certificate for its Service name,
         # which the agents verify through cluster DNS (the process kubelet's rewritten addresses cannot).
         "--set", "operator.masterTLS.enabled=true",

@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +242,80 @@ def test_a_lost_node_is_replaced_on_a_node_still_there(phalanx: Target, ns: str)
     finally:
         assert phalanx.power_on is not None
         phalanx.power_on(lost)
+
+
+MASTER_NODE_LOST_S = 10
+"""The chart's operator.masterNodeLostSeconds in these scenarios (e2e/conftest.py)."""
+
+
+def _answers(ip: str, port: int) -> bool:
+    try:
+        socket.create_connection((ip, port), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_a_master_whose_node_stops_answering_is_replaced_and_the_old_one_fenced(
+    phalanx: Target, ns: str
+) -> None:
+    """The master's node loses its kubelet (its containers run on, unseen): the master Pod is evicted after
+    the operator's bound, replaced at once on the other node, and the old master process, still running,
+    stops by itself once the new one holds the job's state; the workers train on, none replaced."""
+    t = phalanx
+    if t.stop_kubelet is None or t.start_kubelet is None:
+        pytest.fail("this cluster gives the scenarios no way to stop a kubelet (Target.stop_kubelet)")
+    operators = t.kube.get("pods", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/component=operator")
+    spared = sorted({p["spec"]["nodeName"] for p in operators["items"]})[0]
+    silent = next(
+        n["metadata"]["name"] for n in t.kube.get("nodes")["items"] if n["metadata"]["name"] != spared
+    )
+    t.kube("cordon", spared)  # the master goes to the node that will fall silent (and may leave it later)
+    try:
+        _apply_example(t, ns, steps=400, step_s=0.2)
+        (old,) = t.kube.wait_for("the master placed", lambda: [
+            p for p in t.kube.get("pods", "-n", ns, "-l", "phalanx.dev/role=master")["items"]
+            if p["spec"].get("nodeName")], timeout=60, namespace=ns)  # fmt: skip
+    finally:
+        t.kube("uncordon", spared)
+    assert old["spec"]["nodeName"] == silent
+    _training(t, ns)
+    old = _pods(t, ns, "master")[0]
+    old_ip, port = old["status"]["podIP"], 8080
+    assert _answers(old_ip, port), "the old master serves before its node falls silent"
+    reached = int(_status(t, ns)["step"])
+    t.stop_kubelet(silent)
+    stopped = time.monotonic()
+    try:
+
+        def master_ready() -> str:
+            found = [c for c in _status(t, ns).get("conditions", []) if c["type"] == "MasterReady"]
+            return found[0]["status"] if found else ""
+
+        t.kube.wait_for("MasterReady False while its node is silent", lambda: master_ready() == "False",
+                        timeout=90, namespace=ns)  # fmt: skip
+        t.kube.wait_for("a new master serving on the other node", lambda: master_ready() == "True" and [
+            p for p in _pods(t, ns, "master")
+            if p["metadata"]["uid"] != old["metadata"]["uid"] and p["spec"]["nodeName"] == spared
+        ], timeout=150, namespace=ns)  # fmt: skip
+        took = time.monotonic() - stopped
+        print(f"\nthe new master served {took:.1f} s after the master node's kubelet stopped")
+        # NotReady after the node controller's grace (20 s here), evicted MASTER_NODE_LOST_S later, then
+        # scheduled and started on the other node.
+        assert took < 20 + MASTER_NODE_LOST_S + 60, f"the new master served {took:.0f} s after the loss"
+        t.kube.wait_for("the old master process stopped by itself (fenced)",
+                        lambda: not _answers(old_ip, port), timeout=30, namespace=ns)  # fmt: skip
+        taken_over = int(_status(t, ns)["step"])
+        assert taken_over > reached, "the workers trained on while the master was away"
+        t.kube.wait_for("training going on with the new master",
+                        lambda: int(_status(t, ns).get("step", -1)) > taken_over + 20, timeout=120,
+                        namespace=ns)  # fmt: skip
+        assert "MasterNodeLost" in _events(t, ns)
+        status = _succeeded(t, ns, timeout=300)
+        assert status["step"] >= 399, status
+        assert status.get("replacements", 0) == 0, "no worker replaced: they kept training"
+    finally:
+        t.start_kubelet(silent)
 
 
 def test_a_drained_nodes_worker_is_replaced_without_spending_the_eviction_budget(

@@ -91,13 +91,13 @@ def _get(url: str, token: str) -> int:
 def test_example_runs_to_success(cluster: Cluster) -> None:
     ns = "example"
     _apply_example(cluster, ns, steps=40, step_s=0.1)
-    # Beside it, a job another controller manages (spec.managedBy, as MultiKueue sets it): left alone.
+    # Beside it, a job another controller manages (spec.managedBy): left alone.
     container = {"name": "t", "image": "x", "command": ["python", "t.py"]}
     foreign = {
         "apiVersion": "phalanx.dev/v1alpha1", "kind": "ElasticJob",
         "metadata": {"name": "foreign", "namespace": ns},
         "spec": {
-            "managedBy": "kueue.x-k8s.io/multikueue", "nodes": {"min": 1, "max": 1},
+            "managedBy": "example.com/another-controller", "nodes": {"min": 1, "max": 1},
             "template": {"spec": {"containers": [container]}},
         },
     }  # fmt: skip

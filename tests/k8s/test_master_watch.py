@@ -6,7 +6,9 @@ real control plane, as the master's own service account with the Role the operat
 * a watch the API server refuses as too old (410 Gone) is listed again, and a watch whose connection is cut
   (a real TCP proxy drops it) is resumed from its last resourceVersion, without a new LIST;
 * progress publishes are coalesced (counted as the object's resourceVersion changes, seen by a separate
-  watch), while an eviction goes out at once.
+  watch), while an eviction goes out at once;
+* one master holds the job's state at a time: a replacement's claim fences the old one, whose saves fail and
+  whose process stops on its own within seconds.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from kubernetes.client.exceptions import ApiException
 from tests.eventually import eventually
 
 from phalanx.api.elasticjob import GROUP, PLURAL, VERSION
-from phalanx.master.kube import ElasticJobStatusSink
+from phalanx.api.errors import MasterFenced
+from phalanx.master.kube import HOLDER_ANNOTATION, ConfigMapStateStore, ElasticJobStatusSink
+from phalanx.master.runtime import FENCE_CHECK_S
+from phalanx.master.server import FENCED_EXIT
 from phalanx.operator import supporting
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
@@ -100,6 +105,21 @@ def _patch_spec(cp: ControlPlane, name: str, spec: dict[str, Any]) -> None:
 
 def _watching(sink: ElasticJobStatusSink) -> bool:
     return sink.watch is not None and sink.watch.connected and sink.spec() is not None
+
+
+def _start_master(master_api: Path, tmp_path: Path, name: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """A real `phalanx master --state k8s://...` as the master's own ServiceAccount, logging to NAME.log."""
+    (tmp_path / "token").write_text("watch-test-token-0123456789abcdef")
+    env = {**os.environ, "KUBECONFIG": str(master_api), "PHALANX_LOG_LEVEL": "INFO"}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    log = tmp_path / f"{name}.log"
+    with log.open("wb") as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "phalanx", "master", "--job-id", JOB, "--nodes", "1:1", "--port", "0",
+             "--http-port", "0", "--token-file", str(tmp_path / "token"), "--state", f"k8s://{NS}/{JOB}"],
+            env=env, stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
+    return process, log
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -182,17 +202,8 @@ def test_a_running_master_acknowledges_a_suspend_within_a_second(
     in its status until the suspend arrives, so only its watch can bring it (the GET it made before came
     every 2 s). Its answer, phase Suspended for the new generation, is the operator's signal. Timed between
     the two versions of the job the API server reports (the spec change, the master's status patch)."""
-    (tmp_path / "token").write_text("watch-test-token-0123456789abcdef")
-    env = {**os.environ, "KUBECONFIG": str(master_api), "PHALANX_LOG_LEVEL": "INFO"}
-    env.pop("KUBERNETES_SERVICE_HOST", None)
     versions = VersionCounter(_admin(control_plane), JOB)
-    log = tmp_path / "master.log"
-    with log.open("wb") as err:
-        master = subprocess.Popen(
-            [sys.executable, "-m", "phalanx", "master", "--job-id", JOB, "--nodes", "1:1", "--port", "0",
-             "--http-port", "0", "--token-file", str(tmp_path / "token"), "--state", f"k8s://{NS}/{JOB}"],
-            env=env, stdout=subprocess.DEVNULL, stderr=err,
-        )  # fmt: skip
+    master, log = _start_master(master_api, tmp_path, "master")
 
     def seen(since: int, check: Callable[[dict[str, Any]], bool]) -> float | None:
         """When the first version at or after index ``since`` that passes ``check`` arrived."""
@@ -400,3 +411,65 @@ def test_progress_is_coalesced_and_an_eviction_goes_out_at_once(
     finally:
         versions.stop()
         sink.close()
+
+
+# ------------------------------------------------------------------------------------------------------
+# Fencing: one master holds the job's state at a time
+
+
+def test_a_master_that_another_took_over_from_cannot_write_the_state(
+    control_plane: ControlPlane, master_api: Path
+) -> None:
+    """Two state stores as the master's own ServiceAccount: the second to load holds the state; the first
+    is told so by every check and every save, and nothing it saves lands."""
+    try:
+        _two_holders(master_api)
+    finally:  # the job's state as the operator made it, empty, for the masters started after this test
+        control_plane.kubectl("patch", "configmap", f"{JOB}-master-state", "-n", NS, "--type=merge",
+                              "-p", '{"data": null}')  # fmt: skip
+
+
+def _two_holders(master_api: Path) -> None:
+    old = ConfigMapStateStore(namespace=NS, name=JOB, api=_client(master_api), holder="old")
+    new = ConfigMapStateStore(namespace=NS, name=JOB, api=_client(master_api), holder="new")
+    old.load()
+    old.save({"round": 1})
+    assert old.holds()
+    assert new.load() == {"round": 1}, "the replacement resumes from what the old one saved"
+    assert new.holds()
+    assert not old.holds()
+    with pytest.raises(MasterFenced, match="master new took over"):
+        old.save({"round": 99})
+    new.save({"round": 2})
+    assert new.load() == {"round": 2}
+    cm = client.CoreV1Api(_client(master_api)).read_namespaced_config_map(f"{JOB}-master-state", NS)
+    assert cm.metadata.annotations[HOLDER_ANNOTATION] == "new"
+
+
+def test_a_replaced_master_process_stops_within_seconds_writing_nothing_more(
+    master_api: Path, tmp_path: Path
+) -> None:
+    """Real `phalanx master` processes: the old one still runs when the new one starts (its node stopped
+    answering, its process did not); it stops on its own within a few seconds of the new one's claim, with
+    the fenced exit status, and the new one goes on holding the state."""
+    old, old_log = _start_master(master_api, tmp_path, "old")
+    new: subprocess.Popen[bytes] | None = None
+    try:
+        eventually(lambda: "holds the job's state as" in old_log.read_text(), timeout=30, interval=0.1)
+        new, new_log = _start_master(master_api, tmp_path, "new")
+        eventually(lambda: "holds the job's state as" in new_log.read_text(), timeout=30, interval=0.1)
+        claimed = time.monotonic()
+        assert old.wait(timeout=15) == FENCED_EXIT, old_log.read_text()[-3000:]
+        assert time.monotonic() - claimed < 2 * FENCE_CHECK_S + 3, "stopped within a check or two"
+        assert "another master took over the job's state" in old_log.read_text()
+        assert "final save" not in old_log.read_text()
+        time.sleep(2 * FENCE_CHECK_S)
+        assert new.poll() is None, new_log.read_text()[-3000:]
+        cm = client.CoreV1Api(_client(master_api)).read_namespaced_config_map(f"{JOB}-master-state", NS)
+        holder = cm.metadata.annotations[HOLDER_ANNOTATION]
+        assert f"holds the job's state as {holder}" in new_log.read_text()
+    finally:
+        for process in (old, new):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)

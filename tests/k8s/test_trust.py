@@ -44,7 +44,7 @@ SIMULATED = {
 
 
 ADMISSION_NAMESPACE = "trust-admission"
-ANOTHER_CONTROLLER = "kueue.x-k8s.io/multikueue"
+ANOTHER_CONTROLLER = "example.com/another-controller"
 """The admission tests' jobs are only admitted, never run: another controller's (``spec.managedBy``), which
 the admission policy checks like any other and the operator leaves alone, so none starts a master."""
 

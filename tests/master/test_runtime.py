@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
+from phalanx.api.errors import MasterFenced, StateStoreError
+from phalanx.master import runtime
 from phalanx.master.job import Job
 from phalanx.master.logstore import LogStore
-from phalanx.master.runtime import Runtime
+from phalanx.master.runtime import FENCE_CHECK_S, Runtime
 from phalanx.master.state import MemoryStateStore, SpecView
 
 from .sim import Sim, settings
@@ -84,3 +87,96 @@ def test_the_job_follows_the_spec_the_sink_reads_and_publishes_its_generation() 
     published = [(s["phase"], s["spec_generation"]) for s in sink.published]
     assert ("Suspended", 2) in published
     assert published[-1] == ("Pending", 3)
+
+
+class TakenOverStore(MemoryStateStore):
+    """Holds the state until ``taken``; then, as a ConfigMap another master claimed, refuses every save.
+    With ``unreachable``, it cannot tell at all (the API server is cut off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taken = False
+        self.unreachable = False
+
+    def holds(self) -> bool:
+        if self.unreachable:
+            raise StateStoreError("cannot read the state ConfigMap: connection refused")
+        return not self.taken
+
+    def save(self, state: Mapping[str, Any]) -> None:
+        if self.taken:
+            raise MasterFenced("master new took over")
+        super().save(state)
+
+
+def _runtime(store: MemoryStateStore) -> tuple[Runtime, ListSink]:
+    job = Job(settings=settings(rendezvous={"min_nodes": 1, "max_nodes": 2}), now=0.0)
+    sink = ListSink()
+    return Runtime(job=job, logs=LogStore(ring_lines=10, max_line_bytes=100, path=None), store=store,
+                   sink=sink), sink  # fmt: skip
+
+
+@pytest.mark.timeout(20)
+def test_a_master_another_took_over_from_stops_and_publishes_nothing_more() -> None:
+    async def scenario() -> tuple[Runtime, ListSink, float]:
+        store = TakenOverStore()
+        rt, sink = _runtime(store)
+        tasks = [asyncio.create_task(t) for t in (rt.fence(), rt.publisher(), rt.saver())]
+        await asyncio.sleep(0.3)
+        store.taken = True
+        taken = time.monotonic()
+        await asyncio.wait_for(rt.stopping.wait(), FENCE_CHECK_S + 2)
+        stopped = time.monotonic() - taken
+        published = len(sink.published)
+        Sim(rt.job).register("late")  # a change after the stop: neither saved nor published
+        rt.after()
+        await asyncio.sleep(1.2)
+        assert len(sink.published) == published
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return rt, sink, stopped
+
+    rt, _, stopped = asyncio.run(scenario())
+    assert rt.fenced == "another master took over the job's state"
+    assert stopped <= FENCE_CHECK_S + 0.5
+
+
+@pytest.mark.timeout(20)
+def test_a_save_refused_for_another_holder_stops_the_master_at_once() -> None:
+    async def scenario() -> Runtime:
+        store = TakenOverStore()
+        store.taken = True
+        rt, _ = _runtime(store)
+        task = asyncio.create_task(rt.saver())
+        Sim(rt.job).register("a")
+        rt.after()
+        await asyncio.wait_for(rt.stopping.wait(), 2)
+        await asyncio.gather(task, return_exceptions=True)
+        return rt
+
+    rt = asyncio.run(scenario())
+    assert "took over" in rt.fenced
+    assert rt.save_failures == 0, "not a failed save to retry"
+
+
+@pytest.mark.timeout(20)
+def test_a_master_cut_off_from_its_state_stops_after_the_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "FENCE_CHECK_S", 0.05)
+    monkeypatch.setattr(runtime, "FENCE_LEASE_S", 0.5)
+
+    async def scenario() -> tuple[Runtime, float]:
+        store = TakenOverStore()
+        rt, _ = _runtime(store)
+        task = asyncio.create_task(rt.fence())
+        await asyncio.sleep(0.2)
+        assert not rt.stopping.is_set()
+        store.unreachable = True
+        cut = time.monotonic()
+        await asyncio.wait_for(rt.stopping.wait(), 3)
+        await asyncio.gather(task, return_exceptions=True)
+        return rt, time.monotonic() - cut
+
+    rt, after = asyncio.run(scenario())
+    assert 0.5 - 0.1 <= after < 1.5, "not at the first failed check: the lease covers a hiccup"
+    assert "could not tell" in rt.fenced

@@ -83,6 +83,18 @@ def test_the_cache_indexes_by_job_and_ignores_older_copies() -> None:
     assert cache.by_index(("n", "c")) == []
 
 
+def test_an_answer_read_after_the_watch_reported_the_deletion_does_not_bring_the_object_back() -> None:
+    """A Pod deleted at once (a forced deletion): the watch's DELETED event can be read before the DELETE's
+    own answer, an older copy of the Pod, is written through; the cache must not hold a Pod that is gone."""
+    cache = WatchCache(kind="pods", list_fn=lambda: None, index=lambda m: (m["namespace"], "j"))
+    cache.put(_pod("master", "j", "5"))
+    assert cache.apply("DELETED", _pod("master", "j", "7"))
+    cache.put(_pod("master", "j", "6"))  # the DELETE's answer: the Pod as it was before
+    assert cache.get("n", "master") is None
+    cache.put(_pod("master", "j", "9"))  # created again under the same name
+    assert cache.get("n", "master")["metadata"]["resourceVersion"] == "9"
+
+
 def _passes(executor: Executor) -> float:
     return sum(executor.metrics.passes.labels(result=r)._value.get() for r in ("ok", "error"))
 

@@ -13,6 +13,7 @@ from tests.operator.test_operator_reconcile import FakeCluster, job_obj
 from phalanx.operator import kueue
 from phalanx.operator.actions import (
     Action,
+    AdoptWorkload,
     Create,
     DeletePod,
     DeleteWorkload,
@@ -59,6 +60,10 @@ class QueuedCluster(FakeCluster):
             assert self.workload is not None
             assert a.resource_version == self.workload["metadata"]["resourceVersion"]
             self.workload["status"].update(a.status)
+        elif isinstance(a, AdoptWorkload):
+            assert self.workload is not None
+            assert a.resource_version == self.workload["metadata"]["resourceVersion"]
+            self.workload["metadata"]["ownerReferences"] = [dict(o) for o in a.owners]
         else:
             return False
         self.queue_actions.append(a)

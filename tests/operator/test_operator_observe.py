@@ -103,3 +103,17 @@ def test_a_pod_that_starts_normally_or_has_ended_is_not_stuck() -> None:
     ended = _waiting("CrashLoopBackOff", "back-off")
     ended.status.phase = "Failed"
     assert pod_view(ended).stuck == ("", "")
+
+
+def test_a_running_pod_whose_node_went_silent_is_unready_and_evicted_for_its_taint() -> None:
+    silent = _pod(conditions=[V1PodCondition(type="Ready", status="False", reason="NodeNotReady")])
+    assert pod_view(silent).unready
+    assert not pod_view(_pod(conditions=[V1PodCondition(type="Ready", status="True")])).unready
+    starting = _pod(phase="Pending", conditions=[V1PodCondition(type="Ready", status="False")])
+    assert not pod_view(starting).unready, "not started yet: not a silent node"
+    evicted = _pod(conditions=[
+        V1PodCondition(type="DisruptionTarget", status="True", reason="DeletionByTaintManager"),
+    ])  # fmt: skip
+    evicted.metadata.deletion_timestamp = "2026-11-30T10:00:00Z"
+    assert pod_view(evicted).node_lost
+    assert not pod_view(_pod()).node_lost

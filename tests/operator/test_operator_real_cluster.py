@@ -219,6 +219,16 @@ def test_the_templates_security_settings_win() -> None:
     assert "seccompProfile" not in worker(windows)["spec"]["securityContext"]
 
 
+def test_a_masters_own_bound_on_a_lost_node_is_kept() -> None:
+    own = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+           "tolerationSeconds": 600}  # fmt: skip
+    pod = master(job(master={"template": {"spec": {"tolerations": [own]}}}))
+    unreachable = [t for t in pod["spec"]["tolerations"] if t["key"] == own["key"]]
+    assert unreachable == [own]
+    not_ready = [t for t in pod["spec"]["tolerations"] if t["key"].endswith("not-ready")]
+    assert [t["tolerationSeconds"] for t in not_ready] == [30]
+
+
 def test_the_master_template_places_and_dresses_the_master() -> None:
     template = {
         "metadata": {"labels": {"team": "ml", "phalanx.dev/role": "not-this"}, "annotations": {"a": "b"}},
@@ -240,8 +250,14 @@ def test_the_master_template_places_and_dresses_the_master() -> None:
     }
     pod = master(job(master={"template": template}))
     spec = pod["spec"]
-    for key in ("tolerations", "nodeSelector", "affinity", "priorityClassName", "imagePullSecrets"):
+    for key in ("nodeSelector", "affinity", "priorityClassName", "imagePullSecrets"):
         assert spec[key] == template["spec"][key], key
+    node_lost = [
+        {"key": f"node.kubernetes.io/{taint}", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": 30}
+        for taint in ("unreachable", "not-ready")
+    ]  # fmt: skip
+    assert spec["tolerations"] == [*template["spec"]["tolerations"], *node_lost], "and a bound on a lost node"
     assert spec["securityContext"] == {**RESTRICTED_POD, "runAsUser": 1000780000, "fsGroup": 1000780000}
     (c,) = spec["containers"]
     assert c["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi"}}

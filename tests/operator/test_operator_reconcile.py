@@ -622,6 +622,38 @@ def test_lost_master_is_recreated() -> None:
     assert "MasterRecreated" in c.reasons()
 
 
+def test_a_master_whose_node_stopped_answering_is_replaced_at_once() -> None:
+    """Not ready while its node is silent; once Kubernetes evicts it for the node's taint (after the master's
+    tolerationSeconds), the operator removes it at once (no kubelet will confirm) and starts a new one; the
+    workers stay."""
+    c = started()
+    workers = c.workers()
+    c.pods["j-master"] = dataclasses.replace(c.pods["j-master"], unready=True)
+    c.step()
+    assert (c.condition("MasterReady")["status"], c.condition("MasterReady")["reason"]) == (
+        "False",
+        "MasterStarting",
+    )
+    c.pods["j-master"] = dataclasses.replace(
+        c.pods["j-master"], terminating=True, disruption="DeletionByTaintManager"
+    )
+    actions = c.step()
+    assert DeletePod("j-master", grace_period_s=0) in actions, "forced: its kubelet is gone"
+    assert "MasterNodeLost" in c.reasons()
+    c.step()
+    assert not c.pods["j-master"].terminating, "a new master"
+    assert c.workers() == workers
+    assert c.job["status"]["replacements"] == 0
+
+
+def test_a_terminating_master_on_a_live_node_is_waited_for() -> None:
+    c = started()
+    c.pods["j-master"] = dataclasses.replace(c.pods["j-master"], terminating=True)
+    actions = c.step()
+    assert not [a for a in actions if isinstance(a, DeletePod) and a.name == "j-master"]
+    assert c.condition("MasterReady")["status"] == "False"
+
+
 def test_terminating_pods_are_waited_for() -> None:
     c = started()
     c.pods["j-master"] = PodView(name="j-master", role="master", phase="Running", terminating=True)
@@ -1359,7 +1391,8 @@ def test_a_job_another_controller_manages_is_left_alone() -> None:
 
     assert managed_here(job_obj())
     assert managed_here(job_obj(managedBy="phalanx.dev/operator"))
-    assert not managed_here(job_obj(managedBy="kueue.x-k8s.io/multikueue"))
+    assert managed_here(job_obj(managedBy="kueue.x-k8s.io/multikueue")), "queued here, run in a worker"
+    assert not managed_here(job_obj(managedBy="example.com/another"))
 
 
 def test_pods_that_cannot_start_are_named_with_their_cause_once_each() -> None:

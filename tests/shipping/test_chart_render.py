@@ -67,6 +67,7 @@ def test_default_render(helm: Helm) -> None:
             "ClusterRoleBinding",
             "ClusterRole",  # kueue.enabled: reading ResourceFlavors and priority classes for queued jobs
             "ClusterRoleBinding",
+            "ClusterRole",  # ... and MultiKueue's rights on ElasticJobs, bound by the administrator
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
             "ValidatingAdmissionPolicy",  # the advice: a Warning for a job that will be suspended
@@ -381,6 +382,24 @@ def test_a_namespaced_operator_gets_a_role_and_only_the_cluster_rules_it_needs(h
     ]
     resources = {r for o in everywhere for rule in o["rules"] for r in rule["resources"]}
     assert not resources & {"nodes", "namespaces", "customresourcedefinitions"}
+
+
+def test_the_multikueue_role_is_what_kueue_needs_of_elasticjobs_and_bound_to_nobody(helm: Helm) -> None:
+    """MultiKueue's ClusterRole (docs/queues.md): the administrator binds it to Kueue in a manager cluster and
+    to MultiKueue's identity in a worker; the chart binds it to nobody, and renders it only with
+    kueue.enabled."""
+    objs = helm.render()
+    role = _one(objs, "ClusterRole", "rel-phalanx-operator-multikueue")
+    assert role["rules"] == [
+        {"apiGroups": ["phalanx.dev"], "resources": ["elasticjobs"],
+         "verbs": ["get", "list", "watch", "create", "delete"]},
+        {"apiGroups": ["phalanx.dev"], "resources": ["elasticjobs/status"],
+         "verbs": ["get", "patch", "update"]},
+    ]  # fmt: skip
+    bindings = [o for o in objs if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert role["metadata"]["name"] not in [b["roleRef"]["name"] for b in bindings]
+    without = helm.render("kueue.enabled=false")
+    assert not [o for o in without if o["metadata"]["name"].endswith("-multikueue")]
 
 
 def test_the_admission_policy_renders_the_allow_list_and_the_deploy_checks(helm: Helm) -> None:

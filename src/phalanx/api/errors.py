@@ -86,5 +86,10 @@ class StateStoreError(PhalanxError):
     """The master's durable state could not be read or written."""
 
 
+class MasterFenced(PhalanxError):
+    """Another master took over the job's durable state (a replacement, started when this one's node stopped
+    answering): this one must stop at once, writing nothing more."""
+
+
 class KubernetesError(PhalanxError):
     """The Kubernetes API refused or failed an operation."""

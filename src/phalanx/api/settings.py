@@ -304,6 +304,14 @@ class OperatorSettings:
         "with that cause.",
         unit="s",
     )
+    master_node_lost_s: float = setting(
+        30.0,
+        doc="How long the master Pod stays on a node that stopped answering (NotReady or unreachable) before "
+        "Kubernetes evicts it (its tolerationSeconds of node.kubernetes.io/unreachable and not-ready; 300 s "
+        "by default for other Pods); the operator then removes it at once and starts a new master elsewhere, "
+        "which fences the old one off the job's state.",
+        unit="s",
+    )
     suspend_ack_timeout_s: float = setting(
         60.0,
         doc="How long a suspension waits for the job's master to acknowledge it before the worker Pods are "
@@ -366,6 +374,7 @@ class OperatorSettings:
             )
         positive(self.suspend_ack_timeout_s, "suspend_ack_timeout_s")
         positive(self.stuck_pod_timeout_s, "stuck_pod_timeout_s")
+        positive(self.master_node_lost_s, "master_node_lost_s")
         if self.finish_grace_s < 0:
             raise ConfigError(f"cannot be negative, got {self.finish_grace_s}", field="finish_grace_s")
         for name in ("master_grpc_port", "master_http_port"):

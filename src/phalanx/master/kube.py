@@ -5,7 +5,8 @@
 * :func:`state_store` -- the durable state as JSON under ``state.json`` in the ConfigMap
   ``<NAME>-master-state``, which the operator creates (owned by the job) before the master Pod. One PATCH
   per save, so a save is atomic: a master killed mid-save leaves the previous state. A replacement master
-  Pod loads it and resumes the job.
+  Pod loads it and resumes the job, and from then on holds it: the master it replaced is fenced
+  (:class:`ConfigMapStateStore`).
 * :func:`status_sink` -- maps the master's ``/v1/job`` JSON onto the ElasticJob's status subresource
   (round, worldSize, step, lastCommittedCheckpointStep, restartCount, evictions and ``status.master``).
   The operator reads ``status.evictions`` and carries them out, and ends the job on
@@ -33,6 +34,7 @@ import atexit
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Mapping
@@ -41,13 +43,16 @@ from typing import Any
 
 from phalanx.api import elasticjob as ej
 from phalanx.api.elasticjob import GROUP, PLURAL, SCHEDULED_ANNOTATION, STATE_KEY, VERSION
-from phalanx.api.errors import KubernetesError, StateStoreError
+from phalanx.api.errors import KubernetesError, MasterFenced, StateStoreError
 from phalanx.master.kube_watch import SPEC_POLL_S, JobWatch
 from phalanx.master.state import SpecView
 
 log = logging.getLogger("phalanx.master")
 
 _MAX_TEXT = 32000  # CRD maxLength of status.master.reason is 32768
+HOLDER_ANNOTATION = "phalanx.dev/master-holder"
+"""On the state ConfigMap: the id of the master that holds the job's state (:class:`ConfigMapStateStore`)."""
+CLAIM_ATTEMPTS = 5
 RETRY_PUBLISH_S = 1.0  # a failed PATCH is retried this long after (on the publisher's next spec() call)
 
 __all__ = [
@@ -91,20 +96,29 @@ def _rfc3339(value: Any) -> str:
 
 
 class ConfigMapStateStore:
-    """The master's durable state in the ConfigMap ``<job>-master-state``."""
+    """The master's durable state in the ConfigMap ``<job>-master-state``, held by one master at a time.
 
-    def __init__(self, *, namespace: str, name: str, api: Any | None = None) -> None:
+    A master that starts *claims* the state: it writes its own random id into the ConfigMap's annotation
+    :data:`HOLDER_ANNOTATION`, and every save it makes is conditional on the ConfigMap being as it last wrote
+    it (its resourceVersion). A replacement master (started while the old one's node stopped answering, the
+    old process perhaps still running) claims it in turn: from then on each of the old master's saves fails
+    with a conflict, and on the re-read it finds another holder and raises :class:`MasterFenced`, as its
+    periodic :meth:`holds` does; it stops without writing anything more (:mod:`phalanx.master.runtime`)."""
+
+    def __init__(self, *, namespace: str, name: str, api: Any | None = None, holder: str = "") -> None:
         from kubernetes import client
 
         self.namespace = namespace
         self.config_map = ej.state_config_map(name)
+        self.holder = holder or secrets.token_hex(8)
         self._core = client.CoreV1Api(api or _api_client())
+        self._version = ""
 
-    def load(self) -> dict[str, Any] | None:
+    def _read(self) -> Any:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            cm = self._core.read_namespaced_config_map(self.config_map, self.namespace)
+            return self._core.read_namespaced_config_map(self.config_map, self.namespace)
         except ApiException as exc:
             if exc.status == 404:
                 raise StateStoreError(
@@ -112,6 +126,10 @@ class ConfigMapStateStore:
                     "the operator creates it before the master Pod"
                 ) from exc
             raise StateStoreError(f"cannot read {self.namespace}/{self.config_map}: {exc.reason}") from exc
+
+    def load(self) -> dict[str, Any] | None:
+        """The saved state, after claiming it for this master."""
+        cm = self._claim()
         text = (cm.data or {}).get(STATE_KEY)
         if not text:
             return None
@@ -123,14 +141,54 @@ class ConfigMapStateStore:
             raise StateStoreError(f"{self.namespace}/{self.config_map} does not hold a JSON object")
         return data
 
-    def save(self, state: Mapping[str, Any]) -> None:
+    def _claim(self) -> Any:
+        """Writes this master's id as the holder, on the ConfigMap as read (a newer master always wins)."""
+        for _ in range(CLAIM_ATTEMPTS):
+            cm = self._read()
+            body = {"metadata": {"resourceVersion": cm.metadata.resource_version,
+                                 "annotations": {HOLDER_ANNOTATION: self.holder}}}  # fmt: skip
+            if (claimed := self._patch(body)) is not None:
+                log.info("holds the job's state as %s", self.holder)
+                return claimed
+        raise StateStoreError(f"cannot claim {self.namespace}/{self.config_map}: it changes under each claim")
+
+    def _patch(self, body: dict[str, Any]) -> Any:
+        """Patches the ConfigMap, conditional on the resourceVersion in ``body``; None on a conflict."""
         from kubernetes.client.exceptions import ApiException
 
-        body = {"data": {STATE_KEY: json.dumps(state, separators=(",", ":"), sort_keys=True)}}
         try:
-            self._core.patch_namespaced_config_map(self.config_map, self.namespace, body)
+            patched: Any = self._core.patch_namespaced_config_map(self.config_map, self.namespace, body)
         except ApiException as exc:
+            if exc.status == 409:
+                return None
             raise StateStoreError(f"cannot write {self.namespace}/{self.config_map}: {exc.reason}") from exc
+        self._version = str(patched.metadata.resource_version)
+        return patched
+
+    def save(self, state: Mapping[str, Any]) -> None:
+        data = {STATE_KEY: json.dumps(state, separators=(",", ":"), sort_keys=True)}
+        for _ in range(CLAIM_ATTEMPTS):
+            if self._patch({"metadata": {"resourceVersion": self._version}, "data": data}) is not None:
+                return
+            cm = self._read()  # changed since this master's last write: by another master, or by someone else
+            self._fenced_unless_held(cm)
+            self._version = str(cm.metadata.resource_version)
+        raise StateStoreError(f"cannot write {self.namespace}/{self.config_map}: it changes under every save")
+
+    def holds(self) -> bool:
+        cm = self._read()
+        return _holder(cm) == self.holder
+
+    def _fenced_unless_held(self, cm: Any) -> None:
+        if (holder := _holder(cm)) != self.holder:
+            raise MasterFenced(
+                f"master {holder or '(none)'} took over {self.namespace}/{self.config_map} from this one "
+                f"({self.holder})"
+            )
+
+
+def _holder(cm: Any) -> str:
+    return str((cm.metadata.annotations or {}).get(HOLDER_ANNOTATION) or "")
 
 
 def scheduled_workers(meta: Mapping[str, Any]) -> int | None:

@@ -20,7 +20,7 @@ import collections
 import logging
 import time
 
-from phalanx.api.errors import StateStoreError
+from phalanx.api.errors import MasterFenced, StateStoreError
 from phalanx.master.job import Job
 from phalanx.master.logstore import LogStore
 from phalanx.master.metrics import MasterMetrics
@@ -35,6 +35,12 @@ PUBLISH_INTERVAL_S = 0.5
 # store must not stop training, it only weakens what a master restart can recover.
 SAVE_WAIT_S = 5.0
 LAG_WINDOW_S = 10.0
+FENCE_CHECK_S = 2.0
+"""How often a master asks whether it still holds the job's state: a replaced master (its node stopped
+answering, its process still running) stops within this of the replacement's claim."""
+FENCE_LEASE_S = 60.0
+"""A master that cannot tell whether it still holds the state for this long (cut off from the API server)
+stops: its replacement may be running, and the kubelet restarts it if not."""
 
 
 class Wakeup:
@@ -92,6 +98,8 @@ class Runtime:
         self.stopping = asyncio.Event()
         self.save_failures = 0
         """Saves of the durable state that failed (the previous state was kept), for /metrics."""
+        self.fenced = ""
+        """Why this master stopped for another (:meth:`fence`); it then writes nothing more."""
 
     @staticmethod
     def now() -> float:
@@ -136,13 +144,16 @@ class Runtime:
             self._saved.notify_all()
 
     async def saver(self) -> None:
-        while True:
+        while not self.fenced:
             await self._dirty.wait()
             self._dirty.clear()
             if self.job.durable_version == self._saved_version:
                 continue
             try:
                 await self.save_now()
+            except MasterFenced as exc:
+                self.step_down(str(exc))
+                return
             except StateStoreError as exc:  # a full disk: the previous state is kept; say so, try again
                 self.save_failures += 1
                 log.error("%s; retrying in 1s", exc)
@@ -172,8 +183,34 @@ class Runtime:
         since = time.monotonic() - window_s
         return max((lag for at, lag in self._lags if at >= since), default=0.0)
 
-    async def publisher(self) -> None:
+    async def fence(self) -> None:
+        """Stops this master once another holds the job's state, or once it could not tell for
+        :data:`FENCE_LEASE_S`: two masters of one job would each evict the nodes that talk to the other."""
+        confirmed = time.monotonic()
         while True:
+            await asyncio.sleep(FENCE_CHECK_S)
+            try:
+                held = await asyncio.to_thread(self.store.holds)
+            except Exception as exc:  # the API server's hiccup: the lease covers it
+                if time.monotonic() - confirmed > FENCE_LEASE_S:
+                    self.step_down(f"could not tell for {FENCE_LEASE_S:.0f} s whether it still holds the "
+                                   f"job's state ({exc})")  # fmt: skip
+                    return
+                continue
+            if not held:
+                self.step_down("another master took over the job's state")
+                return
+            confirmed = time.monotonic()
+
+    def step_down(self, why: str) -> None:
+        if self.fenced:
+            return
+        log.error("%s: stopping, writing nothing more", why)
+        self.fenced = why
+        self.stopping.set()
+
+    async def publisher(self) -> None:
+        while not self.fenced:
             if self.job.status_version != self._published:
                 self._published = self.job.status_version
                 try:

@@ -166,6 +166,7 @@ async def run_master(
         asyncio.create_task(rt.saver()),
         asyncio.create_task(rt.ticker(_tick_interval(settings))),
         asyncio.create_task(rt.publisher()),
+        asyncio.create_task(rt.fence()),
     ]
     if parent_pid:
         workers.append(asyncio.create_task(_watch_parent(parent_pid, rt.stopping)))
@@ -182,14 +183,18 @@ async def run_master(
         await asyncio.gather(*workers, return_exceptions=True)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(http_task, SHUTDOWN_GRACE_S + 1)
-        try:
-            await rt.save_now()
-            await asyncio.to_thread(sink.publish, job.status())
-        except Exception:
-            log.exception("final save of the master state failed")
+        if not rt.fenced:  # a fenced master's state and status are its replacement's now
+            try:
+                await rt.save_now()
+                await asyncio.to_thread(sink.publish, job.status())
+            except Exception:
+                log.exception("final save of the master state failed")
         logs.close()
-    return 0
+    return FENCED_EXIT if rt.fenced else 0
 
+
+FENCED_EXIT = 3
+"""The exit status of a master that stopped because another took over its job (:meth:`Runtime.fence`)."""
 
 MAX_AGENTS = 5000
 """The most nodes a job has (an ElasticJob's ``nodes.max``), each one agent."""

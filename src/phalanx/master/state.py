@@ -46,6 +46,11 @@ class StateStore(Protocol):
 
     def save(self, state: Mapping[str, Any]) -> None: ...  # JSON-serializable mapping; atomic
 
+    def holds(self) -> bool:
+        """Whether this master still holds the state: False once another master took it over (this one
+        must then stop: a replacement runs). Raises :class:`StateStoreError` when it cannot tell."""
+        ...
+
 
 class StatusSink(Protocol):
     """Receives the job status (the ``/v1/job`` JSON) whenever it changes."""
@@ -122,6 +127,9 @@ class FileStateStore:
         except OSError as exc:
             raise StateStoreError(f"cannot make the master state {self.path} durable: {exc}") from exc
 
+    def holds(self) -> bool:
+        return True  # one machine, one master: ``phalanx local`` never starts a second one for the file
+
 
 def write_all(fd: int, data: bytes) -> None:
     """Writes every byte of ``data``: ``os.write`` may write only part of it (a disk filling up takes what
@@ -148,6 +156,9 @@ class MemoryStateStore:
     def save(self, state: Mapping[str, Any]) -> None:
         self.state = json.loads(json.dumps(state))  # a deep copy that also proves it is JSON
         self.saves += 1
+
+    def holds(self) -> bool:
+        return True
 
 
 class NullStatusSink:

@@ -19,6 +19,10 @@ MAX_POD_NAME = 63
 LIVE_PHASES = ("Pending", "Running", "Unknown")
 
 
+NODE_LOST = "DeletionByTaintManager"
+"""The ``DisruptionTarget`` reason of a Pod evicted for its node's NoExecute taint."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PodView:
     """What the decision needs to know about one Pod of the job."""
@@ -41,6 +45,9 @@ class PodView:
     """Why the cluster, not the job, ended the Pod: the reason of its ``DisruptionTarget`` condition
     (``PreemptionByScheduler``, ``EvictionByEvictionAPI`` for a drain, ``TerminationByKubelet``,
     ``DeletionByTaintManager``, ...) or ``Evicted`` for a kubelet's node-pressure eviction; "" for none."""
+    unready: bool = False
+    """Its Ready condition is False while it runs: its node stopped answering (the node controller marks
+    every Pod there so) or its container is not ready."""
 
     @property
     def slot(self) -> int | None:
@@ -51,6 +58,12 @@ class PodView:
     def incarnation(self) -> int:
         parsed = _worker(self.name)
         return parsed[1] if parsed else 0
+
+    @property
+    def node_lost(self) -> bool:
+        """Kubernetes is deleting it for its node's NoExecute taint: the node stayed unreachable or not ready
+        longer than the Pod tolerates (a master: the operator's ``master_node_lost_s``)."""
+        return self.terminating and self.disruption == NODE_LOST
 
     @property
     def live(self) -> bool:
@@ -183,6 +196,17 @@ class PatchWorkloadStatus:
     status: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class AdoptWorkload:
+    """Makes the job the controlling owner of a Workload made for it by another (a prebuilt Workload:
+    MultiKueue's in a worker cluster), as Kueue's job framework adopts one; only if it is still at
+    ``resource_version``. ``owners`` is the whole new list of ownerReferences."""
+
+    name: str
+    resource_version: str
+    owners: tuple[Mapping[str, Any], ...]
+
+
 Action = (
     Create
     | DeletePod
@@ -194,4 +218,5 @@ Action = (
     | SetSuspend
     | DeleteWorkload
     | PatchWorkloadStatus
+    | AdoptWorkload
 )

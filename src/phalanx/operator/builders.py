@@ -184,9 +184,25 @@ def master_pod(job: Mapping[str, Any], spec: JobSpec, *, settings: OperatorSetti
             pod_spec[key] = copy.deepcopy(template_spec[key])
     if template_spec.get("securityContext"):
         pod_spec["securityContext"] = copy.deepcopy(dict(template_spec["securityContext"]))
+    pod_spec["tolerations"] = _node_lost(pod_spec.get("tolerations") or [], settings.master_node_lost_s)
     security.pod_defaults(pod_spec)
     place(pod_spec, spec.placement.get("master"))
     return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": pod_spec}
+
+
+NODE_LOST_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+
+
+def _node_lost(tolerations: list[Obj], seconds: float) -> list[Obj]:
+    """The master's tolerations with a bound on how long it stays on a node that stopped answering (the
+    taints the node controller puts on it): after that Kubernetes evicts it, and the operator starts a new
+    master elsewhere. A bound the template gives for one of those taints is kept."""
+    kept = list(tolerations)
+    for key in NODE_LOST_TAINTS:
+        if not any(t.get("key") == key and t.get("effect") in (None, "", "NoExecute") for t in kept):
+            kept.append({"key": key, "operator": "Exists", "effect": "NoExecute",
+                         "tolerationSeconds": max(1, round(seconds))})  # fmt: skip
+    return kept
 
 
 def _settings_env(spec: JobSpec, *, master: bool) -> list[Obj]:

@@ -23,6 +23,8 @@ from typing import Any
 log = logging.getLogger("phalanx.operator.cache")
 
 WATCH_TIMEOUT_S = 300
+GONE_KEPT = 10_000
+"""How many deletions the cache remembers (their names and versions) between two LISTs."""
 """The server ends each watch after this long (randomised by it); the cache reconnects from where it was."""
 
 
@@ -76,6 +78,9 @@ class WatchCache:
         self._lock = threading.Lock()
         self._objects: dict[tuple[str, str], Any] = {}
         self._by_key: dict[Hashable, dict[tuple[str, str], Any]] = {}
+        self._gone: dict[tuple[str, str], str] = {}
+        """Objects the watch reported deleted, with the deletion's resourceVersion: a write-through of an
+        older copy (the answer to the DELETE itself, read after the watch's event) is not one that exists."""
         self._synced = threading.Event()
         self._stop = threading.Event()
         self._watch: Any = None
@@ -98,9 +103,13 @@ class WatchCache:
 
     # --- writes --------------------------------------------------------------------------------------
     def put(self, obj: Any) -> None:
-        """Writes ``obj`` (an API server's answer) through, unless the cache already holds a newer one."""
+        """Writes ``obj`` (an API server's answer) through, unless the cache already holds a newer one or the
+        watch already reported it deleted."""
+        m = meta_of(obj)
         with self._lock:
-            self._store(obj)
+            gone = self._gone.get((m["namespace"], m["name"]))
+            if gone is None or newer(m["resourceVersion"], gone):
+                self._store(obj)
 
     def remove(self, namespace: str, name: str) -> None:
         with self._lock:
@@ -129,6 +138,19 @@ class WatchCache:
         bucket.pop(ident, None)
         if not bucket:
             self._by_key.pop(key, None)
+
+    def apply(self, kind: str, obj: Any) -> bool:
+        """One event of the watch (ADDED, MODIFIED, DELETED); whether it changed what the cache holds."""
+        m = meta_of(obj)
+        ident = (m["namespace"], m["name"])
+        with self._lock:
+            if kind != "DELETED":
+                return self._store(obj)
+            self._drop(ident)
+            self._gone[ident] = m["resourceVersion"]
+            if len(self._gone) > GONE_KEPT:
+                self._gone.pop(next(iter(self._gone)))
+            return True
 
     # --- the watch -----------------------------------------------------------------------------------
     def start(self) -> WatchCache:
@@ -164,6 +186,7 @@ class WatchCache:
             before = {ident: self._index(meta_of(obj)) for ident, obj in self._objects.items()}
             self._objects.clear()
             self._by_key.clear()
+            self._gone.clear()  # a LIST is the whole truth again
             for obj in items:
                 self._store(obj)
             gone = {key for ident, key in before.items() if ident not in self._objects}
@@ -189,13 +212,7 @@ class WatchCache:
                 kind, obj = event["type"], event["object"]
                 if kind == "BOOKMARK":
                     continue
-                with self._lock:
-                    if kind == "DELETED":
-                        m = meta_of(obj)
-                        self._drop((m["namespace"], m["name"]))
-                        changed = True
-                    else:
-                        changed = self._store(obj)
+                changed = self.apply(kind, obj)
                 key = self._index(meta_of(obj))
                 if changed and self._on_change is not None and key is not None:
                     self._on_change(key, obj)

@@ -461,9 +461,11 @@ def spec_schema() -> dict[str, Any]:
             "managedBy": {
                 "type": "string",
                 "description": "The controller that reconciles this job, like a batch/v1 Job's or a JobSet's "
-                f"spec.managedBy. Absent or {MANAGED_BY!r}: the phalanx operator; anything else: the "
-                "phalanx operator leaves the job alone (e.g. MultiKueue dispatching it to a worker cluster, "
-                "whose operator runs it). Set at creation; cannot be changed.",
+                f"spec.managedBy. Absent or {MANAGED_BY!r}: the phalanx operator; "
+                "'kueue.x-k8s.io/multikueue' (with the kueue.x-k8s.io/queue-name label): Kueue's MultiKueue "
+                "runs the job in a worker cluster, this cluster's operator only queues it and shows the "
+                "worker's status; anything else: the phalanx operator leaves the job alone. Set at "
+                "creation; cannot be changed.",
                 "maxLength": 63,
             },
             "suspend": {

@@ -23,20 +23,17 @@ from phalanx.operator.actions import (
     Create,
     DeleteJob,
     DeletePod,
-    DeleteWorkload,
     Event,
     Observed,
     PatchPodGroup,
     PatchStatus,
-    PatchWorkloadStatus,
-    SetSuspend,
 )
 from phalanx.operator.builders import with_bad_node_taint
 from phalanx.operator.ca import load_authority
 from phalanx.operator.conditions import set_condition
 from phalanx.operator.discovery import Discovery
 from phalanx.operator.events import Aggregator, pass_error_message, record_event
-from phalanx.operator.kueue_api import QueueClient
+from phalanx.operator.kueue_api import QueueAction, QueueClient
 from phalanx.operator.metrics_token import operator_metrics_token
 from phalanx.operator.observe import owned_by, ownership, pod_view, read_metadata
 from phalanx.operator.reconcile import managed_here, reconcile
@@ -415,7 +412,7 @@ class Executor:
             self._cordon(action)
         elif isinstance(action, DeleteJob):
             self._delete_job(job, action)
-        elif isinstance(action, SetSuspend | DeleteWorkload | PatchWorkloadStatus):
+        elif isinstance(action, QueueAction):
             patched = self.queues.apply(job, action)
             if patched is not None and self.jobs is not None:
                 self.jobs.put(patched)

@@ -38,6 +38,7 @@ from typing import Any
 from phalanx.api.elasticjob import Phase
 from phalanx.operator import builders, lifecycle, names
 from phalanx.operator.actions import (
+    AdoptWorkload,
     Create,
     DeleteWorkload,
     Event,
@@ -54,6 +55,9 @@ from phalanx.operator.spec import JobSpec
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+PREBUILT_LABEL = "kueue.x-k8s.io/prebuilt-workload-name"
+"""Names a Workload made for the job by another (MultiKueue, for the job's copy in a worker cluster): the job
+uses and adopts that one and never creates its own."""
 GROUP, VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
 MASTER_SET, WORKER_SET = "master", "workers"
 CONDITION = "Admitted"
@@ -82,9 +86,16 @@ def queue_name(job: Mapping[str, Any]) -> str:
     return str(((job.get("metadata") or {}).get("labels") or {}).get(QUEUE_LABEL) or "")
 
 
+def prebuilt(job: Mapping[str, Any]) -> str:
+    return str(((job.get("metadata") or {}).get("labels") or {}).get(PREBUILT_LABEL) or "")
+
+
 def workload_name(job: Mapping[str, Any]) -> str:
-    """``elasticjob-<name>-<hash of uid>``, as Kueue names its own jobs' Workloads: a job re-created under
-    the same name never meets the old one's Workload while it is being garbage-collected."""
+    """The prebuilt Workload's name, else ``elasticjob-<name>-<hash of uid>``, as Kueue names its own jobs'
+    Workloads: a job re-created under the same name never meets the old one's Workload while it is being
+    garbage-collected."""
+    if name := prebuilt(job):
+        return name
     meta = job["metadata"]
     digest = hashlib.sha256(str(meta["uid"]).encode()).hexdigest()[:5]
     return f"elasticjob-{str(meta['name'])[:236]}-{digest}"
@@ -203,12 +214,19 @@ def queued(ctx: Pass, spec: JobSpec) -> JobSpec | None:
         message = _said(found, "Finished") or "Kueue finished the job's Workload"
         lifecycle.fail(ctx, reason="WorkloadFinished", message=message, spec=spec)
         return None
-    if now is State.MISSING:
+    if prebuilt(ctx.job):
+        if now is State.STALE:  # Kueue's job framework finishes such a Workload: it cannot be run as made
+            message = (f"the prebuilt Workload {workload_name(ctx.job)} was made for other node counts than "
+                       f"this job's ({spec.min_nodes}:{spec.max_nodes})")  # fmt: skip
+            lifecycle.fail(ctx, reason="WorkloadOutOfSync", message=message, spec=spec)
+            return None
+        _adopt(ctx, found)
+    elif now is State.MISSING:
         ctx.actions.append(Create(workload(ctx.job, spec, settings=ctx.settings, priority=view.priority)))
     elif now is State.STALE:
         assert found is not None
         ctx.actions.append(DeleteWorkload(str(found["metadata"]["name"])))
-    _mirror(ctx, found, now)
+    mirror(ctx, found, now)
     run = now is State.ADMITTED
     if run:
         assert found is not None
@@ -218,7 +236,21 @@ def queued(ctx: Pass, spec: JobSpec) -> JobSpec | None:
     return dataclasses.replace(spec, suspend=not run)
 
 
-def _mirror(ctx: Pass, found: Mapping[str, Any] | None, now: State) -> None:
+def _adopt(ctx: Pass, found: Mapping[str, Any] | None) -> None:
+    """A prebuilt Workload becomes the job's (garbage-collected with it), as Kueue's job framework does."""
+    if found is None:
+        return
+    meta = found["metadata"]
+    owners = [r for r in meta.get("ownerReferences") or [] if isinstance(r, Mapping)]
+    if any(r.get("uid") == ctx.job["metadata"]["uid"] for r in owners):
+        return
+    if any(r.get("controller") for r in owners):
+        return  # another's: Kueue's framework would not take it either; the job still runs by it
+    adopted = (*owners, owner_reference(ctx.job))
+    ctx.actions.append(AdoptWorkload(str(meta["name"]), str(meta.get("resourceVersion", "")), adopted))
+
+
+def mirror(ctx: Pass, found: Mapping[str, Any] | None, now: State) -> None:
     """The Admitted condition, with an Event when it changes."""
     name = str(found["metadata"]["name"]) if found else workload_name(ctx.job)
     if now is State.ADMITTED:
@@ -229,8 +261,14 @@ def _mirror(ctx: Pass, found: Mapping[str, Any] | None, now: State) -> None:
         evicted = get_condition((found or {}).get("status", {}).get("conditions") or [], "Evicted") or {}
         value, reason = False, f"Evicted{evicted.get('reason') or ''}"
         message = f"Kueue evicted Workload {name}: {evicted.get('message') or 'no message'}"
+    elif found is None and prebuilt(ctx.job):
+        value, reason = False, "Queued"
+        message = f"waiting for its prebuilt Workload {name} (label {PREBUILT_LABEL})"
     else:
         waiting = _said(found, "QuotaReserved") or "waiting for Kueue to look at it"
+        checks = [str(c.get("message")) for c in (found or {}).get("status", {}).get("admissionChecks") or []
+                  if c.get("state") != "Ready" and c.get("message")]  # fmt: skip
+        waiting = "; ".join([waiting, *checks])
         value, reason = False, "Queued"
         message = f"queued in LocalQueue {queue_name(ctx.job)} (Workload {name}): {waiting}"
     before = get_condition(ctx.conditions, CONDITION)
@@ -253,8 +291,15 @@ def held_queued(ctx: Pass) -> None:
 def release_if_stopped(ctx: Pass) -> None:
     """After an eviction, once the suspension left no worker Pod: gives the quota back, so Kueue queues the
     Workload again (what Kueue's job framework does once a job is no longer active)."""
+    if ctx.workers or ctx.out.get("phase") != Phase.SUSPENDED:
+        return
+    release(ctx)
+
+
+def release(ctx: Pass) -> None:
+    """Gives an evicted Workload's quota back (its admission cleared, QuotaReserved False, Requeued)."""
     view = ctx.observed.queue
-    if view is None or view.workload is None or ctx.workers or ctx.out.get("phase") != Phase.SUSPENDED:
+    if view is None or view.workload is None:
         return
     found = view.workload
     status = found.get("status") or {}

@@ -12,7 +12,9 @@ from phalanx.api.elasticjob import PLURAL as JOB_PLURAL
 from phalanx.api.elasticjob import VERSION as JOB_VERSION
 from phalanx.api.errors import KubernetesError
 from phalanx.operator import kueue
-from phalanx.operator.actions import DeleteWorkload, PatchWorkloadStatus, QueueView, SetSuspend
+from phalanx.operator.actions import AdoptWorkload, DeleteWorkload, PatchWorkloadStatus, QueueView, SetSuspend
+
+QueueAction = SetSuspend | DeleteWorkload | PatchWorkloadStatus | AdoptWorkload
 
 KUEUE = kueue.GROUP
 SERVED_SEEN_FOR_S = 60.0
@@ -124,7 +126,11 @@ class QueueClient:
             self.workloads.put(created)  # write-through: the next pass sees it before the watch does
         return created
 
-    def apply(self, job: Mapping[str, Any], action: SetSuspend | DeleteWorkload | PatchWorkloadStatus) -> Any:
+    def _put(self, workload: Mapping[str, Any]) -> None:
+        if self.workloads is not None:
+            self.workloads.put(workload)  # write-through, as for a create
+
+    def apply(self, job: Mapping[str, Any], action: QueueAction) -> Any:
         """Carries out one of the queue's actions; returns the job as patched for :class:`SetSuspend`."""
         from kubernetes.client.exceptions import ApiException
 
@@ -141,13 +147,16 @@ class QueueClient:
                 )
                 if self.workloads is not None:
                     self.workloads.remove(ns, action.name)
+            elif isinstance(action, AdoptWorkload):
+                meta = {"resourceVersion": action.resource_version, "ownerReferences": list(action.owners)}
+                self._put(self.custom.patch_namespaced_custom_object(
+                    KUEUE, kueue.VERSION, ns, kueue.WORKLOADS, action.name, {"metadata": meta}
+                ))  # fmt: skip
             else:
                 patch = {"metadata": {"resourceVersion": action.resource_version}, "status": action.status}
-                patched = self.custom.patch_namespaced_custom_object_status(
+                self._put(self.custom.patch_namespaced_custom_object_status(
                     KUEUE, kueue.VERSION, ns, kueue.WORKLOADS, action.name, patch
-                )
-                if self.workloads is not None:
-                    self.workloads.put(patched)
+                ))  # fmt: skip
         except ApiException as exc:
             if exc.status not in (404, 409):  # gone, or changed since read: the next pass sees it anew
                 raise

@@ -33,7 +33,16 @@ def pod_view(pod: Any) -> PodView:
         nodes=(pod.metadata.annotations or {}).get(names.NODES_ANNOTATION, ""),
         disruption=disruption(pod),
         stuck=stuck(pod),
+        unready=unready(pod),
     )
+
+
+def unready(pod: Any) -> bool:
+    """A running Pod whose Ready condition is False (:attr:`PodView.unready`)."""
+    status = pod.status
+    if status is None or status.phase != "Running":
+        return False
+    return any(c.type == "Ready" and c.status == "False" for c in status.conditions or [])
 
 
 STUCK_WAITING = frozenset({

@@ -40,7 +40,9 @@ Rules, per pass:
 * a job labelled ``kueue.x-k8s.io/queue-name`` is Kueue's to admit (:mod:`phalanx.operator.kueue`): its
   Workload is created, the job held (``spec.suspend``) until admitted, its Pods placed by the admission's
   flavors, suspended when evicted (its quota given back once no worker is left) and its Workload finished
-  with it;
+  with it. A job with ``spec.managedBy: kueue.x-k8s.io/multikueue`` gets its Workload and nothing else: it
+  runs in the worker cluster MultiKueue dispatches it to (:mod:`phalanx.operator.multikueue`), and its
+  copy there uses the Workload named by ``kueue.x-k8s.io/prebuilt-workload-name``;
 * ``spec.suspend`` false again resumes (once the deleted Pods are gone, so the new ones start from the
   checkpoint they persisted): every slot gets a Pod of its next incarnation, again not a replacement;
 * ``spec.activeDeadline`` fails a job active for longer (reason DeadlineExceeded), counted from
@@ -69,7 +71,7 @@ from phalanx.api import elasticjob
 from phalanx.api.elasticjob import Phase
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator import builders, kueue, lifecycle, names, privileged, readiness, refusals
+from phalanx.operator import builders, kueue, lifecycle, multikueue, names, privileged, readiness, refusals
 from phalanx.operator import gang as gang_module
 from phalanx.operator.actions import Action, Create, DeleteJob, DeletePod, Event, Observed, PatchPodGroup
 from phalanx.operator.admission import MANAGED_BY
@@ -82,10 +84,11 @@ from phalanx.operator.workers import Replacements, finished_slots, pod_exit, rec
 
 
 def managed_here(job: Mapping[str, Any]) -> bool:
-    """Whether this operator reconciles the job: ``spec.managedBy`` absent or naming it. A job another
+    """Whether this operator reconciles the job: ``spec.managedBy`` absent or naming it, or MultiKueue's
+    (whose jobs the operator queues and Kueue dispatches: :mod:`phalanx.operator.multikueue`). A job another
     controller manages gets no write of any kind from this one, not even a condition."""
     managed_by = (job.get("spec") or {}).get("managedBy")
-    return managed_by in (None, "", MANAGED_BY)
+    return managed_by in (None, "", MANAGED_BY) or multikueue.dispatched(job)
 
 
 def reconcile(
@@ -105,6 +108,8 @@ def reconcile(
     The pass runs the stages below in order; a stage that ends the pass (the job failed, finished, or
     waits for something) says so by returning True, and the pass's status patch goes out as it stands."""
     ctx = Pass(observed, now=now, settings=settings)
+    if multikueue.dispatched(ctx.job):
+        return multikueue.dispatch(ctx)  # a manager cluster's: the job runs in a worker cluster
     _clear_reconcile_error(ctx)
     if ctx.phase in FINISHED_PHASES:
         return _finished_job(ctx)
@@ -282,7 +287,17 @@ def _keep_master(ctx: Pass, spec: JobSpec) -> bool:
         ctx.actions.append(DeletePod(master.name, grace_period_s=0))
         message = f"master Pod {master.name} is {master.phase} ({pod_exit(master)}); replacing it"
         ctx.actions.append(Event("Warning", "MasterLost", message))
-    ready = master is not None and master.phase == "Running" and bool(ctx.master_status)
+    elif master.node_lost:
+        # Evicted from a node that stopped answering: no kubelet will confirm the deletion, and the new master
+        # needs the name. Removed at once; the old process, if it still runs, is fenced off the state.
+        ctx.actions.append(DeletePod(master.name, grace_period_s=0))
+        message = (f"master Pod {master.name}'s node {master.node_name or '?'} stopped answering; starting a "
+                   "new master elsewhere, which resumes from the saved state")  # fmt: skip
+        ctx.actions.append(Event("Warning", "MasterNodeLost", message))
+    ready = (
+        master is not None and master.phase == "Running" and not master.terminating and not master.unready
+        and bool(ctx.master_status)
+    )  # fmt: skip
     ctx.condition(
         "MasterReady",
         ready,

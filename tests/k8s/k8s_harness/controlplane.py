@@ -244,7 +244,8 @@ class ControlPlane:
                 # Only what the tests use: fewer controllers, less CPU on a small machine.
                 "--controllers=garbage-collector-controller,serviceaccount-controller,"
                 "serviceaccount-token-controller,root-ca-certificate-publisher-controller,"
-                "namespace-controller,node-lifecycle-controller,endpointslice-controller,"
+                "namespace-controller,node-lifecycle-controller,taint-eviction-controller,"
+                "endpointslice-controller,"
                 "deployment-controller,replicaset-controller,"  # the e2e suite installs the Helm chart
                 "persistentvolume-binder-controller,"  # and gives its jobs a shared volume
                 "podgroup-protection-controller,"

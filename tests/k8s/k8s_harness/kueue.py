@@ -18,7 +18,7 @@ import base64
 import contextlib
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,9 +81,12 @@ def _webhooks(config: Path, *, url: str, ca_bundle: str) -> list[dict[str, Any]]
 
 
 @contextlib.contextmanager
-def running(*, binary: Path, kubeconfig: Path, kubectl: Path, state: Path) -> Iterator[Kueue]:
+def running(
+    *, binary: Path, kubeconfig: Path, kubectl: Path, state: Path, settings: Mapping[str, Any] | None = None
+) -> Iterator[Kueue]:
     """Installs Kueue's CRDs and webhooks, runs its manager until the block ends, then removes the webhooks
-    (the API server would call them in vain) and stops it."""
+    (the API server would call them in vain) and stops it. ``settings``: more of its Configuration (e.g.
+    ``multiKueue`` in a manager cluster)."""
     folder = state / "kueue"
     folder.mkdir(parents=True, exist_ok=True)
     config = binary.parent / "kueue-config"
@@ -105,7 +108,7 @@ def running(*, binary: Path, kubeconfig: Path, kubectl: Path, state: Path) -> It
     crds = [f"crd/{o['metadata']['name']}" for o in objects if o["kind"] == "CustomResourceDefinition"]
     kube("wait", "--for=condition=Established", "--timeout=90s", *crds)  # the manager maps them at start
     kube("apply", "-f", "-", text=kube("create", "namespace", NAMESPACE, "--dry-run=client", "-o", "yaml"))
-    settings = {
+    configuration = {
         "apiVersion": "config.kueue.x-k8s.io/v1beta2",
         "kind": "Configuration",
         "namespace": NAMESPACE,
@@ -119,8 +122,9 @@ def running(*, binary: Path, kubeconfig: Path, kubectl: Path, state: Path) -> It
         # Its pending-workloads API is an aggregated API server of its own (an APIService, a certificate in
         # /visibility): not run here; the ClusterQueue's status says the same numbers.
         "featureGates": {"VisibilityOnDemand": False},
+        **(settings or {}),
     }
-    (folder / "config.yaml").write_text(yaml.safe_dump(settings))
+    (folder / "config.yaml").write_text(yaml.safe_dump(configuration))
     log = folder / "kueue.log"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     argv = [str(binary), f"--config={folder / 'config.yaml'}"]

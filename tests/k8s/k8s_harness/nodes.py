@@ -382,6 +382,9 @@ class ContainerNodes:
         self._write_cni(node)
         self._prepare_images(node)
         node.containerd = self._containerd(node, cri=True)
+        self._start_kubelet(node)
+
+    def _start_kubelet(self, node: Node) -> None:
         node.kubelet_port = free_port()
         kubeconfig = self._identity(f"kubelet-{node.name}", f"system:node:{node.name}", "system:nodes")
         config = node.state / "kubelet.yaml"
@@ -606,6 +609,21 @@ disabled_plugins = [{cri_plugin if not cri else ""}]
         self.aliases[_normalized(alias)] = _normalized(ref)
         for node in self.nodes:
             node.ctr("images", "tag", "--force", _normalized(ref), _normalized(alias), timeout=60)
+
+    def stop_kubelet(self, name: str) -> None:
+        """The node's kubelet dies and nothing else: its containers run on, unseen (its Node goes NotReady,
+        its Pods are never confirmed stopped), as on a machine whose kubelet crashed or lost the API
+        server."""
+        kubelet = self.node(name).kubelet
+        assert kubelet is not None, f"{name} has no kubelet"
+        kubelet.kill()
+        kubelet.wait(timeout=10)
+
+    def start_kubelet(self, name: str) -> None:
+        """A kubelet :meth:`stop_kubelet` killed starts again on the running node, which turns Ready."""
+        node = self.node(name)
+        self._start_kubelet(node)
+        self.wait_ready((name,))
 
     def power_on(self, name: str) -> None:
         """A node that :meth:`power_off` killed boots again: its runtime drops the dead containers and its
