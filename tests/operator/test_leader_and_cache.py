@@ -4,13 +4,15 @@ the real control plane in tests/k8s/test_operator_ha.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from kubernetes import client
 
+from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator.cache import WatchCache, newer
+from phalanx.operator.cache import NamespacedCaches, WatchCache, newer, watch
 from phalanx.operator.executor import Executor
 from phalanx.operator.handlers import Reconciler
 from phalanx.operator.leader import LeaseTiming, Observation, decide
@@ -93,6 +95,36 @@ def test_an_answer_read_after_the_watch_reported_the_deletion_does_not_bring_the
     assert cache.get("n", "master") is None
     cache.put(_pod("master", "j", "9"))  # created again under the same name
     assert cache.get("n", "master")["metadata"]["resourceVersion"] == "9"
+
+
+def test_the_caches_of_several_namespaces_read_and_write_as_one() -> None:
+    listed: list[tuple[str, ...]] = []
+
+    def lister(ns: str) -> tuple[Callable[..., Any], tuple[str, ...]]:
+        listed.append((ns,))
+        return (lambda *_a, **_k: None), ("pods", ns)
+
+    cache = watch("pods", namespaces=("a", "b"), lister=lister, index=lambda m: (m["namespace"], "j"))
+    assert isinstance(cache, NamespacedCaches)
+    assert listed == [("a",), ("b",)], "a watch of its own per namespace"
+    cache.put(_pod("p0", "j", "5", ns="a"))
+    cache.put(_pod("p1", "j", "6", ns="b"))
+    cache.put(_pod("p2", "j", "7", ns="elsewhere"))  # not a namespace it handles: not kept
+    assert [p["metadata"]["name"] for p in cache.by_index(("a", "j"))] == ["p0"]
+    assert cache.get("b", "p1") is not None
+    assert cache.get("elsewhere", "p2") is None
+    assert sorted(cache.idents()) == [("a", "p0"), ("b", "p1")]
+    cache.remove("a", "p0")
+    assert cache.by_index(("a", "j")) == []
+    assert isinstance(watch("pods", namespaces=(), lister=lister, index=lambda m: None), WatchCache)
+    assert listed[-1] == ("",), "no namespace: the whole cluster's list"
+
+
+def test_the_operators_namespaces_are_a_list_of_names() -> None:
+    assert OperatorSettings(namespace=" team-a, team-b,team-a ").namespaces == ("team-a", "team-b")
+    assert OperatorSettings().namespaces == ()
+    with pytest.raises(ConfigError, match="Team_B"):
+        OperatorSettings(namespace="team-a,Team_B")
 
 
 def _passes(executor: Executor) -> float:

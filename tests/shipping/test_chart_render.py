@@ -384,6 +384,20 @@ def test_a_namespaced_operator_gets_a_role_and_only_the_cluster_rules_it_needs(h
     assert not resources & {"nodes", "namespaces", "customresourcedefinitions"}
 
 
+def test_an_operator_of_several_namespaces_gets_a_role_in_each_and_watches_them(helm: Helm) -> None:
+    objs = helm.render("operator.watchNamespace=team-a", "operator.watchNamespaces={team-b,team-a}")
+    operator = "rel-phalanx-operator"
+    roles = [o for o in objs if o["kind"] == "Role" and o["metadata"]["name"] == operator]
+    bindings = [o for o in objs if o["kind"] == "RoleBinding" and o["metadata"]["name"] == operator]
+    assert [r["metadata"]["namespace"] for r in roles] == ["team-a", "team-b"], "each once"
+    assert [b["metadata"]["namespace"] for b in bindings] == ["team-a", "team-b"]
+    assert all(r["rules"] == _deploy("ClusterRole")["rules"] for r in roles)
+    assert not [o for o in objs if o["kind"] == "ClusterRole" and o["metadata"]["name"] == operator]
+    (container,) = _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PHALANX_OPERATOR_NAMESPACE"] == "team-a,team-b"
+
+
 def test_the_multikueue_role_is_what_kueue_needs_of_elasticjobs_and_bound_to_nobody(helm: Helm) -> None:
     """MultiKueue's ClusterRole (docs/queues.md): the administrator binds it to Kueue in a manager cluster and
     to MultiKueue's identity in a worker; the chart binds it to nobody, and renders it only with

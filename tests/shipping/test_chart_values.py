@@ -58,6 +58,7 @@ def test_the_schema_names_every_value_and_nothing_else() -> None:
         ("podMonitor.interval=15", "podMonitor/interval"),
         ("image.tag=1", "image/tag"),  # printf would render "%!s(int64=1)": --set-string says what is meant
         ("operator.watchNamespace=Team_A", "operator/watchNamespace"),
+        ("operator.watchNamespaces={team-a,Team_B}", "operator/watchNamespaces/1"),
     ],
 )
 def test_a_wrong_value_is_refused_with_its_path(helm: Helm, setting: str, words: str) -> None:

@@ -56,3 +56,9 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- define "phalanx.caSecret" -}}
 {{- default (printf "%s-ca" (include "phalanx.fullname" .)) .Values.operator.masterTLS.caSecret -}}
 {{- end }}
+
+{{/* The namespaces the operator handles (operator.watchNamespace and operator.watchNamespaces, each once), as
+a JSON list; empty: every namespace. */}}
+{{- define "phalanx.watchNamespaces" -}}
+{{- concat (list .Values.operator.watchNamespace) (.Values.operator.watchNamespaces | default list) | compact | uniq | toJson -}}
+{{- end -}}

@@ -81,6 +81,7 @@ __all__ = [
 
 
 DEFAULT_STATUS_PROGRESS_INTERVAL_S = 10.0
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 """The step alone changes on every heartbeat while training; one status PATCH per job every 10 s keeps a
 thousand jobs at about 100 writes a second to the API server."""
 
@@ -255,7 +256,9 @@ class OperatorSettings:
     """The Kubernetes operator (`phalanx operator`)."""
 
     namespace: str = setting(
-        "", doc="Namespace whose ElasticJobs the operator handles; empty: all namespaces."
+        "",
+        doc="Namespaces whose ElasticJobs the operator handles, comma-separated (each watched on its own, "
+        "with a Role there); empty: all namespaces.",
     )
     image: str = setting(
         "ghcr.io/phalanx-dev/phalanx:0.1.0",
@@ -362,6 +365,11 @@ class OperatorSettings:
     )
 
     @property
+    def namespaces(self) -> tuple[str, ...]:
+        """The namespaces of :attr:`namespace`, each once; () for all."""
+        return tuple(dict.fromkeys(n.strip() for n in self.namespace.split(",") if n.strip()))
+
+    @property
     def metrics_token_given(self) -> bool:
         """Whether the masters get a metrics token (from metrics_token_file or metrics_token_secret)."""
         return bool(self.metrics_token_file or self.metrics_token_secret)
@@ -375,6 +383,9 @@ class OperatorSettings:
         positive(self.suspend_ack_timeout_s, "suspend_ack_timeout_s")
         positive(self.stuck_pod_timeout_s, "stuck_pod_timeout_s")
         positive(self.master_node_lost_s, "master_node_lost_s")
+        for ns in self.namespaces:
+            if not _DNS_LABEL.fullmatch(ns):
+                raise ConfigError(f"{ns!r} is not a namespace name (a DNS label)", field="namespace")
         if self.finish_grace_s < 0:
             raise ConfigError(f"cannot be negative, got {self.finish_grace_s}", field="finish_grace_s")
         for name in ("master_grpc_port", "master_http_port"):

@@ -218,3 +218,74 @@ class WatchCache:
                     self._on_change(key, obj)
             # The server closed the watch after its timeout: watch again from where this one ended.
             version = w.resource_version or version
+
+
+class NamespacedCaches:
+    """One :class:`WatchCache` per namespace, read and written as one: an operator that handles the jobs of
+    a few namespaces lists and watches each (a Role there suffices), never the whole cluster."""
+
+    def __init__(self, caches: dict[str, WatchCache]) -> None:
+        self._caches = caches
+        self.kind = next(iter(caches.values())).kind
+
+    def _of(self, namespace: str) -> WatchCache | None:
+        return self._caches.get(namespace)
+
+    def get(self, namespace: str, name: str) -> Any | None:
+        cache = self._of(namespace)
+        return cache.get(namespace, name) if cache is not None else None
+
+    def by_index(self, key: Hashable) -> list[Any]:
+        """Every cache's objects under ``key`` (a key starts with its namespace, as the operator's do)."""
+        namespace = key[0] if isinstance(key, tuple) and key else None
+        caches = [self._caches[namespace]] if namespace in self._caches else list(self._caches.values())
+        return [obj for cache in caches for obj in cache.by_index(key)]
+
+    def idents(self) -> list[tuple[str, str]]:
+        return [ident for cache in self._caches.values() for ident in cache.idents()]
+
+    def wait_synced(self, timeout: float | None = None) -> bool:
+        return all(cache.wait_synced(timeout) for cache in self._caches.values())
+
+    def put(self, obj: Any) -> None:
+        if (cache := self._of(meta_of(obj)["namespace"])) is not None:
+            cache.put(obj)
+
+    def remove(self, namespace: str, name: str) -> None:
+        if (cache := self._of(namespace)) is not None:
+            cache.remove(namespace, name)
+
+    def start(self) -> NamespacedCaches:
+        for cache in self._caches.values():
+            cache.start()
+        return self
+
+    def stop(self) -> None:
+        for cache in self._caches.values():
+            cache.stop()
+
+
+Cache = WatchCache | NamespacedCaches
+"""What the operator reads its objects from: a watch of the cluster, or one per namespace it handles."""
+
+Lister = Callable[[str], tuple[Callable[..., Any], tuple[Any, ...]]]
+"""A namespace -> the Kubernetes client's list function and its arguments for that namespace ("": all)."""
+
+
+def watch(
+    kind: str,
+    *,
+    namespaces: tuple[str, ...],
+    lister: Lister,
+    label_selector: str = "",
+    index: Callable[[dict[str, Any]], Hashable | None],
+    on_change: Callable[[Hashable, Any], None] | None = None,
+) -> Cache:
+    """A cache of ``kind`` in ``namespaces`` (a watch each), or in the whole cluster when there are none."""
+
+    def one(namespace: str) -> WatchCache:
+        list_fn, args = lister(namespace)
+        return WatchCache(kind=kind, list_fn=list_fn, list_args=args, label_selector=label_selector,
+                          index=index, on_change=on_change)  # fmt: skip
+
+    return NamespacedCaches({ns: one(ns) for ns in namespaces}) if namespaces else one("")

@@ -18,14 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 from phalanx.api.elasticjob import GROUP, PLURAL, VERSION
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import kueue, names
-from phalanx.operator.cache import WatchCache
+from phalanx.operator.cache import Cache, watch
 from phalanx.operator.executor import Executor
 
 log = logging.getLogger("phalanx.operator")
@@ -53,27 +53,22 @@ class Reconciler:
         self.interval_s = settings.reconcile_interval_s
         core, custom = executor.core, executor.custom
         selector = f"app.kubernetes.io/managed-by={names.MANAGED_BY}"
-        jobs_args: tuple[str, ...]
-        pods_args: tuple[str, ...]
-        if settings.namespace:
-            jobs_list, jobs_args = (
-                custom.list_namespaced_custom_object,
-                (GROUP, VERSION, settings.namespace, PLURAL),
-            )
-            pods_list, pods_args = core.list_namespaced_pod, (settings.namespace,)
-        else:
-            jobs_list, jobs_args = custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL)
-            pods_list, pods_args = core.list_pod_for_all_namespaces, ()
-        self.jobs = WatchCache(
-            kind=PLURAL, list_fn=jobs_list, list_args=jobs_args, index=job_key, on_change=self._changed
-        )
-        self.pods = WatchCache(
-            kind="pods", list_fn=pods_list, list_args=pods_args, label_selector=selector, index=pod_key,
-            on_change=self._changed,
-        )  # fmt: skip
+        self._namespaces = settings.namespaces
+
+        def jobs(ns: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+            if ns:
+                return custom.list_namespaced_custom_object, (GROUP, VERSION, ns, PLURAL)
+            return custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL)
+
+        def pods(ns: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+            return (core.list_namespaced_pod, (ns,)) if ns else (core.list_pod_for_all_namespaces, ())
+
+        self.jobs = watch(PLURAL, namespaces=self._namespaces, lister=jobs, index=job_key,
+                          on_change=self._changed)  # fmt: skip
+        self.pods = watch("pods", namespaces=self._namespaces, lister=pods, label_selector=selector,
+                          index=pod_key, on_change=self._changed)  # fmt: skip
         executor.use_caches(jobs=self.jobs, pods=self.pods)
-        self.workloads: WatchCache | None = None
-        self._namespace = settings.namespace
+        self.workloads: Cache | None = None
         self._pool = ThreadPoolExecutor(max_workers=PASS_WORKERS, thread_name_prefix="pass")
         self._stop = threading.Event()
         self._synced = threading.Event()
@@ -122,17 +117,21 @@ class Reconciler:
         queues = self.executor.queues
         if self.workloads is not None or not queues.serves_workloads():
             return
-        custom, ns = self.executor.custom, self._namespace
-        self.workloads = WatchCache(
-            kind=kueue.WORKLOADS,
-            list_fn=custom.list_namespaced_custom_object if ns else custom.list_cluster_custom_object,
-            list_args=(kueue.GROUP, kueue.VERSION, *([ns] if ns else []), kueue.WORKLOADS),
+        custom = self.executor.custom
+
+        def workloads(ns: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+            if ns:
+                return custom.list_namespaced_custom_object, (kueue.GROUP, kueue.VERSION, ns, kueue.WORKLOADS)
+            return custom.list_cluster_custom_object, (kueue.GROUP, kueue.VERSION, kueue.WORKLOADS)
+
+        self.workloads = watch(
+            kueue.WORKLOADS, namespaces=self._namespaces, lister=workloads,
             label_selector=f"app.kubernetes.io/managed-by={names.MANAGED_BY}", index=pod_key,
             on_change=self._changed,
         ).start()  # fmt: skip
         threading.Thread(target=self._use_workloads, args=(self.workloads,), daemon=True).start()
 
-    def _use_workloads(self, cache: WatchCache) -> None:
+    def _use_workloads(self, cache: Cache) -> None:
         if cache.wait_synced(SYNC_TIMEOUT_S):
             self.executor.queues.use_cache(cache)
 

@@ -21,6 +21,10 @@ A job labelled ``kueue.x-k8s.io/queue-name`` is *queued*:
   queues it again. Readmitted, it resumes from its step;
 * a job that finishes marks its Workload Finished, which frees its quota at once.
 
+A job labelled ``kueue.x-k8s.io/prebuilt-workload-name`` (MultiKueue's copy in a worker cluster,
+:mod:`phalanx.operator.multikueue`) uses that Workload instead of one of its own: it never creates nor
+replaces it, makes itself its owner, and fails (``WorkloadOutOfSync``) if it was made for other node counts.
+
 The Workload carries no finalizer (the job framework's ``kueue.x-k8s.io/resource-in-use``): the operator
 puts none on anything, so deleting a job never waits for it; a deleted job's quota is then freed while its
 Pods are still stopping. To stop a queued job, deactivate its Workload (``spec.active: false``), as for
