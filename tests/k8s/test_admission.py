@@ -69,6 +69,22 @@ INVALID = [
     ),
     ("no-containers", _with("spec.template", {"spec": {"containers": []}}), "should have at least 1 items"),
     ("missing-template", _with("spec.template", _DELETE), "spec.template: Required value"),
+    # The Pod templates are Kubernetes' PodSpec: a misspelt or mistyped field is refused, not carried along.
+    (
+        "misspelt-pod-field",
+        _with("spec.template", {"spec": {"containers": [{"name": "t", "image": "x", "comand": ["train"]}]}}),
+        'unknown field "spec.template.spec.containers[0].comand"',
+    ),
+    (
+        "mistyped-pod-field",
+        _with("spec.template", {"spec": {"containers": [{"name": "t", "image": "x"}], "hostNetwork": "yes"}}),
+        "spec.template.spec.hostNetwork: Invalid value",
+    ),
+    (
+        "misspelt-master-toleration",
+        _with("spec.master", {"template": {"spec": {"tolerations": [{"key": "a", "efect": "NoSchedule"}]}}}),
+        'unknown field "spec.master.template.spec.tolerations[0].efect"',
+    ),
     ("unknown-probe", _with("spec.healthChecks", {"probes": ["ping"]}), 'supported values: "matmul"'),
     ("no-probes", _with("spec.healthChecks", {"probes": []}), "should have at least 1 items"),
     (
@@ -126,6 +142,13 @@ def test_invalid_job_is_rejected(
     assert message in out, f"{case}: expected {message!r} in {out!r}"
 
 
+def test_kubectl_explain_describes_the_pod_templates(control_plane: ControlPlane) -> None:
+    out = control_plane.kubectl("explain", "elasticjobs.spec.template.spec.containers.resources.limits")
+    assert "Limits describes the maximum amount of compute resources allowed" in out, out
+    out = control_plane.kubectl("explain", "elasticjobs.spec.master.template.spec.affinity.nodeAffinity")
+    assert "Describes node affinity scheduling rules for the pod" in out, out
+
+
 def test_long_name_is_rejected(control_plane: ControlPlane) -> None:
     job = _job("j" * 50)
     out = control_plane.kubectl("create", "-f", "-", input_text=json.dumps(job), check=False)
@@ -137,6 +160,8 @@ def test_valid_job_gets_defaults_and_immutable_fields(control_plane: ControlPlan
     control_plane.kubectl("create", "-f", "-", input_text=json.dumps(job))
     try:
         got = json.loads(control_plane.kubectl("get", "ej", "defaults", "-o", "json"))
+        # Replaced unconditionally: an operator running beside this test writes the job's status meanwhile.
+        del got["metadata"]["resourceVersion"]
         spec = got["spec"]
         assert spec["heartbeat"] == {"interval": "1s", "timeout": "10s"}
         assert spec["parallelism"] == {"tensor": 1, "pipeline": 1}

@@ -617,13 +617,29 @@ def _stripped_of_bounds(node: Any) -> Any:
     return node
 
 
+def _untyped_template(crd: dict[str, Any]) -> dict[str, Any]:
+    """The CRD as it was before its Pod templates were typed: the worker template's spec kept unchecked."""
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec["properties"]["template"]["properties"]["spec"] = {
+        "type": "object", "x-kubernetes-preserve-unknown-fields": True, "required": ["containers"],
+        "properties": {"containers": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "x-kubernetes-preserve-unknown-fields": True,
+            "properties": {"resources": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                                         "properties": {"limits": {"type": "object", "additionalProperties": {
+                                             "x-kubernetes-int-or-string": True,
+                                             "anyOf": [{"type": "integer"}, {"type": "string"}]}}}}},
+        }}},
+    }  # fmt: skip
+    return crd
+
+
 def test_a_job_past_the_bounds_or_breaking_a_pass_fails_alone(cluster: Cluster, trust_ns: str) -> None:
-    """nodes.max 6000 slipped past admission (created under the CRD as it was before its bounds) and a
-    template the schema cannot judge (volumeMounts: 5 breaks the pass that builds the worker Pod): each is
-    refused or recorded on its own job, while a job created after them runs."""
+    """nodes.max 6000 slipped past admission and a template that breaks the pass building the worker Pod
+    (volumeMounts: 5), both created under the CRD as it was before its bounds and its typed templates: each
+    is refused or recorded on its own job, while a job created after them runs."""
     cp, ns = cluster.cp, trust_ns
     crd_file = Path(cp.state_dir) / "crd-without-bounds.yaml"
-    crd_file.write_text(yaml.safe_dump(_stripped_of_bounds(build_crd())))
+    crd_file.write_text(yaml.safe_dump(_untyped_template(_stripped_of_bounds(build_crd()))))
     current = ROOT / "crds" / "elasticjobs.phalanx.dev.yaml"
     cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd_file))
     try:
@@ -631,11 +647,11 @@ def test_a_job_past_the_bounds_or_breaking_a_pass_fails_alone(cluster: Cluster, 
         huge["spec"]["nodes"] = {"min": 1, "max": MAX_NODES + 1000}
         # the API server takes the old schema in a moment
         eventually(lambda: "created" in _create(cp, huge), timeout=30, interval=0.5, what="the old schema")
+        broken = _sim_job("broken", ns)
+        broken["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] = 5
+        cp.kubectl("create", "-f", "-", input_text=json.dumps(broken))
     finally:
         cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(current))
-    broken = _sim_job("broken", ns)
-    broken["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] = 5
-    cp.kubectl("create", "-f", "-", input_text=json.dumps(broken))
     cp.kubectl("create", "-f", "-", input_text=json.dumps(_sim_job("fine", ns)))
 
     failed = cluster.wait_for(

@@ -17,6 +17,7 @@ person can act on, and the underlying cause stays chained (``raise ... from exc`
     │   ├── CheckpointCorruptError   a stored or in-memory snapshot failed its checksum
     │   └── PersistError             writing a snapshot to storage failed (disk full, permissions)
     ├── StateStoreError              the master's durable state could not be read or written
+    ├── MasterFenced                 another master took over the job's state: this one stops
     └── KubernetesError              the Kubernetes API refused or failed an operation
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.api import settings as s
+from phalanx.operator import pod_schema
 from phalanx.operator.admission import (
     CLEAN_POD_POLICIES,
     DURATION_RE,
@@ -28,13 +29,16 @@ from phalanx.operator.resources import AUTO, GPU_RESOURCE, MIN_SHARED_MEMORY
 from phalanx.operator.schema import (
     format_duration,
     int_prop,
-    kept,
     object_prop,
     optional_duration,
     quantity,
     setting_prop,
     string_map,
 )
+
+
+def _described(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {**schema, "description": description}
 
 
 def _master_template() -> dict[str, Any]:
@@ -52,8 +56,9 @@ def _master_template() -> dict[str, Any]:
                     "limits": {"type": "object", "additionalProperties": quantity()},
                 },
             ),
-            "securityContext": kept(
-                "Container securityContext; fields left out get the restricted Pod Security defaults."
+            "securityContext": _described(
+                pod_schema.field("containers", "items", "securityContext"),
+                "Container securityContext; fields left out get the restricted Pod Security defaults.",
             ),
         },
     )
@@ -69,9 +74,11 @@ def _master_template() -> dict[str, Any]:
             "spec": object_prop(
                 "The master Pod's scheduling, pull secrets and security.",
                 {
-                    "tolerations": kept("Tolerations of the master Pod.", "array"),
+                    "tolerations": _described(
+                        pod_schema.field("tolerations"), "Tolerations of the master Pod."
+                    ),
                     "nodeSelector": {**string_map(), "description": "Node selector of the master Pod."},
-                    "affinity": kept("Affinity of the master Pod."),
+                    "affinity": _described(pod_schema.field("affinity"), "Affinity of the master Pod."),
                     "priorityClassName": {
                         "type": "string",
                         "description": "Priority class of the master Pod.",
@@ -85,8 +92,9 @@ def _master_template() -> dict[str, Any]:
                             required=["name"],
                         ),
                     },
-                    "securityContext": kept(
-                        "Pod securityContext; fields left out get the restricted Pod Security defaults."
+                    "securityContext": _described(
+                        pod_schema.field("securityContext"),
+                        "Pod securityContext; fields left out get the restricted Pod Security defaults.",
                     ),
                     "containers": {
                         "type": "array",
@@ -253,43 +261,6 @@ def _checkpoint() -> dict[str, Any]:
     )
 
 
-def _template() -> dict[str, Any]:
-    return {
-        "type": "object",
-        "description": "Pod template of the worker Pods; the first container runs phalanx-run and the "
-        "training script (its command and args).",
-        "x-kubernetes-preserve-unknown-fields": True,
-        "required": ["spec"],
-        "properties": {
-            "spec": {
-                "type": "object",
-                "x-kubernetes-preserve-unknown-fields": True,
-                "required": ["containers"],
-                "properties": {
-                    "containers": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
-                            "type": "object",
-                            "x-kubernetes-preserve-unknown-fields": True,
-                            # Declared (and still kept whole) so that the CEL rules can read the limits.
-                            "properties": {
-                                "resources": {
-                                    "type": "object",
-                                    "x-kubernetes-preserve-unknown-fields": True,
-                                    "properties": {
-                                        "limits": {"type": "object", "additionalProperties": quantity()}
-                                    },
-                                }
-                            },
-                        },
-                    }
-                },
-            }
-        },
-    }
-
-
 def _gang() -> dict[str, Any]:
     return object_prop(
         "All-or-nothing placement of the worker Pods: none of them is bound to a node until minNodes of "
@@ -436,7 +407,7 @@ def spec_schema() -> dict[str, Any]:
             "hang": _hang(),
             "healthChecks": _health(),
             "checkpoint": _checkpoint(),
-            "template": _template(),
+            "template": pod_schema.worker_template(),
             "master": _master(),
             "sharedMemory": _shared_memory(),
             "terminationGracePeriod": _termination_grace(),
