@@ -473,3 +473,39 @@ def test_a_replaced_master_process_stops_within_seconds_writing_nothing_more(
             if process is not None and process.poll() is None:
                 process.terminate()
                 process.wait(timeout=30)
+
+
+def test_a_master_whose_pod_was_deleted_is_fenced_by_its_revoked_credentials(
+    control_plane: ControlPlane, master_api: Path, tmp_path: Path
+) -> None:
+    """A master's token is bound to its Pod: once the operator deletes the Pod (a master on a node that
+    stopped answering), the API server refuses the token, and the master, which can then no longer read who
+    holds the state, is told it was replaced."""
+    cp = control_plane
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "bound-master", "namespace": NS},
+           "spec": {"nodeSelector": {"nowhere": "true"}, "containers": [{"name": "m", "image": "x"}],
+                    "serviceAccountName": f"{JOB}-master"}}  # fmt: skip
+    cp.kubectl("create", "-f", "-", input_text=json.dumps(pod))
+    try:
+        token = cp.kubectl("create", "token", f"{JOB}-master", "-n", NS, "--duration=1h",
+                           "--bound-object-kind=Pod", "--bound-object-name=bound-master").strip()  # fmt: skip
+        kubeconfig = write_kubeconfig(tmp_path / "bound", server=cp.server, ca=cp.ca, token=token)
+        store = ConfigMapStateStore(namespace=NS, name=JOB, api=_client(kubeconfig), holder="bound")
+        store.load()
+        assert store.holds()
+        cp.kubectl("delete", "pod", "bound-master", "-n", NS, "--grace-period=0", "--force")
+
+        def refused() -> str:
+            try:
+                store.holds()
+            except MasterFenced as exc:
+                return str(exc)
+            return ""
+
+        said = eventually(refused, timeout=30, interval=0.5, what="the deleted Pod's token refused")
+        assert "401 Unauthorized" in said
+    finally:
+        cp.kubectl("delete", "pod", "bound-master", "-n", NS, "--ignore-not-found", "--grace-period=0",
+                   "--force", check=False)  # fmt: skip
+        cp.kubectl("patch", "configmap", f"{JOB}-master-state", "-n", NS, "--type=merge",
+                   "-p", '{"data": null}')  # fmt: skip

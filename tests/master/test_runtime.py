@@ -97,8 +97,13 @@ class TakenOverStore(MemoryStateStore):
         super().__init__()
         self.taken = False
         self.unreachable = False
+        self.revoked = False
 
     def holds(self) -> bool:
+        if self.revoked:
+            raise MasterFenced(
+                "the API server no longer accepts this master's credentials (401 Unauthorized)"
+            )
         if self.unreachable:
             raise StateStoreError("cannot read the state ConfigMap: connection refused")
         return not self.taken
@@ -180,3 +185,17 @@ def test_a_master_cut_off_from_its_state_stops_after_the_lease(monkeypatch: pyte
     rt, after = asyncio.run(scenario())
     assert 0.5 - 0.1 <= after < 1.5, "not at the first failed check: the lease covers a hiccup"
     assert "could not tell" in rt.fenced
+
+
+@pytest.mark.timeout(20)
+def test_a_master_whose_credentials_were_revoked_stops_at_the_next_check() -> None:
+    async def scenario() -> Runtime:
+        store = TakenOverStore()
+        rt, _ = _runtime(store)
+        task = asyncio.create_task(rt.fence())
+        store.revoked = True  # its Pod was deleted: the token bound to it is refused
+        await asyncio.wait_for(rt.stopping.wait(), FENCE_CHECK_S + 2)
+        await asyncio.gather(task, return_exceptions=True)
+        return rt
+
+    assert "401" in asyncio.run(scenario()).fenced, "at once, not after the lease"

@@ -103,6 +103,15 @@ def test_a_dispatched_job_without_a_queue_fails_saying_so() -> None:
     assert c.workload is None
 
 
+def test_a_dispatched_job_kueue_finished_before_any_worker_ran_it_fails_with_kueues_words() -> None:
+    c = QueuedCluster(dispatched_job())
+    c.step()
+    c.kueue_says(conditions=[condition("Finished", True, "AdmissionCheckRejected", "no worker fits")])
+    c.step()
+    assert c.condition("Failed")["reason"] == "WorkloadFinished"
+    assert "no worker fits" in c.condition("Failed")["message"]
+
+
 def worker_copy() -> dict[str, Any]:
     """The job as Kueue's adapter creates it in a worker: no managedBy, the prebuilt Workload's label."""
     job = queued_job(suspend=True)

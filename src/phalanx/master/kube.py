@@ -50,6 +50,9 @@ from phalanx.master.state import SpecView
 log = logging.getLogger("phalanx.master")
 
 _MAX_TEXT = 32000  # CRD maxLength of status.master.reason is 32768
+STATE_REQUEST_TIMEOUT_S = 10.0
+"""A read or write of the state ConfigMap that takes longer fails (a master cut off from the API server must
+notice, not wait on a dead connection)."""
 HOLDER_ANNOTATION = "phalanx.dev/master-holder"
 """On the state ConfigMap: the id of the master that holds the job's state (:class:`ConfigMapStateStore`)."""
 CLAIM_ATTEMPTS = 5
@@ -118,8 +121,11 @@ class ConfigMapStateStore:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            return self._core.read_namespaced_config_map(self.config_map, self.namespace)
+            return self._core.read_namespaced_config_map(
+                self.config_map, self.namespace, _request_timeout=STATE_REQUEST_TIMEOUT_S
+            )
         except ApiException as exc:
+            _fenced_if_revoked(exc)
             if exc.status == 404:
                 raise StateStoreError(
                     f"the state ConfigMap {self.namespace}/{self.config_map} does not exist; "
@@ -157,8 +163,11 @@ class ConfigMapStateStore:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            patched: Any = self._core.patch_namespaced_config_map(self.config_map, self.namespace, body)
+            patched: Any = self._core.patch_namespaced_config_map(
+                self.config_map, self.namespace, body, _request_timeout=STATE_REQUEST_TIMEOUT_S
+            )
         except ApiException as exc:
+            _fenced_if_revoked(exc)
             if exc.status == 409:
                 return None
             raise StateStoreError(f"cannot write {self.namespace}/{self.config_map}: {exc.reason}") from exc
@@ -185,6 +194,18 @@ class ConfigMapStateStore:
                 f"master {holder or '(none)'} took over {self.namespace}/{self.config_map} from this one "
                 f"({self.holder})"
             )
+
+
+def _fenced_if_revoked(exc: Any) -> None:
+    """A master's credentials are its Pod's ServiceAccount token, bound to that Pod: the API server refuses
+    it (401) once the Pod is deleted, which is how a master on a node that stopped answering is replaced
+    (force-deleted, then created anew). Such a master can no longer read who holds the state; it has been
+    replaced, and stops as if it had read so."""
+    if exc.status == 401:
+        raise MasterFenced(
+            "the API server no longer accepts this master's credentials (401 Unauthorized): its Pod was "
+            "deleted, and a replacement holds the job's state"
+        ) from exc
 
 
 def _holder(cm: Any) -> str:

@@ -191,6 +191,9 @@ class Runtime:
             await asyncio.sleep(FENCE_CHECK_S)
             try:
                 held = await asyncio.to_thread(self.store.holds)
+            except MasterFenced as exc:
+                self.step_down(str(exc))
+                return
             except Exception as exc:  # the API server's hiccup: the lease covers it
                 if time.monotonic() - confirmed > FENCE_LEASE_S:
                     self.step_down(f"could not tell for {FENCE_LEASE_S:.0f} s whether it still holds the "

@@ -48,7 +48,8 @@ class StateStore(Protocol):
 
     def holds(self) -> bool:
         """Whether this master still holds the state: False once another master took it over (this one
-        must then stop: a replacement runs). Raises :class:`StateStoreError` when it cannot tell."""
+        must then stop: a replacement runs). Raises :class:`MasterFenced` when it can tell it was replaced
+        without reading (its credentials were revoked), :class:`StateStoreError` when it cannot tell."""
         ...
 
 

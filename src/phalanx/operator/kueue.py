@@ -215,7 +215,7 @@ def queued(ctx: Pass, spec: JobSpec) -> JobSpec | None:
         return None
     found, now = view.workload, state(view.workload, spec)
     if now is State.FINISHED:
-        message = _said(found, "Finished") or "Kueue finished the job's Workload"
+        message = said(found, "Finished") or "Kueue finished the job's Workload"
         lifecycle.fail(ctx, reason="WorkloadFinished", message=message, spec=spec)
         return None
     if prebuilt(ctx.job):
@@ -269,7 +269,7 @@ def mirror(ctx: Pass, found: Mapping[str, Any] | None, now: State) -> None:
         value, reason = False, "Queued"
         message = f"waiting for its prebuilt Workload {name} (label {PREBUILT_LABEL})"
     else:
-        waiting = _said(found, "QuotaReserved") or "waiting for Kueue to look at it"
+        waiting = said(found, "QuotaReserved") or "waiting for Kueue to look at it"
         checks = [str(c.get("message")) for c in (found or {}).get("status", {}).get("admissionChecks") or []
                   if c.get("state") != "Ready" and c.get("message")]  # fmt: skip
         waiting = "; ".join([waiting, *checks])
@@ -281,7 +281,7 @@ def mirror(ctx: Pass, found: Mapping[str, Any] | None, now: State) -> None:
         ctx.actions.append(Event("Normal" if value or reason == "Queued" else "Warning", reason, message))
 
 
-def _said(found: Mapping[str, Any] | None, kind: str) -> str:
+def said(found: Mapping[str, Any] | None, kind: str) -> str:
     c = get_condition(((found or {}).get("status") or {}).get("conditions") or [], kind)
     return str(c.get("message") or "") if c else ""
 

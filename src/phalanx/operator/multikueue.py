@@ -77,6 +77,10 @@ def dispatch(ctx: Pass) -> list[Action]:
         lifecycle.fail(ctx, reason="QueueUnavailable", message=kueue.NO_WORKLOAD_API)
         return ctx.finish()
     now = kueue.state(found, spec)
+    if now is kueue.State.FINISHED:  # finished by Kueue before any worker ran it: it never will
+        message = kueue.said(found, "Finished") or "Kueue finished the job's Workload"
+        lifecycle.fail(ctx, reason="WorkloadFinished", message=message)
+        return ctx.finish()
     if now is kueue.State.MISSING:
         made = kueue.workload(ctx.job, spec, settings=ctx.settings, priority=view.priority)
         ctx.actions.append(Create(made))
