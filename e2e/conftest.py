@@ -224,9 +224,9 @@ def phalanx(target: Target) -> Iterator[Target]:
         # One replica: the node-loss scenario spares the operator's node (tests/k8s/test_operator_ha.py runs
         # two replicas and kills the leader).
         "--set", "operator.replicas=1",
-        # A master whose node stops answering is evicted after 10 s rather than the default 30 s: a scenario
+        # A master whose node stops answering is evicted after 5 s rather than the default 30 s: a scenario
         # waits for it (on top of the 20 s a silent node takes to turn NotReady here).
-        "--set", "operator.masterNodeLostSeconds=10",
+        "--set", "operator.masterNodeLostSeconds=5",
         # Every scenario runs over TLS: the operator issues each master a certificate for its Service name,
         # which the agents verify through cluster DNS (the process kubelet's rewritten addresses cannot).
         "--set", "operator.masterTLS.enabled=true",
