@@ -88,6 +88,6 @@ else
 endif
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-torch-oldest .mypy_cache .ruff_cache .pytest_cache
 
 -include mk/*.mk

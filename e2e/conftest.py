@@ -66,6 +66,9 @@ class Target:
     kueue: Callable[[], contextlib.AbstractContextManager[object]] | None = None
     """Runs Kueue against the cluster for the scenarios that need it (None: the cluster must have it, with
     ElasticJob.v1alpha1.phalanx.dev in its integrations.externalFrameworks)."""
+    root_image: str = ""
+    """An image whose user is root, as most vendor training images' (the base image so changed); "" where the
+    cluster has none, and the scenario of a root image is left out."""
 
     def shared_storage(self, namespace: str) -> str:
         if self.storage is None:
@@ -193,6 +196,7 @@ def _own_cluster(home: Path) -> Iterator[Target]:
                 stop_kubelet=nodes.stop_kubelet,
                 start_kubelet=nodes.start_kubelet,
                 storage=lambda namespace: _host_claim(kube, state / "volumes", state / "volumes", namespace),
+                root_image=images["phalanx-as-root"].ref,
                 pods_reachable=True,  # the nodes' bridge is this machine's
                 guarded_node=nodes.names[0],  # kube-router's firewall (tests/k8s/k8s_harness/netpol.py)
                 # Kueue's manager on this machine, its webhooks on 127.0.0.1, where the API server runs

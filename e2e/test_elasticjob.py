@@ -500,11 +500,14 @@ def test_a_deleted_worker_pod_is_replaced_and_the_job_succeeds(phalanx: Target, 
 
 
 def test_pods_that_cannot_start_say_why(phalanx: Target, ns: str) -> None:
-    """Three jobs whose workers never start, each for a cause of its own, on real kubelets and containerd:
-    an image that does not exist, a Secret that is missing, a resource no node has. Each job's PodsReady
-    condition and a Warning Event name the cause in the kubelet's or the scheduler's words, while its master
-    runs; not after the minimum-node timeout. The two causes that waiting does not heal then fail their job
-    with that cause once the operator's stuck_pod_timeout_s has passed; the unschedulable job waits on."""
+    """Jobs whose workers never start, each for a cause of its own, on real kubelets and containerd: an image
+    that does not exist, a Secret that is missing, a resource no node has, and an image that runs as root (as
+    most vendor training images do) under the restricted defaults. Each job's PodsReady condition and a
+    Warning Event name the cause in the kubelet's or the scheduler's words, with the fix where the kubelet
+    names none, while its master runs; not after the minimum-node timeout. The causes that waiting does not
+    heal then fail their job with that cause once the operator's stuck_pod_timeout_s has passed; the
+    unschedulable job waits on. The root image with the fix the docs give (runAsUser in the template) runs to
+    the end."""
     docs = example_documents()
     job = next(d for d in docs if d["kind"] == "ElasticJob")
     config = [d for d in docs if d["kind"] != "ElasticJob"]
@@ -529,6 +532,13 @@ def test_pods_that_cannot_start_say_why(phalanx: Target, ns: str) -> None:
             "Insufficient example.com/gpu",
         ),
     }
+    if phalanx.root_image:
+        causes["as-root"] = (
+            {"image": phalanx.root_image},
+            ("CreateContainerConfigError",),
+            "image will run as root",
+        )
+    fixes = {"as-root": "set spec.template.spec.securityContext.runAsUser (and fsGroup) to a uid"}
     jobs = []
     for name, (change, _, _) in causes.items():
         stuck = copy.deepcopy(job)
@@ -536,6 +546,8 @@ def test_pods_that_cannot_start_say_why(phalanx: Target, ns: str) -> None:
         (container,) = stuck["spec"]["template"]["spec"]["containers"]
         container.update(change)
         jobs.append(stuck)
+    if phalanx.root_image:
+        jobs.append(_as_root_with_the_fix(job, phalanx.root_image))
     phalanx.kube("apply", "-n", ns, "-f", "-", input_text=yaml.safe_dump_all(config + jobs))
 
     def said(name: str) -> dict[str, Any] | None:
@@ -550,6 +562,7 @@ def test_pods_that_cannot_start_say_why(phalanx: Target, ns: str) -> None:
         assert ready is not None
         assert ready["status"] == "False"
         assert words in ready["message"], ready["message"]
+        assert fixes.get(name, "") in ready["message"], ready["message"]
         assert f"{name}-worker-" in ready["message"], ready["message"]
     bound = STUCK_POD_TIMEOUT_S + 60  # from the first pass that saw the cause
 
@@ -559,7 +572,7 @@ def test_pods_that_cannot_start_say_why(phalanx: Target, ns: str) -> None:
             return None
         return next(c for c in status.get("conditions", []) if c["type"] == "Failed")
 
-    for name in ("no-image", "no-secret"):
+    for name in ("no-image", "no-secret", *(["as-root"] if phalanx.root_image else [])):
         cond = phalanx.kube.wait_for(
             f"{name}: failed with its cause", lambda n=name: failed(n), timeout=bound, namespace=ns
         )
@@ -573,6 +586,27 @@ def test_pods_that_cannot_start_say_why(phalanx: Target, ns: str) -> None:
     warned = {e["reason"] for e in events if e["type"] == "Warning"}
     assert {"CreateContainerConfigError", "Unschedulable"} <= warned, warned
     assert warned & {"ErrImagePull", "ImagePullBackOff"}, warned
+    if phalanx.root_image:
+        ran = phalanx.kube.wait_for(
+            "the root image with runAsUser: Succeeded",
+            lambda: _status(phalanx, ns, "as-root-fixed").get("phase") == "Succeeded" or None,
+            timeout=120,
+            namespace=ns,
+        )
+        assert ran
+
+
+def _as_root_with_the_fix(job: dict[str, Any], image: str) -> dict[str, Any]:
+    """The root image as the docs say to run it: ``runAsUser`` (and ``fsGroup``) in the template, so the
+    restricted defaults (``runAsNonRoot``) stand. Its workers run a shell command (that image has no torch)
+    that fails unless it runs as that user."""
+    fixed = copy.deepcopy(job)
+    fixed["metadata"]["name"] = "as-root-fixed"
+    pod = fixed["spec"]["template"]["spec"]
+    pod["securityContext"] = {"runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001}
+    (container,) = pod["containers"]
+    container.update(image=image, command=["sh", "-c", 'test "$(id -u)" = 10001'])
+    return fixed
 
 
 def test_an_invalid_spec_is_refused_with_what_to_fix(phalanx: Target, ns: str) -> None:

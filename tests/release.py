@@ -2,9 +2,10 @@
 
 A Kubernetes control plane and its nodes keep part of a core busy while idle (etcd, the API server's watches,
 the kubelets' housekeeping, containerd). In `make test` the two clusters (tests/k8s, e2e/) run their tests
-first, in one lane (tests/conftest.py), and then sat idle to the end of the session: measured with
-tests/cpu_usage.py, their processes cost about 890 CPU seconds over a 37-minute run, a fifth of the machine.
-Each folder's tests run one after another in that lane, so the test after the last one of a folder is the
+first, each in a lane of its own (tests/conftest.py); they used to sit idle then to the end of the session:
+measured with tests/cpu_usage.py, their processes cost about 890 CPU seconds over a 37-minute run, a fifth of
+the machine.
+Each folder's tests run one after another in its lane, so the test after the last one of a folder is the
 moment to stop what only that folder's tests use.
 """
 

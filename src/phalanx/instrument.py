@@ -12,7 +12,8 @@ DDP comm hook a script may register stays the script's.
   script carries on from its step), else a count from 0. A script that calls :func:`phalanx.report_step`
   itself keeps its own numbering: the automatic steps stop at its first call.
 - **Collectives** come from c10d's collective hooks (``ProcessGroup.register_pre_hook`` and
-  ``register_post_hook``): a collective starts when it is issued and ends when its Work completes, as the
+  ``register_post_hook``, torch 2.14 and later; older torch in the supported range gets the steps only, and
+  says so on stderr): a collective starts when it is issued and ends when its Work completes, as the
   recorder's watcher thread sees it within milliseconds (on a GPU, when it is issued: the device side is the
   CUDA step markers' and the flight recorder's). The
   hooks are put on every process group at each step boundary, in the training thread between collectives as
@@ -76,6 +77,27 @@ def _hook_torch() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(_steps.on_step)
+    if not collective_hooks():
+        import torch
+
+        print(
+            f"phalanx: torch {torch.__version__} has no c10d collective hooks (2.14 and later have them): "
+            "this script's steps are recorded, its collectives are not, and a rank stuck in one is caught "
+            "at the hang idle floor (60 s by default), not at max(10 s, 3 x p99 step)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def collective_hooks() -> bool:
+    """Whether this torch has c10d's collective hooks (``ProcessGroup.register_pre_hook``, torch 2.14 on):
+    older ones in the train extra's range get the steps of a script that reports nothing, not its
+    collectives."""
+    try:
+        from torch._C._distributed_c10d import ProcessGroup
+    except ImportError:  # a torch built without distributed
+        return False
+    return hasattr(ProcessGroup, "register_pre_hook")
 
 
 class _Steps:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from phalanx.instrument import collective_hooks
 from tests.agent.helpers import phalanx_local, steps
 from tests.eventually import eventually
 
@@ -25,6 +26,7 @@ SCRIPT = Path(__file__).with_name("plain_ddp.py")
 TIMEOUT_S = 10.0  # max(10 s, 3 x p99 step) with 0.1 s steps: the default floor
 
 
+@pytest.mark.skipif(not collective_hooks(), reason="this torch has no c10d collective hooks: the test below")
 def test_an_unmodified_script_is_caught_hung_and_blamed_like_an_instrumented_one(tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
     d = tmp_path / "d"
@@ -65,6 +67,41 @@ def test_an_unmodified_script_is_caught_hung_and_blamed_like_an_instrumented_one
     assert blamed[0] == "node-1", out
     assert blamed[-1] == "node-0", out
     assert max(e["step"] for e in steps(d)) == 44  # training resumed after both hangs
+
+
+IDLE_FLOOR_S = 20.0  # --hang-idle-floor, 60 s by default: what judges a rank with no collective open
+
+
+@pytest.mark.skipif(collective_hooks(), reason="this torch's collectives are recorded: the test above")
+def test_without_collective_hooks_a_stopped_rank_is_caught_at_the_idle_floor(tmp_path: Path) -> None:
+    """torch 2.9 to 2.13 (the train extra's range below 2.14): the steps come from the optimizer as on any
+    torch, the collectives are not recorded, and the worker says so; a SIGSTOPped rank is caught at the hang
+    idle floor and training resumes."""
+    summary = tmp_path / "summary.json"
+    d = tmp_path / "d"
+    proc = phalanx_local(
+        [
+            "--heartbeat-timeout", "2s", "--agent-arg=--grace-period=1s",
+            f"--agent-arg=--hang-idle-floor={IDLE_FLOOR_S:g}s",
+            "--workdir", str(tmp_path / "wd"), "--summary-json", str(summary),
+            "--nodes", "2", "--nproc-per-node", "1",
+            "--inject", "hang-worker@step=10,node=1,rank=0",
+            "--", str(SCRIPT), "--dir", str(d), "--steps", "30", "--step-time", "0.1",
+        ],
+        cwd=tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    s = json.loads(summary.read_text())
+    assert s["steps_completed"] >= 10, s
+    worker_logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "wd").rglob("*.log"))
+    assert "has no c10d collective hooks" in worker_logs, out
+    (f,) = s["failures"]
+    assert f["kind"] == "hang-worker"
+    assert f["detected_at"] is not None, out
+    assert IDLE_FLOOR_S - 0.5 < f["detected_at"] - f["injected_at"] < IDLE_FLOOR_S + 8, f
+    assert max(e["step"] for e in steps(d)) == 29
 
 
 def test_no_instrument_leaves_an_unmodified_script_unseen(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import subprocess
 import tarfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ from tests.eventually import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "images"
-NAMES = ("phalanx", "phalanx-train", "phalanx-pause")
+NAMES = ("phalanx", "phalanx-train", "phalanx-pause", "phalanx-as-root")
 # A cold build: debootstrap, the torch layer (~6 GB unpacked), exports; far more on a busy 2-core machine.
 COLD_BUILD_S = 3000
 
@@ -117,6 +118,22 @@ def test_base_image_runs_phalanx_as_uid_10001_without_torch(images: dict[str, di
         "print(os.getuid(), os.getgid(), importlib.util.find_spec('torch') is None)",
     )
     assert out.split() == ["10001", "10001", "True"]
+
+
+@pytest.mark.timeout(COLD_BUILD_S + 60)
+def test_the_as_root_image_is_the_base_image_with_root_as_its_user(images: dict[str, dict[str, str]]) -> None:
+    """What a vendor image looks like to the kubelet (the e2e scenario of a root image runs it): the base
+    image's layers, its user root."""
+
+    def inspect(name: str) -> dict[str, Any]:
+        out = buildah("inspect", "--type", "image", f"localhost/{images[name]['ref']}").stdout
+        return json.loads(out)["OCIv1"]
+
+    base, as_root = inspect("phalanx"), inspect("phalanx-as-root")
+    assert base["config"]["User"] == "10001:10001"
+    assert as_root["config"]["User"] == "0:0"
+    diffs = as_root["rootfs"]["diff_ids"]
+    assert diffs[: len(base["rootfs"]["diff_ids"])] == base["rootfs"]["diff_ids"]
 
 
 @pytest.mark.timeout(COLD_BUILD_S + 300)

@@ -100,5 +100,11 @@ def test_a_survivor_of_a_failed_formation_forms_the_next_world_with_a_fresh_peer
         # exception") inside the first world's timeout instead of raising. Once more, then it counts.
         survivor, out, err = _run_pair()
     assert survivor.returncode == 0, survivor.stderr[-3000:]
-    assert survivor.stdout.split() == [FIRST_WORLD_FAILED, "sum", "2.0"]
-    assert out.split() == ["sum", "2.0"], err[-3000:]
+    assert _printed(survivor.stdout) == [FIRST_WORLD_FAILED, "sum", "2.0"]
+    assert _printed(out) == ["sum", "2.0"], err[-3000:]
+
+
+def _printed(stdout: str) -> list[str]:
+    """What the scripts printed: torch 2.9's gloo writes its own "[Gloo] Rank 0 is connected ..." lines to
+    stdout too."""
+    return " ".join(line for line in stdout.splitlines() if not line.startswith("[Gloo]")).split()

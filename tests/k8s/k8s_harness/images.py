@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
-NAMES = ("phalanx", "phalanx-train", "phalanx-pause")
+NAMES = ("phalanx", "phalanx-train", "phalanx-pause", "phalanx-as-root")
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,19 @@ def description_of_meta(meta: dict[str, Any]) -> dict[str, Any]:
     return describe(state)
 
 
+# torch 2.9 (the oldest the trainer supports, pyproject.toml) has no strides in a tensor's DCP properties; a
+# checkpoint saved with them still loads there: a chunk's layout is its offsets and sizes.
+_HAS_STRIDES = "strides" in TensorProperties.__dataclass_fields__
+
+
+def _properties(dtype: torch.dtype, requires_grad: bool, strides: list[int] | None) -> TensorProperties:
+    if not _HAS_STRIDES:
+        return TensorProperties(dtype=dtype, requires_grad=requires_grad)
+    return TensorProperties(
+        dtype=dtype, requires_grad=requires_grad, strides=None if strides is None else tuple(strides)
+    )
+
+
 def _add_chunk(
     metadata: dict[str, STORAGE_TYPES],
     holders: dict[MetadataIndex, list[int]],
@@ -135,12 +148,7 @@ def _add_chunk(
     fqn, dtype, size = entry["fqn"], codec.DTYPES[entry["dtype"]], torch.Size(entry["size"])
     known = metadata.get(fqn)
     if known is None:
-        strides = entry["strides"]
-        properties = TensorProperties(
-            dtype=dtype,
-            requires_grad=entry["requires_grad"],
-            strides=None if strides is None else tuple(strides),
-        )
+        properties = _properties(dtype, entry["requires_grad"], entry["strides"])
         known = metadata[fqn] = TensorStorageMetadata(properties=properties, size=size, chunks=[])
     elif not isinstance(known, TensorStorageMetadata):
         raise CheckpointCorruptError(f"{fqn}: one rank saved it as a value and rank {rank} as a tensor")

@@ -64,6 +64,10 @@ def _load_value(planner: LoadPlanner, item: ReadItem, snapshot: Snapshot) -> Non
     planner.load_bytes(item, encoded)
 
 
+_REFUSED = Metadata(state_dict_metadata={})
+"""What :meth:`FlashReader.read_metadata` returns for a load it refused (the reason comes next)."""
+
+
 class FlashReader(StorageReader):
     """A DCP storage reader of the newest step every rank holds, from memory when this node kept it, else
     from storage (see :mod:`phalanx.checkpoint.dcp`). :meth:`locate` finds it; ``dcp.load`` calls it when the
@@ -176,7 +180,10 @@ class FlashReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None and self._error is not None:
-            raise self._error  # DCP asks for rank-local metadata after the global one failed: the same error
+            # DCP asks for rank-local metadata after the global one failed. torch 2.9 swallows what both calls
+            # raise and then fails on a bare `assert metadata is not None`: this empty metadata takes the load
+            # on to set_up_storage_reader, which raises the error itself on every torch.
+            return _REFUSED
         step = self.locate()
         if step is None or self._located is None:
             self._error = CheckpointNotFoundError(
@@ -188,6 +195,8 @@ class FlashReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        if self._error is not None:
+            raise self._error
         if self._located is None or metadata is not self._located.metadata:
             raise CheckpointError("FlashReader loads only the metadata its read_metadata returned")
 

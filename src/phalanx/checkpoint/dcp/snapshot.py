@@ -46,7 +46,8 @@ def _tensor_entry(item: WriteItem, data: torch.Tensor) -> dict[str, Any]:
         "size": list(described.size),
         "dtype": _dtype_name(props.dtype, fqn),
         "requires_grad": bool(props.requires_grad),
-        "strides": None if props.strides is None else list(props.strides),
+        # torch 2.9's properties have no strides (metadata.py)
+        "strides": None if (strides := getattr(props, "strides", None)) is None else list(strides),
         "data": data.detach(),
     }
 
