@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
+from phalanx.api.elasticjob import Phase
 from phalanx.api.errors import StateStoreError
 from phalanx.diagnostics import rootcause
 from phalanx.master.core import EVENT_SEQ_GAP
 from phalanx.master.job import Job
 from phalanx.master.logstore import LogStore
+from phalanx.master.membership import NodeStatus
 from phalanx.master.metrics import MasterMetrics
 from phalanx.master.recovery import BUCKETS, RecoveryTracker
 
@@ -159,6 +161,17 @@ def test_a_state_saved_before_these_keys_existed_still_loads_and_a_malformed_one
     for key, bad in [("recovery", {"current": {"started": "x"}}), ("pending_restart", {"round": 1})]:
         with pytest.raises(StateStoreError, match="malformed"):
             Job(settings=settings(**TWO_SETTLING), now=sim.now + 1, saved={**saved, key: bad})
+    # A phase or a node status that is no such word: refused as malformed, not carried on as a string.
+    node = next(iter(saved["nodes"]))
+    for bad_state in [
+        {**saved, "phase": "Sleeping"},
+        {**saved, "nodes": {**saved["nodes"], node: {**saved["nodes"][node], "status": "dozing"}}},
+    ]:
+        with pytest.raises(StateStoreError, match="malformed"):
+            Job(settings=settings(**TWO_SETTLING), now=sim.now + 1, saved=bad_state)
+    restored = Job(settings=settings(**TWO_SETTLING), now=sim.now + 1, saved=saved)
+    assert restored.phase is Phase.RESTARTING  # the member, not the string the file holds
+    assert {n.status for n in restored.nodes.values()} == {NodeStatus.ALIVE}
 
 
 def test_histogram_counts_saved_with_other_bucket_bounds_start_again_and_keep_the_total() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from phalanx.api.v1 import master_pb2 as pb
 
@@ -49,7 +50,7 @@ def rejoin_mode(*, own_failure: bool, regroup_capable: bool, workers_alive: bool
 class Next:
     """What the agent does after a master decision."""
 
-    kind: str
+    kind: Literal["rejoin", "exit", "wait"]
     """"rejoin": join round ``round``; "exit": stop and exit with ``exit_code``; "wait": no decision yet."""
     round: int = 0
     exit_code: int = 0

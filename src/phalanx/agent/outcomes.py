@@ -4,15 +4,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from phalanx.api.v1 import master_pb2 as pb
+
+EventKind = Literal["failed", "hang", "succeeded", "rejoin", "exit", "stacks"]
+"""What ended the monitoring: workers failed, one hung, all succeeded, the master said rejoin or exit, or
+the master asked for the workers' stacks."""
 
 
 @dataclass
 class Event:
     """What ended a stretch of monitoring."""
 
-    kind: str  # failed | hang | succeeded | rejoin | exit | stacks
+    kind: EventKind
     local_ranks: list[int] = field(default_factory=list)
     action: pb.Action | None = None
     reason: str = ""

@@ -11,6 +11,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from phalanx.api.elasticjob import FINISHED_PHASES, Phase
 from phalanx.local.inject import SLOW_KINDS, UNNOTICED_KINDS, Injection
 from phalanx.local.report import FailureRecord
 
@@ -92,7 +93,7 @@ def recovery_since_ns(
         if f.detected_at is None:
             return None
         return t0_unix_ns + int(f.injected_at * 1e9)
-    if round_now <= f.round_at_injection or phase != "Running":
+    if round_now <= f.round_at_injection or phase != Phase.RUNNING:
         return None
     return f.recovery_round_seen_ns or now_ns
 
@@ -181,10 +182,10 @@ def run_end(
     every node exited with nothing left to inject or start for :data:`IDLE_LIMIT_S` while the master did
     not report the end, or the run's time is up. ``work_left``: faults still pending or replacements due."""
     end_seen_at, idle_since = state.end_seen_at, state.idle_since
-    if phase in ("Succeeded", "Failed"):
+    if phase in FINISHED_PHASES:
         end_seen_at = end_seen_at if end_seen_at is not None else now
         if not any_alive or now - end_seen_at > END_GRACE_S:
-            ok = phase == "Succeeded"
+            ok = phase == Phase.SUCCEEDED
             end = RunEnd(code=0 if ok else 1, exit="succeeded" if ok else "failed", reason=reason)
             return RunState(end_seen_at, idle_since), end
     if not any_alive and not work_left:

@@ -21,6 +21,7 @@ from phalanx.api.elasticjob import FINISHED_PHASES, Phase
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import Eviction
 from phalanx.master.errors import RequestError
+from phalanx.master.events import EventKind
 from phalanx.master.jobstate import JobState
 from phalanx.master.membership import ALIVE, EVICTED, LOST, Node, absent
 
@@ -44,7 +45,7 @@ class JobCore:
 
     def __init__(self, state: JobState) -> None:
         self.state = state
-        self.before_event: Callable[[str, float], None] | None = None
+        self.before_event: Callable[[EventKind, float], None] | None = None
         """Called with (kind, now) before each event is recorded (the restart room holds its event back
         and dates recoveries with it)."""
 
@@ -118,7 +119,7 @@ class JobCore:
 
     def event(
         self,
-        kind: str,
+        kind: EventKind,
         *,
         now: float,
         node: str = "",
@@ -142,7 +143,7 @@ class JobCore:
 
     def record_event(
         self,
-        kind: str,
+        kind: EventKind,
         *,
         now: float,
         node: str = "",
@@ -193,7 +194,7 @@ class JobCore:
         s = self.state
         return f"job {s.phase.lower()}: {s.reason}" if s.reason else f"job {s.phase.lower()}"
 
-    def finish(self, phase: str, reason: str, *, now: float) -> None:
+    def finish(self, phase: Phase, reason: str, *, now: float) -> None:
         s = self.state
         if s.finished:
             return

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
-__all__ = ["KINDS", "Event", "EventLog"]
+__all__ = ["KINDS", "Event", "EventKind", "EventLog"]
 
 MAX_MESSAGE = 2000
 
-KINDS = (
+EventKind = Literal[
     "job_started",
     "master_resumed",
     "node_registered",
@@ -48,14 +48,17 @@ KINDS = (
     "job_suspended",
     "job_resumed",
     "node_left",
-)
+]
+"""What an event says happened: a typo is a type error (mypy), not an event no poller filters on."""
+
+KINDS: tuple[EventKind, ...] = get_args(EventKind)
 
 
 @dataclass(frozen=True)
 class Event:
     seq: int
     unix: float
-    kind: str
+    kind: EventKind
     node: str
     rank: int
     round: int
@@ -77,9 +80,15 @@ class EventLog:
         return self._next
 
     def add(
-        self, kind: str, *, now: float, node: str = "", rank: int = -1, round: int = 0, message: str = ""
+        self,
+        kind: EventKind,
+        *,
+        now: float,
+        node: str = "",
+        rank: int = -1,
+        round: int = 0,
+        message: str = "",
     ) -> Event:
-        assert kind in KINDS, kind  # a typo here would silently break pollers that filter on kind
         # Messages carry agent-supplied text (errors, paths): cap them so the log's memory stays bounded.
         event = Event(
             seq=self._next,
@@ -106,5 +115,5 @@ class EventLog:
                 break
         return out
 
-    def of_kind(self, kind: str) -> list[Event]:
+    def of_kind(self, kind: EventKind) -> list[Event]:
         return [e for e in self._events if e.kind == kind]

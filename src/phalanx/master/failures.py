@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.api.elasticjob import Phase
-from phalanx.api.failures import FailureClass
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import hang
 from phalanx.master.core import JobCore, action, failure_log
@@ -119,7 +118,7 @@ class Failures:
         s = self.state
         # A hang counts against the node the evidence at hand singles out (a stopped rank in the stacks sent
         # so far, the recorder's suspects), never merely the node that noticed it: it may be the victim.
-        hung = any(r.kind == "hang" or r.failure_class is FailureClass.HANG for r in records)
+        hung = any(r.hung for r in records)
         blame = self.hangs.blame(suspects) if hung else None
         suspect = blame.node if blame is not None else ""
         return decide_failure(

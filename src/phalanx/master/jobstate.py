@@ -39,7 +39,7 @@ class JobState:
     """When the open round opened (a restored master: when it resumed)."""
     below_min_since: float | None
     """Since when fewer than ``min_nodes`` nodes are alive (None: enough, or waiting for the scheduler)."""
-    phase: str = Phase.PENDING
+    phase: Phase = Phase.PENDING
     """Durable."""
     reason: str = ""
     """Durable."""

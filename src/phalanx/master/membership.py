@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from phalanx.api.v1 import master_pb2 as pb
@@ -24,15 +25,25 @@ __all__ = [
     "EVICTED",
     "LOST",
     "Node",
+    "NodeStatus",
     "absent",
     "expired",
     "lost_records_to_drop",
     "registration_refusal",
 ]
 
-ALIVE = "alive"
-LOST = "lost"
-EVICTED = "evicted"
+
+class NodeStatus(StrEnum):
+    """Where a node stands in the job (``/v1/nodes``' ``status``, the state file's)."""
+
+    ALIVE = "alive"
+    LOST = "lost"
+    """Its heartbeats stopped for the timeout, or it left for good."""
+    EVICTED = "evicted"
+    """The job took it out (a failed probe, a slow node, a drain)."""
+
+
+ALIVE, LOST, EVICTED = NodeStatus.ALIVE, NodeStatus.LOST, NodeStatus.EVICTED
 
 
 def state_name(state: int) -> str:
@@ -54,7 +65,7 @@ class Node:
     machine: str = ""
     nproc: int = 1
     agent_version: str = ""
-    status: str = ALIVE
+    status: NodeStatus = ALIVE
     registered_unix: float = 0.0
     last_seen: float = 0.0
     state: pb.NodeState.ValueType = pb.NODE_STATE_IDLE
@@ -99,7 +110,7 @@ class Node:
             host=str(data.get("host", "")),
             machine=str(data.get("machine", "")),
             nproc=int(data.get("nproc", 1)),
-            status=str(data.get("status", ALIVE)),
+            status=NodeStatus(str(data.get("status", ALIVE))),
             exit_reason=str(data.get("exit_reason", "")),
             old_incarnations=[str(i) for i in data.get("old_incarnations", [])],
             registered_unix=now,

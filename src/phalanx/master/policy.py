@@ -71,6 +71,11 @@ class FailureRecord:
     """When the failure happened: the worker's error time if known, else when the agent saw it."""
     last_step: int = -1
 
+    @property
+    def hung(self) -> bool:
+        """A hang: reported as one (its class may still say more, such as comm), or classified as one."""
+        return self.kind == "hang" or self.failure_class is FailureClass.HANG
+
     def summary(self) -> str:
         what = self.message or f"exit code {self.exit_code}"
         return f"rank {self.rank} on {self.node_id} ({self.failure_class.label}): {what}"
@@ -279,7 +284,7 @@ def decide_failure(inp: PolicyInput, *, now: float) -> Decision:
         return Decision(
             verdict=Verdict.NONE, root=root, reason=f"round already restarting; root cause: {cause}"
         )
-    hang = any(r.kind == "hang" or r.failure_class is FailureClass.HANG for r in inp.report)
+    hang = any(r.hung for r in inp.report)
     blamed = inp.hang_suspect if hang else ""
     hangs = inp.suspect_hang_count
     if blamed and hangs + 1 >= 2:

@@ -55,6 +55,7 @@ from phalanx.diagnostics.stragglers import NodeVerdict, compute_verdicts, link_v
 from phalanx.master import rendezvous as rdzv
 from phalanx.master.core import JobCore, action, failure_log, log
 from phalanx.master.errors import RequestError
+from phalanx.master.events import EventKind
 from phalanx.master.membership import ALIVE
 
 __all__ = [
@@ -366,7 +367,7 @@ class ProbeRounds:
         cfg = self.state.settings.probes
         probe.verdicts = judge(probe, timeout_s=cfg.timeout_s, settings=cfg.stragglers)
         for v in probe.verdicts:
-            kind = "probe_failed" if v.kind == "probe_failed" else "straggler"
+            kind: EventKind = "probe_failed" if v.kind == "probe_failed" else "straggler"
             self.core.event(kind, now=now, node=v.node_id, message=f"{v.confidence} confidence: {v.reason}")
         high = sorted({v.node_id for v in probe.verdicts if v.confidence == "high"})
         reported = set().union(*(set(probe.reports.get(k, {})) for k in probe.kinds))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from phalanx.api.elasticjob import Phase
 from phalanx.api.errors import StateStoreError
 from phalanx.api.verdicts import Eviction
 from phalanx.master import rendezvous as rdzv
@@ -88,7 +89,7 @@ def restore(job: JobState, saved: Mapping[str, Any], *, now: float) -> None:
             f"use another --state"
         )
     try:
-        job.phase = str(saved["phase"])
+        job.phase = Phase(str(saved["phase"]))
         job.reason = str(saved.get("reason", ""))
         job.started_unix = float(saved.get("started_unix", now))
         r = saved.get("round")

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from phalanx.api import limits
-from phalanx.master.events import Event
+from phalanx.master.events import Event, EventKind
 
 __all__ = [
     "FAILURE_KINDS",
@@ -51,7 +51,7 @@ __all__ = [
     "Timeline",
 ]
 
-FAILURE_KINDS = frozenset({"failure", "hang", "node_lost"})
+FAILURE_KINDS: frozenset[EventKind] = frozenset({"failure", "hang", "node_lost"})
 """Events that count as failures on the timeline (drawn as instants, and what ``around=<id>`` names)."""
 
 MIN_PER_RANK = 64

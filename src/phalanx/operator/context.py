@@ -66,9 +66,11 @@ class Pass:
         return self.status.get(elasticjob.STATUS_MASTER) or {}
 
     @property
-    def verdict(self) -> str:
-        """The master's phase, lower case ("succeeded", "failed", "suspended", ...; "" before it spoke)."""
-        return str(self.master_status.get(elasticjob.MASTER_PHASE, "")).lower()
+    def verdict(self) -> elasticjob.Phase | None:
+        """The master's phase (``status.master.phase``, in any case); None before it spoke, or for a word that
+        is no phase."""
+        said = str(self.master_status.get(elasticjob.MASTER_PHASE, "")).lower()
+        return next((phase for phase in elasticjob.Phase if phase.lower() == said), None)
 
     @property
     def refused(self) -> frozenset[str]:

@@ -233,10 +233,10 @@ def _supporting_objects_blocked(
 
 def _master_ended_the_job(ctx: Pass, spec: JobSpec) -> bool:
     """The master's verdict (``status.master.phase``) ends the job: Succeeded, or Failed with its reason."""
-    if ctx.verdict == "succeeded":
+    if ctx.verdict is Phase.SUCCEEDED:
         lifecycle.succeed(ctx, spec)
         return True
-    if ctx.verdict == "failed":
+    if ctx.verdict is Phase.FAILED:
         reason = str(ctx.master_status.get(elasticjob.MASTER_REASON) or "the master reported the job failed")
         kind, message = lifecycle.master_failure(reason, spec)
         lifecycle.fail(ctx, reason=kind, message=message, spec=spec)
@@ -320,7 +320,7 @@ def _suspend(ctx: Pass, spec: JobSpec) -> None:
     know yet."""
     followed = int(ctx.master_status.get(elasticjob.MASTER_OBSERVED_GENERATION) or 0)
     written = (ctx.job.get("spec") or {}).get("suspend") is True  # not yet, when a queue just evicted it
-    acked = written and ctx.verdict == "suspended" and followed >= ctx.generation
+    acked = written and ctx.verdict is Phase.SUSPENDED and followed >= ctx.generation
     lifecycle.suspend(ctx, spec, acked=acked)
 
 
