@@ -23,13 +23,17 @@ ENV = ROOT / ".venv-torch-oldest"
 # tests/local/test_unmodified_script.py under `phalanx local`).
 TRAINING_SIDE = ("tests/checkpoint", "tests/trainer", "tests/agent", "tests/local/test_unmodified_script.py")
 # Tests there of phalanx's own machinery, not of torch's API (the agent's restarts around a checkpoint, its
-# launcher, its link to the master, the wheel's build): run on the newest torch only, to keep this run short.
+# launcher, its link to the master, the wheel's build, faults injected without instrumentation): run on the
+# newest torch only, to keep this run short.
 NOT_TORCH = (
     "tests/agent/test_checkpoint_integration.py",
     "tests/agent/test_run.py",
     "tests/agent/test_master_link.py",
     "tests/agent/test_link_stream.py",
     "tests/agent/test_ring_writers.py::test_the_wheel_carries_the_c_writer_and_is_pure_python_without_a_compiler",
+    "tests/local/test_unmodified_script.py::test_no_instrument_leaves_an_unmodified_script_unseen",
+    "tests/local/test_unmodified_script.py::test_a_time_based_fault_fires_on_a_script_that_reports_nothing",
+    "tests/local/test_unmodified_script.py::test_a_fault_that_never_fires_fails_the_run",
 )
 
 
