@@ -582,15 +582,19 @@ def dlrover_env() -> tuple[Path | None, str]:
     env = ENVS / f"dlrover-{DLROVER_VERSION}"
     py = env / "bin" / "python"
     try:
-        if not (env / "bin" / "dlrover-run").exists():
+        fresh = not (env / "bin" / "dlrover-run").exists()
+        if fresh:
             subprocess.run(
                 [sys.executable, "-m", "venv", "--clear", str(env)], check=True, capture_output=True
             )
-            import torch
+        import torch
 
-            site = Path(torch.__file__).resolve().parent.parent
-            pth = next((env / "lib").glob("python3*/site-packages")) / "zz_project_torch.pth"
-            pth.write_text(f"{site}\n")
+        # Written on every run, not only when the venv is made: the venv outlives the checkout whose
+        # torch it borrowed (CI's clones are deleted), and a stale path would leave it without torch.
+        site = Path(torch.__file__).resolve().parent.parent
+        pth = next((env / "lib").glob("python3*/site-packages")) / "zz_project_torch.pth"
+        pth.write_text(f"{site}\n")
+        if fresh:
             subprocess.run(
                 [str(py), "-m", "pip", "install", "-q", f"dlrover=={DLROVER_VERSION}"],
                 check=True,
