@@ -20,8 +20,9 @@
 # layers above it and never the 4+ GB torch layer. The phalanx wheel comes last in both targets.
 #
 # Build arguments:
-#   PYTHON_IMAGE        the base: a Debian-based image with python3.11 and pip on PATH (default: the public
-#                       slim image, exact tag). scripts/images passes one built with debootstrap, no registry.
+#   PYTHON_IMAGE        the base: a Debian- or Ubuntu-based image with CPython 3.11 or later as `python`, and
+#                       pip, on PATH (default: the public slim image, exact tag). scripts/images passes one
+#                       built with debootstrap, no registry. The lock's pins have wheels for 3.11 to 3.13.
 #   TORCH_FROM          `index` (default): requirements/torch.txt from the package index; `wheels`: the same
 #                       files from a folder, offline (`pip install --no-index --find-links`), given as the
 #                       build context `torch-wheels`:
@@ -41,12 +42,13 @@ FROM scratch AS torch-wheels
 # ---- wheel: build the phalanx wheel once; the runtime stages install it and never see the source tree.
 FROM ${PYTHON_IMAGE} AS wheel
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# A C compiler, and Python's headers where the base lacks them (Debian's python3.11), for phalanx._ringwrite:
-# the interval recorder's write path in C (hatch_build.py). In this stage only: the images get the built wheel.
+# A C compiler, and Python's headers where the base lacks them (a distribution's python3.N: Debian's, Ubuntu's),
+# for phalanx._ringwrite: the interval recorder's write path in C, built for this Python's ABI (hatch_build.py).
+# In this stage only: the images get the built wheel.
 RUN set -eux; \
     pkgs="gcc libc6-dev"; \
     python -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
-        || pkgs="${pkgs} libpython3.11-dev"; \
+        || pkgs="${pkgs} libpython$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')-dev"; \
     apt-get update -qq; \
     apt-get install -y -qq --no-install-recommends ${pkgs} >/dev/null; \
     rm -rf /var/lib/apt/lists/*

@@ -14,7 +14,7 @@ TEST_LANES ?= 3
 # Python without a .py suffix (scripts) is named explicitly so ruff checks it too.
 PY_SOURCES := src tests e2e benchmarks examples $(shell grep -l '^\#!/usr/bin/env python' scripts/* 2>/dev/null)
 
-.PHONY: setup lock lock-check lint test test-prepare readme-check proto proto-check bench clean fmt
+.PHONY: setup lock lock-check lint test test-prepare readme-check proto proto-check bench dist clean fmt
 
 # The venv is exactly uv.lock: every extra and the dev group, phalanx itself editable. --locked fails when
 # uv.lock no longer matches pyproject.toml (`make lock` updates it; docs/development.md says when).
@@ -87,7 +87,12 @@ else
 	$(BIN)/python -m benchmarks.report  # docs/benchmarks.md and its plots
 endif
 
+# What to install into a training image of your own: the source distribution and one wheel per CPython 3.11
+# or later on this machine, each with the C interval writer (scripts/dist says which Pythons it found).
+dist: setup
+	@scripts/dist
+
 clean:
-	rm -rf $(VENV) .venv-torch-oldest .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-torch-oldest .venv-py3.* dist .mypy_cache .ruff_cache .pytest_cache
 
 -include mk/*.mk
