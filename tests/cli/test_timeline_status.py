@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from phalanx.agent.client import MasterClient
+from phalanx.api import views
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.cli.timeline import png_size
 from tests.cli.trace_format import check_trace
@@ -207,6 +209,48 @@ def test_the_timeline_endpoint_checks_its_token_and_its_arguments(job: dict[str,
     assert result.returncode == 1
     assert "refused the job token" in result.stderr
     assert "not-the-job-token" not in result.stderr + result.stdout
+
+
+def _undeclared(value: Any, path: str = "") -> list[str]:
+    """The fields of an answer its view does not declare, at any depth."""
+    if isinstance(value, BaseModel):
+        found = [f"{path}.{name}" for name in value.model_extra or {}]
+        for name in type(value).model_fields:
+            found += _undeclared(getattr(value, name), f"{path}.{name}")
+        return found
+    if isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in _undeclared(item, f"{path}[{i}]")]
+    if isinstance(value, dict):
+        return [p for k, item in value.items() for p in _undeclared(item, f"{path}[{k}]")]
+    return []
+
+
+def test_every_answer_is_its_declared_view_and_the_schema_says_so(job: dict[str, Any]) -> None:
+    """The master's answers parse as the views of phalanx.api.views with no field left undeclared (the
+    timeline's too, which is encoded off the event loop without FastAPI's check), and its OpenAPI schema
+    names each view: the schema is the contract the readers and the fuzz tests go by."""
+    master: Master = job["master"]
+    answers = {
+        "/v1/job": views.JobView,
+        "/v1/nodes": views.NodesView,
+        "/v1/events": views.EventsPage,
+        "/v1/logs": views.LogsPage,
+        "/v1/timeline?around=latest&window_s=60": views.TimelineView,
+        "/healthz": views.Health,
+    }
+    for path, view in answers.items():
+        answer = view.model_validate(master.client.get(path).raise_for_status().json())
+        assert _undeclared(answer) == [], path
+    nodes = views.NodesView.model_validate(master.client.get("/v1/nodes").json()).nodes
+    assert [n.node_id for n in nodes] == ["node-0", "node-1"]
+    assert [r.rank for r in nodes[1].ranks] == [2, 3]
+    timeline = views.TimelineView.model_validate(master.client.get("/v1/timeline?around=latest").json())
+    assert timeline.around_failure is not None
+    assert timeline.around_failure.id == job["failure"]["seq"]
+    paths = master.client.get("/openapi.json").json()["paths"]
+    for path, view in answers.items():
+        content = paths[path.split("?")[0]]["get"]["responses"]["200"]["content"]["application/json"]
+        assert content["schema"]["$ref"].endswith(f"/{view.__name__}"), (path, content)
 
 
 def test_status_shows_the_job_its_nodes_and_the_failure(

@@ -165,16 +165,16 @@ def _run(
 def test_a_slow_node_is_scored_confirmed_and_reported_but_not_evicted_by_default(tmp_path: Path) -> None:
     sim = _sim()
     _run(sim, seconds=30, step_s={"a": 0.1, "b": 0.1, "c": 0.25})
-    view = sim.job.straggler_view("c")
+    view = sim.job.steps.straggler_view("c")
     assert view is not None
-    assert view["verdict"] == "slow"
-    assert view["basis"] == "step"
-    assert view["relative"] == pytest.approx(2.5, rel=0.2)
-    assert view["reason"].startswith("c's median step interval"), view["reason"]
-    healthy = sim.job.straggler_view("a")
+    assert view.verdict == "slow"
+    assert view.basis == "step"
+    assert view.relative == pytest.approx(2.5, rel=0.2)
+    assert view.reason.startswith("c's median step interval"), view.reason
+    healthy = sim.job.steps.straggler_view("a")
     assert healthy is not None
-    assert healthy["verdict"] == "ok"
-    assert healthy["individual"] == pytest.approx(1.0, rel=0.2)
+    assert healthy.verdict == "ok"
+    assert healthy.individual == pytest.approx(1.0, rel=0.2)
     [event] = sim.job.events.of_kind("straggler")  # once, however many checks follow
     assert event.node == "c"
     assert event.message.startswith("step times: c's median step interval"), event.message
@@ -198,7 +198,7 @@ def test_with_the_policy_on_a_confirmed_slow_node_is_evicted_without_a_probe_rou
     assert sim.job.probe is None, "no probe round was needed"
     assert sim.job.round_open
     assert sim.job.round_number == before
-    assert sim.job.straggler_view("c") is None  # a new round scores afresh
+    assert sim.job.steps.straggler_view("c") is None  # a new round scores afresh
 
 
 def test_with_recorders_the_compute_time_finds_the_node_that_synchronous_steps_hide() -> None:
@@ -219,7 +219,7 @@ def test_equal_nodes_flag_nothing_and_the_budget_bounds_evictions() -> None:
     sim = _sim(evict_slow_nodes=True)
     _run(sim, seconds=20, step_s={"a": 0.1, "b": 0.1, "c": 0.1})
     assert not sim.job.events.of_kind("straggler")
-    assert all((sim.job.straggler_view(n) or {}).get("verdict") == "ok" for n in "abc")
+    assert all(getattr(sim.job.steps.straggler_view(n), "verdict", None) == "ok" for n in "abc")
     spent = Sim(
         rendezvous={"min_nodes": 1, "max_nodes": 3, "last_call_s": 1.0},
         heartbeat={"timeout_s": 60.0},

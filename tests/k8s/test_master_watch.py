@@ -31,7 +31,9 @@ from kubernetes import client, watch
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from tests.eventually import eventually
+from tests.jobviews import job_view
 
+from phalanx.api import views
 from phalanx.api.elasticjob import GROUP, PLURAL, VERSION
 from phalanx.api.errors import MasterFenced
 from phalanx.master.kube import HOLDER_ANNOTATION, ConfigMapStateStore, ElasticJobStatusSink
@@ -370,8 +372,8 @@ class VersionCounter:
         self._watch.stop()
 
 
-def _status(step: int, **extra: Any) -> dict[str, Any]:
-    return {"phase": "Running", "round": 1, "world_size": 2, "members": ["a", "b"], "max_step": step, **extra}
+def _status(step: int, **extra: Any) -> views.JobView:
+    return job_view(phase="Running", round=1, world_size=2, members=["a", "b"], max_step=step, **extra)
 
 
 def test_progress_is_coalesced_and_an_eviction_goes_out_at_once(
@@ -402,7 +404,13 @@ def test_progress_is_coalesced_and_an_eviction_goes_out_at_once(
         assert 2 <= patches <= window / interval + 2, [o["status"].get("step") for _, o in versions.objects]
         assert sink.patches == patches
 
-        evicted = {"node_id": "b", "machine": "m", "reason": "no heartbeat", "requested_at": time.time()}
+        evicted = {
+            "node_id": "b",
+            "machine": "m",
+            "reason": "no heartbeat",
+            "kind": "heartbeat_timeout",
+            "requested_at": time.time(),
+        }
         sent = time.monotonic()
         sink.publish(_status(step + 1, evictions=[evicted]))  # within the interval of the last patch
         eventually(lambda: versions.objects[-1][1]["status"].get("evictions"), timeout=1.0, interval=0.01)

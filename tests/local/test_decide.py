@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from phalanx.api.views import EvictionView
 from phalanx.local import accounting, decide
 from phalanx.local.decide import RunEnd, RunState, Steps
 from phalanx.local.inject import Injection
 from phalanx.local.report import FailureRecord
+from phalanx.local.watch import SeenEvent
+from tests.jobviews import job_view
 
 # Two nodes of two ranks: (node, local rank) -> (step, unix_ns, pid).
 STEPS: Steps = {
@@ -99,10 +102,8 @@ def test_the_resumed_step_is_the_first_one_completed_after_the_recovery_began() 
 
 def test_each_eviction_is_carried_out_once() -> None:
     evictions = [
-        {"node_id": "node-1", "reason": "lost"},
-        {"node_id": ""},
-        {"node_id": "node-2"},
-        {"node_id": "node-1"},
+        EvictionView(node_id=node, machine="", reason=reason, kind="hang", requested_at=0.0)
+        for node, reason in (("node-1", "lost"), ("", ""), ("node-2", ""), ("node-1", ""))
     ]
     assert decide.new_evictions(evictions, handled=set()) == [evictions[0], evictions[2]]
     assert decide.new_evictions(evictions, handled={"node-1"}) == [evictions[2]]
@@ -120,11 +121,11 @@ def test_timed_items_come_due_and_a_slow_nodes_heal_is_moot_once_it_is_gone() ->
 
 
 def test_the_status_line_shows_changes_at_most_once_a_second() -> None:
-    job = {"phase": "Running", "round": 2, "world_size": 4}
+    job = job_view(phase="Running", round=2, world_size=4)
     line = decide.status_line(max_step=12, job=job, alive=["node-0", "node-1"])
     assert line == "step    12 | Running    | round 2 | world 4 | nodes node-0 node-1"
     assert (
-        decide.status_line(max_step=-1, job={}, alive=[])
+        decide.status_line(max_step=-1, job=None, alive=[])
         == "step    -1 | ?          | round ? | world ? | nodes "
     )
     assert decide.status_due(line, last="", last_at=0.0, now=1.0)
@@ -178,7 +179,7 @@ def test_the_run_gives_up_when_nothing_runs_for_long_or_its_time_is_up() -> None
 def test_recovery_accounting_names_the_resumed_step_and_how_the_job_recovered() -> None:
     kill = record("kill-worker", round_at_injection=1, step_at_injection=6, detected_at=2.2)
     kill.survivors = {"node-0/0": 100, "node-1/0": 200}
-    job = {"round": 2, "phase": "Running", "world_size": 4}
+    job = job_view(round=2, phase="Running", world_size=4)
 
     def track(steps: Steps, *, at: float, running: set[int]) -> list[str]:
         return accounting.track_recovery(
@@ -201,18 +202,22 @@ def test_recovery_accounting_names_the_resumed_step_and_how_the_job_recovered() 
 def test_events_and_evictions_are_written_into_the_fault_they_are_put_down_to() -> None:
     cut = record("partition-node")
     master = record("kill-master")
-    accounting.on_event([cut, master], {"kind": "eviction_requested", "node": "node-0", "at": 4.0})
+    accounting.on_event([cut, master], _seen("eviction_requested", node="node-0", at=4.0))
     assert (cut.detected_at, cut.action) == (4.0, "evicted node-0")
     accounting.master_answers([cut, master], at=5.0)
     assert master.detected_at == 5.0
     accounting.evicted([cut], node="node-0", reason="lost")
     assert cut.action == "evicted node-0"  # said once
     evictions: list[dict[str, object]] = [{"node_id": "node-0"}]
-    job = {"round": 3, "members": ["node-1"], "world_size": 2}
+    job = job_view(round=3, members=["node-1"], world_size=2)
     accounting.replaced([cut], evictions, lost="node-0", new="node-2", job=job)
     assert evictions == [{"node_id": "node-0", "replacement": "node-2"}]
     assert cut.action == "evicted node-0, replaced by node-2"
     assert cut.fold_in is not None
     assert cut.fold_in.node == "node-2"
-    line = accounting.event_line({"kind": "node_lost", "node": "node-0", "message": "silent 10s"})
+    line = accounting.event_line(_seen("node_lost", node="node-0", message="silent 10s"))
     assert line == "event node_lost          node-0   silent 10s"
+
+
+def _seen(kind: str, *, node: str, at: float = 0.0, message: str = "") -> SeenEvent:
+    return SeenEvent(seq=1, unix=0.0, kind=kind, node=node, rank=-1, round=1, message=message, at=at)

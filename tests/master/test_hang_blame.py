@@ -59,9 +59,9 @@ def test_the_victim_reporting_first_is_never_charged_and_the_stopped_node_is_evi
         act = beacon_hang(sim, "a", stopped="b")  # b's rank is stopped; a, its victim, reports first
         restart = sim.job.events.of_kind("restart")[-1].message
         assert "counted against no node for now" in restart, restart
-        analysis = sim.job.status()["hang_analysis"]
-        assert (analysis["hung_node"], analysis["blamed"]) == ("a", "b"), analysis
-        assert "rank(s) 1 on b stopped" in analysis["reason"], analysis
+        analysis = sim.job.status().hang_analysis
+        assert (analysis.hung_node, analysis.blamed) == ("a", "b"), analysis
+        assert "rank(s) 1 on b stopped" in analysis.reason, analysis
         assert sim.job.hang_counts.get("a", 0) == 0
         assert sim.job.hang_counts["b"] == n
         if n == 1:
@@ -94,9 +94,9 @@ def test_without_evidence_two_hangs_restart_twice_and_charge_nobody() -> None:
     for n in (1, 2):
         act = beacon_hang(sim, "a", stopped="")
         assert kinds([act]) == ["REJOIN"], act
-        analysis = sim.job.status()["hang_analysis"]
-        assert (analysis["blamed"], analysis["odd_nodes"]) == ("", [])
-        assert "counted against no node" in analysis["reason"]
+        analysis = sim.job.status().hang_analysis
+        assert (analysis.blamed, analysis.odd_nodes) == ("", [])
+        assert "counted against no node" in analysis.reason
         if n == 1:
             rejoin(sim)
     assert sim.job.evictions == []
@@ -112,8 +112,8 @@ def test_stacks_that_never_come_charge_nobody() -> None:
     sim.at(sim.now + 3.0)
     sim.hb("b")  # b's agent is there but its stacks never arrive
     sim.at(sim.now + 1.5)  # past the heartbeat timeout: the analysis goes by what it has
-    analysis = sim.job.status()["hang_analysis"]
-    assert (analysis["nodes_reported"], analysis["blamed"]) == (["a"], ""), analysis
+    analysis = sim.job.status().hang_analysis
+    assert (analysis.nodes_reported, analysis.blamed) == (["a"], ""), analysis
     assert sum(sim.job.hang_counts.values()) == 0
 
 

@@ -52,9 +52,9 @@ def test_lost_node_is_evicted_and_survivors_rejoin_new_round() -> None:
         sim.hb("a")  # b stays silent
     assert sim.job.nodes["b"].status == "lost"
     status = sim.job.status()
-    assert status["phase"] == "Restarting"
-    assert status["evictions"][0]["node_id"] == "b"
-    assert "heartbeat" in status["evictions"][0]["reason"]
+    assert status.phase == "Restarting"
+    assert status.evictions[0].node_id == "b"
+    assert "heartbeat" in status.evictions[0].reason
     actions = sim.hb("a")
     assert kinds(actions) == ["REJOIN"]
     assert actions[0].round == 2
@@ -240,8 +240,8 @@ def test_hang_asks_for_stacks_and_evicts_the_odd_node_on_second_hang() -> None:
 
     stacks("a", {0: waiting, 1: waiting})
     stacks("b", {2: waiting, 3: loader})
-    analysis = sim.job.status()["hang_analysis"]
-    assert analysis["odd_nodes"] == ["b"]
+    analysis = sim.job.status().hang_analysis
+    assert analysis.odd_nodes == ["b"]
     assert sim.job.hang_counts == {"b": 1}  # counted against the odd node, never against the reporter
     sim.join("a")
     sim.join("b")
@@ -285,12 +285,12 @@ def test_stacks_sent_before_the_hang_report_count_in_the_analysis() -> None:
             assert kinds(sim.hb("a")) == ["REJOIN"]
         else:
             assert kinds(sim.hb("a")) == ["DUMP_STACKS", "REJOIN"]
-            assert sim.job.status()["hang_analysis"] is None
+            assert sim.job.status().hang_analysis is None
             stacks("a", {0: waiting, 1: waiting})
             stacks("c", {4: waiting, 5: waiting})
-        analysis = sim.job.status()["hang_analysis"]
-        assert (analysis["odd_nodes"], analysis["odd_ranks"]) == (["b"], [2]), analysis
-        assert analysis["nodes_reported"] == ["a", "b", "c"]
+        analysis = sim.job.status().hang_analysis
+        assert (analysis.odd_nodes, analysis.odd_ranks) == (["b"], [2]), analysis
+        assert analysis.nodes_reported == ["a", "b", "c"]
 
 
 def test_scale_up_and_unit_cut() -> None:
@@ -388,9 +388,9 @@ def test_hardware_failure_evicts_and_replaces_the_node() -> None:
     action = sim.fail("b", rank=2, cls=pb.FAILURE_CLASS_HARDWARE, msg="Xid 79: GPU has fallen off the bus")
     assert (kinds([action]), action.exit_code) == (["EXIT"], 1)
     assert "evicted" in action.reason
-    ev = sim.job.status()["evictions"]
-    assert [(e["node_id"], e["kind"]) for e in ev] == [("b", "hardware")]
-    assert "Xid 79" in ev[0]["reason"]
+    ev = sim.job.status().evictions
+    assert [(e.node_id, e.kind) for e in ev] == [("b", "hardware")]
+    assert "Xid 79" in ev[0].reason
     assert sim.job.restart_count == 0  # an eviction spends the eviction budget, not the restart budget
     assert kinds(sim.hb("a")) == ["REJOIN"]
     # the replacement registers under a new incarnation and joins the new round

@@ -13,6 +13,7 @@ from phalanx.api.settings import MasterSettings, OperatorSettings, from_env
 from phalanx.master.kube import job_status_patch, newer, publish_decision
 from phalanx.operator import builders
 from phalanx.operator.spec import parse_spec
+from tests.jobviews import job_view
 
 INTERVAL = 10.0
 
@@ -27,7 +28,7 @@ def _patch(**status: Any) -> dict[str, Any]:
         "committed_checkpoint_step": 50,
         "spec_generation": 3,
     }
-    return job_status_patch({**base, **status})
+    return job_status_patch(job_view(**{**base, **status}))
 
 
 def _decide(before: dict[str, Any] | None, after: dict[str, Any], elapsed_s: float = 1.0) -> str:
@@ -48,7 +49,13 @@ def test_nothing_new_is_not_sent_even_though_the_timestamp_moved() -> None:
 
 
 def test_what_the_operator_acts_on_goes_out_at_once() -> None:
-    eviction = {"node_id": "b", "machine": "m", "reason": "lost", "requested_at": 0}
+    eviction = {
+        "node_id": "b",
+        "machine": "m",
+        "reason": "lost",
+        "kind": "heartbeat_timeout",
+        "requested_at": 0,
+    }
     for change in (
         {"phase": "Restarting"},
         {"phase": "Suspended"},

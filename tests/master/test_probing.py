@@ -100,7 +100,7 @@ def test_probe_round_sends_tagged_matmul_and_pairwise_allgather_to_every_member(
         assert list(gather.probe_group) == members
         assert (gather.probe_store_addr, gather.probe_store_port) == (store.store_host, store.store_port + 1)
         assert probe_actions(sim, node) == []  # sent once
-    assert sim.job.status()["probe"]["result"] == "running"
+    assert sim.job.status().probe.result == "running"
     with pytest.raises(RequestError, match="still running"):
         sim.job.start_probe(now=sim.now, trigger="again")
 
@@ -161,7 +161,7 @@ def test_slow_matmul_is_a_straggler_once_a_second_round_confirms_it() -> None:
     first = sim.job.start_probe(now=sim.now, trigger="test")
     good_round(sim, first.id, slow_matmul="b")
     assert (first.result, first.evicted, sim.job.evictions) == ("suspects", [], [])
-    assert sim.job.status()["unconfirmed_stragglers"] == {"b": 1}
+    assert sim.job.status().unconfirmed_stragglers == {"b": 1}
     [event] = sim.job.events.of_kind("probe_finished")
     assert event.message == "suspects: 1 verdict(s); b slow, to be confirmed"
     second = next_probe(sim)
@@ -173,7 +173,7 @@ def test_slow_matmul_is_a_straggler_once_a_second_round_confirms_it() -> None:
     events = sim.job.events.of_kind("straggler")
     assert [e.node for e in events] == ["b", "b"]
     assert events[0].message.startswith("high confidence")
-    assert sim.job.status()["unconfirmed_stragglers"] == {}
+    assert sim.job.status().unconfirmed_stragglers == {}
 
 
 def test_a_node_slow_in_one_round_only_is_not_evicted() -> None:
@@ -184,7 +184,7 @@ def test_a_node_slow_in_one_round_only_is_not_evicted() -> None:
     good_round(sim, second.id)  # a busy host measured slow once
     assert second.result == "ok"
     assert sim.job.evictions == []
-    assert sim.job.status()["unconfirmed_stragglers"] == {}
+    assert sim.job.status().unconfirmed_stragglers == {}
     sim.at(sim.now + 0.1)
     assert sim.job.probe is second  # nothing left to confirm: no third round
 
@@ -196,7 +196,7 @@ def test_an_inconclusive_round_confirms_nothing_and_starts_no_other() -> None:
     second = next_probe(sim)
     sim.at(sim.now + 11.0)  # nobody reports: the probe setup broke
     assert second.result == "inconclusive"
-    assert sim.job.status()["unconfirmed_stragglers"] == {}
+    assert sim.job.status().unconfirmed_stragglers == {}
     sim.at(sim.now + 0.1)
     assert sim.job.probe is second
 
@@ -294,7 +294,7 @@ def test_stale_and_duplicate_reports_are_ignored() -> None:
     matmul(sim, "b", 10.0, probe_round=0)
     assert "b" in second.reports["matmul"]
     # the node view still shows what was reported last, tagged
-    assert sim.job.nodes["a"].probes["matmul"][0]["probe_round"] == second.id
+    assert sim.job.nodes["a"].probes["matmul"][0].probe_round == second.id
 
 
 def test_on_round_complete_schedules_one_round_per_rendezvous_round() -> None:
@@ -431,7 +431,7 @@ def test_matmul_only_round_sends_and_waits_for_matmul_only() -> None:
         matmul(sim, node, 2.0 if node == "c" else 10.0, probe_round=probe.id)
     assert probe.result == "evicted"  # complete without any all-gather report
     assert probe.evicted == ["c"]
-    assert set(probe.view()["reported"]) == {"matmul"}
+    assert set(probe.view().reported) == {"matmul"}
 
 
 def test_allgather_only_round_sends_and_judges_allgather_only() -> None:

@@ -69,14 +69,14 @@ def test_the_restart_event_names_the_kill_reported_after_its_echo_without_a_seco
     second = sim.job.report_failure(kill(sim, "b", 3, at=t), now=sim.now)
     assert second.kind == pb.ACTION_KIND_REJOIN
     assert sim.job.restart_count == 1, "a better cause revises the record; it does not restart again"
-    root = sim.job.status()["root_cause"]
-    assert (root["node_id"], root["rank"], root["failure_class"]) == ("b", 3, "killed")
-    assert root["explanation"].startswith("rank 3 on b SIGKILLed at ")
-    assert root["explanation"].endswith("; rank 0 lost its peer after it")
+    root = sim.job.status().root_cause
+    assert (root.node_id, root.rank, root.failure_class) == ("b", 3, "killed")
+    assert root.explanation.startswith("rank 3 on b SIGKILLed at ")
+    assert root.explanation.endswith("; rank 0 lost its peer after it")
     # Every member has reported: the event goes out now, naming the kill, dated when the restart was done.
     (restart,) = sim.job.events.of_kind("restart")
     assert (restart.node, restart.rank, restart.unix) == ("b", 3, t)
-    assert restart.message == f"worker failure: {root['explanation']}"
+    assert restart.message == f"worker failure: {root.explanation}"
     assert sim.job.events.of_kind("root_cause") == [], "nothing to revise"
     kinds = [e.kind for e in sim.job.events.since(0, limit=1000)]
     assert kinds[-4:] == ["failure", "round_open", "failure", "restart"]
@@ -96,7 +96,7 @@ def test_after_the_window_the_restart_event_goes_out_and_a_later_kill_revises_it
     assert len(messages(sim, "restart")) == 1
     (revised,) = sim.job.events.of_kind("root_cause")
     assert (revised.node, revised.rank) == ("b", 3)
-    assert revised.message == f"revised: {sim.job.status()['root_cause']['explanation']}"
+    assert revised.message == f"revised: {sim.job.status().root_cause.explanation}"
 
 
 def test_a_new_round_completing_first_emits_the_waiting_restart_event_before_its_own() -> None:
@@ -128,7 +128,7 @@ def test_the_kill_and_its_echo_in_one_report_name_the_kill() -> None:
     assert restart.startswith("worker failure: rank 3 on b SIGKILLed at ")
     assert restart.endswith("; ranks 0, 2 lost their peer after it"), "the event waited for a's echo too"
     assert sim.job.events.of_kind("root_cause") == []
-    assert sim.job.status()["root_cause"]["rank"] == 3
+    assert sim.job.status().root_cause.rank == 3
 
 
 def test_a_job_failed_on_the_echo_names_the_kill_in_its_reason() -> None:
@@ -137,10 +137,10 @@ def test_a_job_failed_on_the_echo_names_the_kill_in_its_reason() -> None:
     t = sim.now
     sim.job.report_failure(echo(sim, "a", 0, at=t - 0.5), now=t)
     assert sim.job.phase == "Failed"
-    assert "root cause: rank 0 on a lost its peers first" in sim.job.status()["reason"]
+    assert "root cause: rank 0 on a lost its peers first" in sim.job.status().reason
     exit_action = sim.job.report_failure(kill(sim, "b", 3, at=t), now=t + 0.3)
     assert exit_action.kind == pb.ACTION_KIND_EXIT
-    reason = sim.job.status()["reason"]
+    reason = sim.job.status().reason
     assert reason.startswith("restart budget (0) spent; root cause: rank 3 on b SIGKILLed at "), reason
     assert reason.endswith("; rank 0 lost its peer after it")
-    assert sim.job.status()["root_cause"]["rank"] == 3
+    assert sim.job.status().root_cause.rank == 3

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from phalanx.api import views
 from phalanx.api.errors import MasterFenced, StateStoreError
 from phalanx.master import runtime
 from phalanx.master.job import Job
@@ -21,10 +22,10 @@ from .sim import Sim, settings
 
 class ListSink:
     def __init__(self) -> None:
-        self.published: list[Mapping[str, Any]] = []
+        self.published: list[views.JobView] = []
         self.view: SpecView | None = None
 
-    def publish(self, status: Mapping[str, Any]) -> None:
+    def publish(self, status: views.JobView) -> None:
         self.published.append(status)
 
     def spec(self) -> SpecView | None:
@@ -61,8 +62,8 @@ def test_saves_and_publishes_are_coalesced() -> None:
     assert len(store.state["nodes"]) == 50  # the newest state was saved ...
     assert store.saves < 10  # ... in a few writes, not one per change
     assert 1 <= len(sink.published) <= 4  # ~2/s over ~1.3 s
-    assert len(sink.published[-1]["waiting"]) == 0
-    assert sink.published[-1]["nodes_alive"] == 50
+    assert len(sink.published[-1].waiting) == 0
+    assert sink.published[-1].nodes_alive == 50
 
 
 @pytest.mark.timeout(20)
@@ -84,7 +85,7 @@ def test_the_job_follows_the_spec_the_sink_reads_and_publishes_its_generation() 
 
     sink, seen = asyncio.run(scenario())
     assert seen == [False, True, False]
-    published = [(s["phase"], s["spec_generation"]) for s in sink.published]
+    published = [(s.phase, s.spec_generation) for s in sink.published]
     assert ("Suspended", 2) in published
     assert published[-1] == ("Pending", 3)
 

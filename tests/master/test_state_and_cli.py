@@ -49,9 +49,9 @@ def test_log_store_rings_limits_and_file(tmp_path: Path) -> None:
     logs.add("n0", lines, dropped=2, now=0.0)
     logs.add("n1", [pb.LogLine(rank=0, text="ñ" * 10, unix_ns=150 * 10**9)], dropped=0, now=0.0)
     got = logs.tail(node="n0", rank=1, tail=10)
-    assert [g["text"] for g in got] == ["l3", "l4", "forged\\x0aE"]  # ring of 3, cut to 8 bytes, escaped
-    assert logs.tail(node="n1")[0]["text"] == "ñ" * 4
-    assert [g["node"] for g in logs.tail(tail=2)] == ["n1", "n0"]
+    assert [g.text for g in got] == ["l3", "l4", "forged\\x0aE"]  # ring of 3, cut to 8 bytes, escaped
+    assert logs.tail(node="n1")[0].text == "ñ" * 4
+    assert [g.node for g in logs.tail(tail=2)] == ["n1", "n0"]
     assert (logs.lines_total, logs.dropped_total) == (7, 2)
     logs.close()
     text = (tmp_path / "job.log").read_text()
@@ -71,9 +71,9 @@ def test_a_node_naming_any_rank_makes_a_bounded_number_of_rings() -> None:
     ranks = {r for r in named if logs.tail(node="n0", rank=r)}
     assert len(ranks) == MAX_RINGS_PER_NODE
     assert min(ranks) == len(named) - MAX_RINGS_PER_NODE  # the newest rings stayed
-    assert [line["text"] for line in logs.tail(node="n1")] == ["kept"]
+    assert [line.text for line in logs.tail(node="n1")] == ["kept"]
     logs.add("n0", [pb.LogLine(rank=max(ranks), text="again")], dropped=0, now=2.0)  # an existing ring
-    assert [line["text"] for line in logs.tail(node="n0", rank=max(ranks))] == ["x", "again"]
+    assert [line.text for line in logs.tail(node="n0", rank=max(ranks))] == ["x", "again"]
 
 
 def parse(*argv: str) -> argparse.Namespace:

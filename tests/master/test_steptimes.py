@@ -73,10 +73,10 @@ def _sim(**probes: Any) -> Sim:
 def test_a_node_whose_ranks_lag_is_flagged_once_and_probed() -> None:
     sim = _sim(enabled=True, kinds="matmul")
     _run(sim, seconds=12, step_s={"a": 0.1, "b": 0.3})
-    slow = sim.job.status()["slow_ranks"]
-    assert [(r["rank"], r["node"]) for r in slow] == [(2, "b"), (3, "b")]
-    assert slow[0]["median_interval_s"] == pytest.approx(0.3, rel=0.2)
-    assert slow[0]["reference_s"] == pytest.approx(0.1, rel=0.2)
+    slow = sim.job.status().slow_ranks
+    assert [(r.rank, r.node) for r in slow] == [(2, "b"), (3, "b")]
+    assert slow[0].median_interval_s == pytest.approx(0.3, rel=0.2)
+    assert slow[0].reference_s == pytest.approx(0.1, rel=0.2)
     events = sim.job.events.of_kind("slow_steps")
     assert [(e.node, e.rank) for e in events] == [("b", 2), ("b", 3)]
     assert events[0].message.startswith("rank 2's median step interval"), events[0].message
@@ -92,7 +92,7 @@ def test_a_node_whose_ranks_lag_is_flagged_once_and_probed() -> None:
 def test_equal_nodes_and_disabled_checks_flag_nothing() -> None:
     sim = _sim()
     _run(sim, seconds=12, step_s={"a": 0.2, "b": 0.2})
-    assert sim.job.status()["slow_ranks"] == []
+    assert sim.job.status().slow_ranks == []
     off = Sim(
         rendezvous={"min_nodes": 1, "max_nodes": 2, "last_call_s": 1.0},
         heartbeat={"timeout_s": 30.0},
@@ -100,7 +100,7 @@ def test_equal_nodes_and_disabled_checks_flag_nothing() -> None:
     )
     off.form("a", "b")
     _run(off, seconds=12, step_s={"a": 0.1, "b": 0.5})
-    assert off.job.status()["slow_ranks"] == []
+    assert off.job.status().slow_ranks == []
 
 
 def test_without_probes_the_lag_is_reported_and_nothing_else_happens() -> None:
@@ -113,7 +113,7 @@ def test_without_probes_the_lag_is_reported_and_nothing_else_happens() -> None:
 def test_a_new_round_clears_the_verdicts() -> None:
     sim = _sim()
     _run(sim, seconds=12, step_s={"a": 0.1, "b": 0.3})
-    assert sim.job.status()["slow_ranks"]
+    assert sim.job.status().slow_ranks
     before = sim.job.round_number
     sim.fail("a")
     sim.join("a")
@@ -121,4 +121,4 @@ def test_a_new_round_clears_the_verdicts() -> None:
     sim.at(sim.now + 0.1)
     assert sim.job.round_number == before + 1
     _run(sim, seconds=6, step_s={"a": 0.1, "b": 0.1})
-    assert sim.job.status()["slow_ranks"] == []
+    assert sim.job.status().slow_ranks == []

@@ -19,7 +19,7 @@ TWO = {
 def suspended_job() -> tuple[Sim, int]:
     sim = Sim(**TWO)
     r = sim.form("a", "b")
-    assert sim.job.status()["phase"] == "Running"
+    assert sim.job.status().phase == "Running"
     sim.job.suspend(True, now=sim.now)
     return sim, r
 
@@ -27,12 +27,12 @@ def suspended_job() -> tuple[Sim, int]:
 def test_suspension_is_published_and_survives_a_master_restart() -> None:
     sim, r = suspended_job()
     status = sim.job.status()
-    assert status["phase"] == "Suspended"
-    assert status["suspended"] is True
+    assert status.phase == "Suspended"
+    assert status.suspended is True
     assert [e.kind for e in sim.job.events.since(0)][-1] == "job_suspended"
     resumed = Job(settings=sim.job.settings, now=sim.now + 1, saved=sim.job.durable())
     assert resumed.suspended
-    assert resumed.status()["phase"] == "Suspended"
+    assert resumed.status().phase == "Suspended"
     assert resumed.round_number == r
 
 
@@ -54,7 +54,7 @@ def test_nodes_deleted_while_suspended_are_forgotten_not_evicted() -> None:
     assert "eviction_requested" not in kinds
     sim.at(sim.now + 60.0)  # far past min_nodes_timeout_s: a suspended job does not fail for want of nodes
     assert not sim.job.finished
-    assert sim.job.status()["phase"] == "Suspended"
+    assert sim.job.status().phase == "Suspended"
 
 
 def test_a_node_whose_agent_leaves_is_forgotten_at_once_while_suspended() -> None:
@@ -149,8 +149,8 @@ def test_no_round_completes_while_suspended_and_the_resumed_job_forms_one_with_t
     assert sim.job.round_number == r + 1
     assert sim.job.members == ["a2", "b2"]
     status = sim.job.status()
-    assert status["phase"] == "Running"
-    assert status["suspended"] is False
+    assert status.phase == "Running"
+    assert status.suspended is False
     assert sim.job.evictions == []
     assert sim.job.restart_count == 0
 
@@ -186,4 +186,4 @@ def test_a_finished_job_ignores_suspend() -> None:
     assert sim.job.finished
     sim.job.suspend(True, now=sim.now)
     assert not sim.job.suspended
-    assert sim.job.status()["phase"] == "Succeeded"
+    assert sim.job.status().phase == "Succeeded"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.jobviews import job_view
+
 from phalanx.api import elasticjob as ej
 from phalanx.api.settings import OperatorSettings
 from phalanx.master.kube import job_status_patch, parse_state_url
@@ -24,7 +26,15 @@ MASTER_JOB_JSON: dict[str, Any] = {
     "spec_generation": 2,
     "max_step": 10,
     "committed_checkpoint_step": 8,
-    "evictions": [{"node_id": "j-worker-0-0", "machine": "m", "reason": "slow", "requested_at": 1.0}],
+    "evictions": [
+        {
+            "node_id": "j-worker-0-0",
+            "machine": "m",
+            "reason": "slow",
+            "kind": "straggler",
+            "requested_at": 1.0,
+        }
+    ],
 }
 
 
@@ -34,7 +44,7 @@ def _status_schema() -> dict[str, Any]:
 
 
 def test_every_status_field_the_master_writes_is_declared_by_the_crd() -> None:
-    patch = job_status_patch(MASTER_JOB_JSON)
+    patch = job_status_patch(job_view(**MASTER_JOB_JSON))
     status = _status_schema()["properties"]
     assert set(patch) == ej.MASTER_STATUS_FIELDS, "the master writes exactly the fields the contract gives it"
     assert set(status) >= ej.MASTER_STATUS_FIELDS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tests.jobviews import job_view
 
 from phalanx.api.errors import StateStoreError
 from phalanx.master.kube import job_status_patch, parse_state_url
@@ -10,21 +11,29 @@ from phalanx.master.kube import job_status_patch, parse_state_url
 
 def test_status_mapping() -> None:
     patch = job_status_patch(
-        {
-            "job_id": "j",
-            "phase": "Restarting",
-            "reason": "j-worker-0-0 lost",
-            "round": 3,
-            "world_size": 4,
-            "members": ["a", "b"],
-            "restart_count": 1,
-            "evictions": [
-                {"node_id": "j-worker-0-0", "machine": "m1", "reason": "no heartbeat", "requested_at": 0}
-            ],
-            "committed_checkpoint_step": -1,
-            "max_step": 17,
-            "spec_generation": 5,
-        }
+        job_view(
+            **{
+                "job_id": "j",
+                "phase": "Restarting",
+                "reason": "j-worker-0-0 lost",
+                "round": 3,
+                "world_size": 4,
+                "members": ["a", "b"],
+                "restart_count": 1,
+                "evictions": [
+                    {
+                        "node_id": "j-worker-0-0",
+                        "machine": "m1",
+                        "reason": "no heartbeat",
+                        "kind": "heartbeat_timeout",
+                        "requested_at": 0,
+                    }
+                ],
+                "committed_checkpoint_step": -1,
+                "max_step": 17,
+                "spec_generation": 5,
+            }
+        )
     )
     assert patch["round"] == 3
     assert patch["worldSize"] == 4

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from phalanx.api import elasticjob as ej
+from phalanx.api import views
 from phalanx.cli.masterclient import Kube, MasterAPI, add_kube_flags, add_master_flags, master_from_args
 
 __all__ = ["from_kube", "from_master", "register", "render"]
@@ -70,63 +71,53 @@ def _clock(unix: float | None) -> str:
 
 def from_master(api: MasterAPI) -> dict[str, Any]:
     """The view of a job from its master's HTTP API."""
-    job = api.get("/v1/job")
-    nodes = api.get("/v1/nodes")["nodes"]
-    events = api.get("/v1/events", since=0, limit=10_000)["events"]
+    job = views.JobView.model_validate(api.get("/v1/job"))
+    nodes = views.NodesView.model_validate(api.get("/v1/nodes")).nodes
+    events = views.EventsPage.model_validate(api.get("/v1/events", since=0, limit=10_000)).events
     rows = []
     for n in nodes:
-        ranks = n.get("ranks") or []
-        steps = [r["step"] for r in ranks if r.get("step", -1) >= 0]
-        straggler = n.get("straggler") if isinstance(n.get("straggler"), dict) else None
+        steps = [r.step for r in n.ranks if r.step >= 0]
+        straggler = n.straggler
         rows.append(
             {
-                "node": n["node_id"],
-                "status": n.get("status", ""),
-                "state": n.get("state", ""),
-                "member": bool(n.get("member")),
+                "node": n.node_id,
+                "status": n.status,
+                "state": n.state,
+                "member": n.member,
                 "step": min(steps) if steps else None,
-                "step_time_s": straggler.get("step_time_s") if straggler else None,
-                "straggler_score": straggler.get("relative") if straggler else None,
-                "straggler_verdict": straggler.get("verdict") if straggler else None,
-                "heartbeat_age_s": n.get("heartbeat_age_s"),
-                "ranks": len(ranks),
+                "step_time_s": straggler.step_time_s if straggler else None,
+                "straggler_score": straggler.relative if straggler else None,
+                "straggler_verdict": straggler.verdict if straggler else None,
+                "heartbeat_age_s": n.heartbeat_age_s,
+                "ranks": len(n.ranks),
             }
         )
     rounds = [
-        {"round": e["round"], "unix": e["unix"], "message": e["message"]}
-        for e in events
-        if e["kind"] == "round_complete"
+        {"round": e.round, "unix": e.unix, "message": e.message} for e in events if e.kind == "round_complete"
     ]
     failures = [
-        {
-            "id": e["seq"],
-            "unix": e["unix"],
-            "kind": e["kind"],
-            "node": e["node"],
-            "rank": e["rank"],
-            "message": e["message"],
-        }
+        {"id": e.seq, "unix": e.unix, "kind": e.kind, "node": e.node, "rank": e.rank, "message": e.message}
         for e in events
-        if e["kind"] in FAILURE_KINDS
+        if e.kind in FAILURE_KINDS
     ]
     checkpoints = [
-        {"unix": e["unix"], "kind": e["kind"], "node": e["node"], "message": e["message"]}
+        {"unix": e.unix, "kind": e.kind, "node": e.node, "message": e.message}
         for e in events
-        if e["kind"] in CHECKPOINT_KINDS
+        if e.kind in CHECKPOINT_KINDS
     ]
     return {
         "source": "master",
         "job": {
-            "name": job["job_id"],
-            "phase": job["phase"],
-            "reason": job.get("reason", ""),
-            "round": job["round"],
-            "world_size": job["world_size"],
-            "step": job["max_step"],
-            "restarts": f"{job['restart_count']}/{job['max_restarts']}",
-            "evictions": f"{job['eviction_count']}/{job['max_evictions']}",
-            "committed_checkpoint_step": job["committed_checkpoint_step"],
-            "root_cause": job.get("root_cause"),
+            "name": job.job_id,
+            "phase": str(job.phase),
+            "reason": job.reason,
+            "round": job.round,
+            "world_size": job.world_size,
+            "step": job.max_step,
+            "restarts": f"{job.restart_count}/{job.max_restarts}",
+            "evictions": f"{job.eviction_count}/{job.max_evictions}",
+            "committed_checkpoint_step": job.committed_checkpoint_step,
+            "root_cause": job.root_cause.model_dump(mode="json") if job.root_cause else None,
         },
         "nodes": rows,
         "rounds": rounds,

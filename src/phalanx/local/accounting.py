@@ -7,9 +7,11 @@ No process, no socket, no clock: :class:`phalanx.local.cluster.LocalCluster` han
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
+from phalanx.api import views
+from phalanx.api.elasticjob import Phase
 from phalanx.local import foldin
 from phalanx.local.decide import (
     ATTRIBUTED_EVENTS,
@@ -20,14 +22,15 @@ from phalanx.local.decide import (
     steps_lost,
 )
 from phalanx.local.report import FailureRecord, cause_of, recovery_action
+from phalanx.local.watch import SeenEvent
 
 
-def _round(job: Mapping[str, Any]) -> int:
-    return int(job.get("round", 0) or 0)
+def _round(job: views.JobView | None) -> int:
+    return job.round if job else 0
 
 
-def _world(job: Mapping[str, Any]) -> int:
-    return int(job.get("world_size", 0) or 0)
+def _world(job: views.JobView | None) -> int:
+    return job.world_size if job else 0
 
 
 def master_answers(failures: list[FailureRecord], *, at: float) -> None:
@@ -37,32 +40,30 @@ def master_answers(failures: list[FailureRecord], *, at: float) -> None:
             f.detected_at = at
 
 
-def on_event(failures: list[FailureRecord], ev: Mapping[str, Any]) -> None:
-    """An event of the job (with ``at``, when it was seen): one about a node marks the fault it is put down
-    to as detected (and an eviction as its action); a new round is a step of every pending fold-in."""
-    kind, node = ev.get("kind", ""), ev.get("node", "")
-    if kind in ATTRIBUTED_EVENTS:
-        f = cause_of(failures, node=node, at=ev["at"])
+def on_event(failures: list[FailureRecord], ev: SeenEvent) -> None:
+    """An event of the job: one about a node marks the fault it is put down to as detected (and an eviction
+    as its action); a new round is a step of every pending fold-in."""
+    if ev.kind in ATTRIBUTED_EVENTS:
+        f = cause_of(failures, node=ev.node, at=ev.at)
         if f is not None:
-            f.detected_at = ev["at"]
-            if kind == "eviction_requested":
-                f.action = f"evicted {node}"
-    if kind == "round_open":
+            f.detected_at = ev.at
+            if ev.kind == "eviction_requested":
+                f.action = f"evicted {ev.node}"
+    if ev.kind == "round_open":
         for f in failures:
             if f.fold_in is not None:
-                foldin.round_opened(f.fold_in, at=ev["at"], reason=str(ev.get("message", "")))
+                foldin.round_opened(f.fold_in, at=ev.at, reason=ev.message)
 
 
-def event_line(ev: Mapping[str, Any]) -> str:
+def event_line(ev: views.EventView) -> str:
     """How an event of the job is shown."""
-    kind, node = ev.get("kind", ""), ev.get("node", "")
-    return "event " + f"{kind:<18} {node:<8} {ev.get('message', '')}".rstrip()
+    return "event " + f"{ev.kind:<18} {ev.node:<8} {ev.message}".rstrip()
 
 
 def track_recovery(
     failures: list[FailureRecord],
     *,
-    job: Mapping[str, Any],
+    job: views.JobView | None,
     steps: Steps,
     t0_unix_ns: int,
     now_ns: int,
@@ -76,7 +77,7 @@ def track_recovery(
     lines = []
     for f in failures:
         since_ns = recovery_since_ns(
-            f, round_now=round_now, phase=str(job.get("phase", "")), t0_unix_ns=t0_unix_ns, now_ns=now_ns
+            f, round_now=round_now, phase=job.phase if job else "", t0_unix_ns=t0_unix_ns, now_ns=now_ns
         )
         if since_ns is None:
             continue
@@ -113,7 +114,7 @@ def replaced(
     *,
     lost: str,
     new: str,
-    job: Mapping[str, Any],
+    job: views.JobView | None,
 ) -> None:
     """``new`` replaces the evicted ``lost``: its eviction entry and the faults on it say so, and each such
     fault follows the replacement until the job's first step with it (:mod:`.foldin`)."""
@@ -124,12 +125,12 @@ def replaced(
         if f.node == lost and "replaced" not in f.action:
             f.action += f", replaced by {new}"
             f.fold_in = foldin.started(
-                node=new, lost=lost, round_=_round(job), members=job.get("members") or [], world=_world(job)
+                node=new, lost=lost, round_=_round(job), members=job.members if job else [], world=_world(job)
             )
 
 
 def track_fold_ins(
-    failures: list[FailureRecord], *, job: Mapping[str, Any], steps: Steps, at: float, now_ns: int
+    failures: list[FailureRecord], *, job: views.JobView | None, steps: Steps, at: float, now_ns: int
 ) -> list[str]:
     """Follows each fault's replacement until the job's first step with it (:mod:`.foldin`); returns the
     lines to show."""
@@ -144,9 +145,9 @@ def track_fold_ins(
             at=at,
             now_ns=now_ns,
             round_=_round(job),
-            members=job.get("members") or [],
+            members=job.members if job else [],
             world=_world(job),
-            running=job.get("phase") == "Running",
+            running=job is not None and job.phase is Phase.RUNNING,
             steps=by_rank,
         )
         if done:

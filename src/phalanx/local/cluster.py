@@ -103,20 +103,21 @@ class LocalCluster:
 
     def _carry_out_evictions(self) -> None:
         say = self.console.say
-        for ev in new_evictions(self.watch.job.get("evictions", []) or [], handled=self.handled_evictions):
-            node_id = ev["node_id"]
+        job = self.watch.job
+        for ev in new_evictions(job.evictions if job else [], handled=self.handled_evictions):
+            node_id = ev.node_id
             self.handled_evictions.add(node_id)
             node = self.fleet.nodes.get(node_id)
             if node is not None:
                 node.evicted = True
                 if node.alive:
                     self.fleet.kill_node(node)
-            accounting.evicted(self.summary.failures, node=node_id, reason=ev.get("reason"))
-            entry = {**ev, "at": round(self.console.elapsed(), 3)}
+            accounting.evicted(self.summary.failures, node=node_id, reason=ev.reason)
+            entry = {**ev.model_dump(mode="json"), "at": round(self.console.elapsed(), 3)}
             if self.replacements < self.o.max_replacements:
                 self.replacements += 1
                 self.due_replacements.append((self.console.elapsed() + self.o.replace_delay_s, node_id))
-                say(f"evicted {node_id} ({ev.get('reason', '')}); a replacement follows")
+                say(f"evicted {node_id} ({ev.reason}); a replacement follows")
             else:
                 say(f"evicted {node_id}; replacement budget ({self.o.max_replacements}) spent")
             self.summary.evictions.append(entry)
@@ -179,8 +180,8 @@ class LocalCluster:
             job = self.watch.job
             state, end = run_end(
                 state,
-                phase=job.get("phase", ""),
-                reason=str(job.get("reason", "")),
+                phase=job.phase if job else "",
+                reason=job.reason if job else "",
                 any_alive=self.fleet.any_alive(),
                 work_left=bool(self.faults.pending or self.due_replacements),
                 now=self.console.elapsed(),
@@ -210,11 +211,10 @@ class LocalCluster:
     def _finish(self) -> None:
         s, job = self.summary, self.watch.job
         s.wall_seconds = self.console.elapsed()
-        s.rounds = int(job.get("round", 0) or 0)
-        max_step = job.get("max_step")
-        s.steps_completed = max(self.max_step, int(max_step) if isinstance(max_step, int) else -1) + 1
-        if not s.reason and job.get("reason"):
-            s.reason = str(job["reason"])
+        s.rounds = job.round if job else 0
+        s.steps_completed = max(self.max_step, job.max_step if job else -1) + 1
+        if not s.reason and job and job.reason:
+            s.reason = job.reason
         self.console.say("done")
         self.console.show(table(s))
         if self.o.summary_json is not None:

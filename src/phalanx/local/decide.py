@@ -7,10 +7,11 @@ decisions; so each decision is unit-tested without a process.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from phalanx.api import views
 from phalanx.api.elasticjob import FINISHED_PHASES, Phase
 from phalanx.local.inject import SLOW_KINDS, UNNOTICED_KINDS, Injection
 from phalanx.local.report import FailureRecord
@@ -109,15 +110,16 @@ def steps_lost(*, step_at_injection: int, resumed: int) -> int:
     return max(0, step_at_injection - resumed + 1)
 
 
-def new_evictions(evictions: list[dict[str, Any]], *, handled: Collection[str]) -> list[dict[str, Any]]:
+def new_evictions(
+    evictions: list[views.EvictionView], *, handled: Collection[str]
+) -> list[views.EvictionView]:
     """The master's evictions not carried out yet, one per node id, in the master's order."""
-    out: list[dict[str, Any]] = []
+    out: list[views.EvictionView] = []
     seen = set(handled)
     for ev in evictions:
-        node = ev.get("node_id", "")
-        if not node or node in seen:
+        if not ev.node_id or ev.node_id in seen:
             continue
-        seen.add(node)
+        seen.add(ev.node_id)
         out.append(ev)
     return out
 
@@ -138,12 +140,10 @@ def heal_is_moot(inj: Injection, *, nets: Collection[str], cpu_groups: Collectio
     return inj.kind in SLOW_KINDS and node_id(inj.node) not in where
 
 
-def status_line(*, max_step: int, job: Mapping[str, Any], alive: list[str]) -> str:
+def status_line(*, max_step: int, job: views.JobView | None, alive: list[str]) -> str:
     """The live progress line: the highest step, the job's phase, round and world, the nodes running."""
-    return (
-        f"step {max_step:>5} | {job.get('phase', '?'):<10} | round {job.get('round', '?')} | "
-        f"world {job.get('world_size', '?')} | nodes {' '.join(alive)}"
-    )
+    phase, round_, world = (str(job.phase), str(job.round), str(job.world_size)) if job else ("?", "?", "?")
+    return f"step {max_step:>5} | {phase:<10} | round {round_} | world {world} | nodes {' '.join(alive)}"
 
 
 def status_due(line: str, *, last: str, last_at: float, now: float) -> bool:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Mapping
-from typing import Any
 
 from phalanx.agent.checkpointing import node_socket_path
+from phalanx.api import views
 from phalanx.api.errors import CheckpointError
 from phalanx.checkpoint.protocol import HostClient
 from phalanx.local.console import Console
@@ -35,7 +34,7 @@ class Faults:
         """The kinds of the faults still to come on the node started ``index``-th."""
         return {inj.kind for inj in self.pending if inj.node == index}
 
-    def inject(self, steps: Steps, *, max_step: int, job: Mapping[str, Any]) -> None:
+    def inject(self, steps: Steps, *, max_step: int, job: views.JobView | None) -> None:
         """Fires every pending fault that is due."""
         fleet, say = self.fleet, self.console.say
         for inj in list(self.pending):
@@ -55,7 +54,7 @@ class Faults:
                 inj,
                 steps=steps,
                 max_step=max_step,
-                round_=int(job.get("round", 0) or 0),
+                round_=job.round if job else 0,
                 injected_at=self.console.elapsed(),
             )
             if inj.kind == "kill-worker":

@@ -8,6 +8,14 @@ from typing import Any
 
 import httpx
 
+from phalanx.api import views
+
+
+class SeenEvent(views.EventView):
+    """An event of the job and ``at``: when ``phalanx local`` saw it (its console's clock)."""
+
+    at: float
+
 
 @dataclass
 class Poll:
@@ -16,17 +24,17 @@ class Poll:
 
     up: bool
     back: bool = False
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[SeenEvent] = field(default_factory=list)
 
 
 class MasterWatch:
     def __init__(self) -> None:
         self.http: httpx.Client | None = None
         self.events_seq = 0
-        self.events: list[dict[str, Any]] = []
-        """Every event seen, with ``at``: when it was seen."""
-        self.job: dict[str, Any] = {}
-        """The master's newest ``/v1/job``."""
+        self.events: list[SeenEvent] = []
+        """Every event seen."""
+        self.job: views.JobView | None = None
+        """The master's newest ``/v1/job`` (None until it first answered)."""
         self.down_since: float | None = None
 
     def open(self, *, http_addr: str, token: str) -> None:
@@ -49,19 +57,19 @@ class MasterWatch:
     def poll(self, clock: Callable[[], float]) -> Poll:
         """Reads the job and the new events, each stamped with ``at``: the ``clock`` when it was read."""
         try:
-            self.job = self._get("/v1/job")
-            batch = self._get(f"/v1/events?since={self.events_seq}")
-        except (httpx.HTTPError, ValueError):
+            job = views.JobView.model_validate(self._get("/v1/job"))
+            batch = views.EventsPage.model_validate(self._get(f"/v1/events?since={self.events_seq}"))
+        except (httpx.HTTPError, ValueError):  # pydantic's ValidationError is a ValueError
             if self.down_since is None:
                 self.down_since = clock()
             return Poll(up=False)
+        self.job = job
         back = self.down_since is not None
         self.down_since = None
-        items = batch.get("events", batch) if isinstance(batch, dict) else batch
         new = []
-        for ev in items:
-            self.events_seq = max(self.events_seq, int(ev.get("seq", 0)))
-            event = {**ev, "at": clock()}
+        for ev in batch.events:
+            self.events_seq = max(self.events_seq, ev.seq)
+            event = SeenEvent(**ev.model_dump(), at=clock())
             self.events.append(event)
             new.append(event)
         return Poll(up=True, back=back, events=new)

@@ -52,36 +52,6 @@ class JobCore:
     # ------------------------------------------------------------------------------------------------
     # Views
 
-    def status(self) -> dict[str, Any]:
-        """The ``/v1/job`` JSON but the probe fields (see :mod:`phalanx.master.http` for the field list)."""
-        s = self.state
-        return {
-            "job_id": s.job_id,
-            "phase": s.shown_phase,
-            "suspended": s.suspended,
-            "spec_generation": s.spec_generation,
-            "reason": s.reason,
-            "round": s.round_number,
-            "open_round": s.next_round if s.round_open else None,
-            "world_size": s.round.world_size if s.round else 0,
-            "members": s.members,
-            "waiting": sorted(s.joiners),
-            "min_nodes": s.settings.rendezvous.min_nodes,
-            "max_nodes": s.settings.rendezvous.max_nodes,
-            "nodes_alive": len(s.alive()),
-            "restart_count": s.restart_count,
-            "max_restarts": s.settings.restart.max_restarts,
-            "eviction_count": len(s.evictions),
-            "max_evictions": s.settings.restart.max_evictions,
-            "evictions": [e.to_dict() for e in s.evictions],
-            "committed_checkpoint_step": s.checkpoints.committed,
-            "max_step": s.max_step,
-            "root_cause": s.root_cause,
-            "hang_analysis": s.last_hang_analysis.to_dict() if s.last_hang_analysis else None,
-            "started_unix": s.started_unix,
-            "completed": sorted(s.completed),
-        }
-
     def absent(self, *, now: float) -> list[str]:
         """Live nodes whose agent is most likely gone (see :func:`phalanx.master.membership.absent`); the
         grace is one heartbeat interval, within which a live agent whose connection broke heartbeats again."""

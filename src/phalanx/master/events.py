@@ -11,8 +11,10 @@ continues from the saved counter plus a gap (events after the last save died wit
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, get_args
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from phalanx.api import views
 
 __all__ = ["KINDS", "Event", "EventKind", "EventLog"]
 
@@ -64,8 +66,11 @@ class Event:
     round: int
     message: str
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def view(self) -> views.EventView:
+        return views.EventView(
+            seq=self.seq, unix=self.unix, kind=self.kind, node=self.node, rank=self.rank, round=self.round,
+            message=self.message,
+        )  # fmt: skip
 
 
 class EventLog:

@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar, cast
 
+from phalanx.api import views
+from phalanx.api.elasticjob import Phase
 from phalanx.api.settings import MasterSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import Eviction, HangAnalysis
@@ -83,7 +85,7 @@ class Job:
     started_unix: _Shared[float] = _Shared()
     opened_at: _Shared[float] = _Shared()
     below_min_since: _Shared[float | None] = _Shared()
-    phase: _Shared[str] = _Shared()
+    phase: _Shared[Phase] = _Shared()
     reason: _Shared[str] = _Shared()
     round: _Shared[rdzv.Round | None] = _Shared()
     next_round: _Shared[int] = _Shared()
@@ -157,7 +159,7 @@ class Job:
         return self.state.finished
 
     @property
-    def shown_phase(self) -> str:
+    def shown_phase(self) -> Phase:
         return self.state.shown_phase
 
     @property
@@ -187,21 +189,62 @@ class Job:
     def node_scores(self) -> dict[str, NodeScore]:
         return self.steps.node_scores
 
-    def status(self) -> dict[str, Any]:
-        """The ``/v1/job`` JSON (see :mod:`phalanx.master.http` for the field list)."""
-        return {
-            **self.core.status(),
-            "probe": self.probes.probe.view() if self.probes.probe else None,
-            "slow_ranks": [self.steps.slow_ranks[r] for r in sorted(self.steps.slow_ranks)],
-            "unconfirmed_stragglers": dict(sorted(self.probes.slow_streaks.items())),
-        }
+    def status(self) -> views.JobView:
+        """``GET /v1/job``, and what the status sink publishes."""
+        s = self.state
+        return views.JobView(
+            job_id=s.job_id,
+            phase=s.shown_phase,
+            suspended=s.suspended,
+            spec_generation=s.spec_generation,
+            reason=s.reason,
+            round=s.round_number,
+            open_round=s.next_round if s.round_open else None,
+            world_size=s.round.world_size if s.round else 0,
+            members=s.members,
+            waiting=sorted(s.joiners),
+            min_nodes=s.settings.rendezvous.min_nodes,
+            max_nodes=s.settings.rendezvous.max_nodes,
+            nodes_alive=len(s.alive()),
+            restart_count=s.restart_count,
+            max_restarts=s.settings.restart.max_restarts,
+            eviction_count=len(s.evictions),
+            max_evictions=s.settings.restart.max_evictions,
+            evictions=[views.EvictionView.model_validate(e.to_dict()) for e in s.evictions],
+            committed_checkpoint_step=s.checkpoints.committed,
+            max_step=s.max_step,
+            root_cause=views.RootCause.model_validate(s.root_cause) if s.root_cause else None,
+            hang_analysis=(
+                views.HangAnalysisView.model_validate(s.last_hang_analysis.to_dict())
+                if s.last_hang_analysis
+                else None
+            ),
+            started_unix=s.started_unix,
+            completed=sorted(s.completed),
+            probe=self.probes.probe.view() if self.probes.probe else None,
+            slow_ranks=[self.steps.slow_ranks[r] for r in sorted(self.steps.slow_ranks)],
+            unconfirmed_stragglers=dict(sorted(self.probes.slow_streaks.items())),
+        )
+
+    def nodes_view(self, *, now: float) -> views.NodesView:
+        """``GET /v1/nodes``: every node the master knows, by id."""
+        round_ = self.round
+        shown = []
+        for node in sorted(self.nodes.values(), key=lambda n: n.node_id):
+            member = round_.member(node.node_id) if round_ else None
+            shown.append(
+                node.view(
+                    now=now,
+                    group_rank=member.group_rank if member else None,
+                    hang_count=self.hang_counts.get(node.node_id, 0),
+                    straggler=self.steps.straggler_view(node.node_id),
+                )
+            )
+        return views.NodesView(nodes=shown)
 
     def durable(self) -> dict[str, Any]:
         """The state a restarted master resumes from (JSON); see :mod:`phalanx.master.snapshot`."""
         return snapshot.durable(self.state, pending_restart=self.restarts.pending)
-
-    def straggler_view(self, node_id: str) -> dict[str, Any] | None:
-        return self.steps.straggler_view(node_id)
 
     # ------------------------------------------------------------------------------------------------
     # Requests

@@ -118,7 +118,7 @@ class JobState:
         return self.phase in FINISHED_PHASES
 
     @property
-    def shown_phase(self) -> str:
+    def shown_phase(self) -> Phase:
         """The phase people and the operator see: Suspended while the job is (the decisions use ``phase``,
         which the suspension leaves as it was)."""
         return Phase.SUSPENDED if self.suspended and not self.finished else self.phase

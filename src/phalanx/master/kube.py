@@ -42,6 +42,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from phalanx.api import elasticjob as ej
+from phalanx.api import views
 from phalanx.api.elasticjob import GROUP, PLURAL, SCHEDULED_ANNOTATION, STATE_KEY, VERSION
 from phalanx.api.errors import KubernetesError, MasterFenced, StateStoreError
 from phalanx.master.kube_watch import SPEC_POLL_S, JobWatch
@@ -221,37 +222,35 @@ def scheduled_workers(meta: Mapping[str, Any]) -> int | None:
         return None
 
 
-def job_status_patch(status: Mapping[str, Any]) -> dict[str, Any]:
-    """Maps the master's ``/v1/job`` JSON onto ElasticJob status fields (pure; unit-tested)."""
+def job_status_patch(status: views.JobView) -> dict[str, Any]:
+    """Maps the master's ``/v1/job`` view onto ElasticJob status fields (pure; unit-tested)."""
     evictions = [
         {
-            ej.EVICTION_NODE_ID: str(e.get("node_id", "")),
-            ej.EVICTION_MACHINE: str(e.get("machine", "") or ""),
-            ej.EVICTION_REASON: str(e.get("reason", ""))[:_MAX_TEXT],
-            ej.EVICTION_REQUESTED_AT: _rfc3339(e.get("requested_at")),
+            ej.EVICTION_NODE_ID: e.node_id,
+            ej.EVICTION_MACHINE: e.machine,
+            ej.EVICTION_REASON: e.reason[:_MAX_TEXT],
+            ej.EVICTION_REQUESTED_AT: _rfc3339(e.requested_at),
         }
-        for e in status.get("evictions") or []
-        if isinstance(e, Mapping) and e.get("node_id")
+        for e in status.evictions
+        if e.node_id
     ]
     patch: dict[str, Any] = {
-        ej.STATUS_ROUND: int(status.get("round") or 0),
-        ej.STATUS_WORLD_SIZE: int(status.get("world_size") or 0),
-        ej.STATUS_RESTART_COUNT: int(status.get("restart_count") or 0),
+        ej.STATUS_ROUND: status.round,
+        ej.STATUS_WORLD_SIZE: status.world_size,
+        ej.STATUS_RESTART_COUNT: status.restart_count,
         ej.STATUS_EVICTIONS: evictions,
         ej.STATUS_MASTER: {
-            ej.MASTER_PHASE: str(status.get("phase", "")),
-            ej.MASTER_REASON: str(status.get("reason") or "")[:_MAX_TEXT],
-            ej.MASTER_MEMBERS: [str(m) for m in status.get("members") or []],
-            ej.MASTER_OBSERVED_GENERATION: int(status.get("spec_generation") or 0),
+            ej.MASTER_PHASE: str(status.phase),
+            ej.MASTER_REASON: status.reason[:_MAX_TEXT],
+            ej.MASTER_MEMBERS: list(status.members),
+            ej.MASTER_OBSERVED_GENERATION: status.spec_generation,
             ej.MASTER_UPDATED_AT: _rfc3339(datetime.now(tz=UTC).timestamp()),
         },
     }
-    step = status.get("max_step")
-    if isinstance(step, int) and step >= 0:
-        patch[ej.STATUS_STEP] = step
-    committed = status.get("committed_checkpoint_step")
-    if isinstance(committed, int) and committed >= 0:
-        patch[ej.STATUS_COMMITTED_STEP] = committed
+    if status.max_step >= 0:
+        patch[ej.STATUS_STEP] = status.max_step
+    if status.committed_checkpoint_step >= 0:
+        patch[ej.STATUS_COMMITTED_STEP] = status.committed_checkpoint_step
     return patch
 
 
@@ -361,7 +360,7 @@ class ElasticJobStatusSink:
             self._view_version = version
             self._read_at = time.monotonic()
 
-    def publish(self, status: Mapping[str, Any]) -> None:
+    def publish(self, status: views.JobView) -> None:
         patch = job_status_patch(status)
         with self._lock:
             decision = publish_decision(

@@ -20,8 +20,9 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
+from phalanx.api import views
 from phalanx.api.v1 import master_pb2 as pb
 
 __all__ = ["LogStore", "open_private"]
@@ -94,7 +95,7 @@ class LogStore:
         ring = self._rings[(node_id, rank)] = deque(maxlen=self.ring_lines)
         return ring
 
-    def tail(self, *, node: str = "", rank: int | None = None, tail: int = 100) -> list[dict[str, Any]]:
+    def tail(self, *, node: str = "", rank: int | None = None, tail: int = 100) -> list[views.LogLine]:
         """The newest ``tail`` lines of the matching rings, oldest first."""
         tail = max(0, min(tail, self.ring_lines))
         picked: list[tuple[float, str, int, int, str, str]] = []
@@ -106,7 +107,7 @@ class LogStore:
         picked.sort(key=lambda p: p[0])
         return (
             [
-                {"unix": u, "node": n, "rank": r, "local_rank": lr, "stream": s, "text": t}
+                views.LogLine(unix=u, node=n, rank=r, local_rank=lr, stream=s, text=t)
                 for u, n, r, lr, s, t in picked[-tail:]
             ]
             if tail

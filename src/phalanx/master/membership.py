@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from phalanx.api import views
 from phalanx.api.v1 import master_pb2 as pb
 
 __all__ = [
@@ -73,7 +74,7 @@ class Node:
     ranks: list[pb.RankProgress] = field(default_factory=list)
     """The latest heartbeat's progress, kept as messages: converting 1,000 heartbeats/s to dicts is waste."""
     agent_restarts: int = 0
-    probes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    probes: dict[str, list[views.PeerProbe]] = field(default_factory=dict)
     memory_checkpoint_step: int = -1
     pending: list[pb.Action] = field(default_factory=list)
     """One-shot actions (DUMP_STACKS, RUN_PROBE, PERSIST_CHECKPOINT) not yet acknowledged by a heartbeat."""
@@ -118,37 +119,43 @@ class Node:
             restored_at=now,
         )
 
-    def view(self, *, now: float) -> dict[str, Any]:
-        """The node as ``/v1/nodes`` shows it."""
-        return {
-            "node_id": self.node_id,
-            "incarnation": self.incarnation,
-            "host": self.host,
-            "machine": self.machine,
-            "nproc": self.nproc,
-            "agent_version": self.agent_version,
-            "status": self.status,
-            "state": state_name(self.state),
-            "round": self.hb_round,
-            "last_heartbeat_unix": self.last_seen,
-            "heartbeat_age_s": max(0.0, now - self.last_seen),
-            "disconnected_unix": self.disconnected_at if self.disconnected_at > self.last_seen else None,
-            "ranks": [
-                {
-                    "rank": r.rank,
-                    "local_rank": r.local_rank,
-                    "step": r.step,
-                    "step_unix": r.step_unix_ns / 1e9,
-                    "beacon_age_s": r.beacon_age_s,
-                    "pid": r.pid,
-                }
+    def view(
+        self, *, now: float, group_rank: int | None, hang_count: int, straggler: views.Straggler | None
+    ) -> views.NodeView:
+        """The node as ``/v1/nodes`` shows it; ``group_rank`` None: not a member of the round."""
+        return views.NodeView(
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            host=self.host,
+            machine=self.machine,
+            nproc=self.nproc,
+            agent_version=self.agent_version,
+            status=self.status.value,
+            state=state_name(self.state),
+            round=self.hb_round,
+            last_heartbeat_unix=self.last_seen,
+            heartbeat_age_s=max(0.0, now - self.last_seen),
+            disconnected_unix=self.disconnected_at if self.disconnected_at > self.last_seen else None,
+            ranks=[
+                views.RankView(
+                    rank=r.rank,
+                    local_rank=r.local_rank,
+                    step=r.step,
+                    step_unix=r.step_unix_ns / 1e9,
+                    beacon_age_s=r.beacon_age_s,
+                    pid=r.pid,
+                )
                 for r in self.ranks
             ],
-            "agent_restarts": self.agent_restarts,
-            "memory_checkpoint_step": self.memory_checkpoint_step,
-            "probes": self.probes,
-            "exit_reason": self.exit_reason,
-        }
+            agent_restarts=self.agent_restarts,
+            memory_checkpoint_step=self.memory_checkpoint_step,
+            probes=self.probes,
+            exit_reason=self.exit_reason,
+            member=group_rank is not None,
+            group_rank=-1 if group_rank is None else group_rank,
+            hang_count=hang_count,
+            straggler=straggler,
+        )
 
 
 def absent(nodes: Iterable[Node], *, now: float, grace_s: float) -> list[str]:

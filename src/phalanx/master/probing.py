@@ -50,6 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from phalanx.api import views
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics.stragglers import NodeVerdict, compute_verdicts, link_verdicts
 from phalanx.master import rendezvous as rdzv
@@ -98,7 +99,7 @@ class ProbeRound:
     reports: dict[str, dict[str, list[Measured]]] = field(default_factory=dict)
     """kind -> node -> measurements."""
     stale_reports: int = 0
-    result: str = "running"
+    result: views.ProbeResult = "running"
     """running | ok | suspects | evicted | inconclusive | aborted"""
     finished_at: float | None = None
     verdicts: list[NodeVerdict] = field(default_factory=list)
@@ -108,31 +109,31 @@ class ProbeRound:
         """True when every member reported every kind."""
         return all(set(self.members) <= set(self.reports.get(kind, {})) for kind in self.kinds)
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> views.ProbeRound:
         """The ``probe`` field of ``/v1/job``."""
-        return {
-            "id": self.id,
-            "round": self.rendezvous_round,
-            "trigger": self.trigger,
-            "result": self.result,
-            "members": list(self.members),
-            "started_unix": self.started_at,
-            "finished_unix": self.finished_at,
-            "reported": {kind: sorted(self.reports.get(kind, {})) for kind in self.kinds},
-            "stale_reports": self.stale_reports,
-            "verdicts": [
-                {
-                    "node_id": v.node_id,
-                    "kind": v.kind,
-                    "confidence": v.confidence,
-                    "value": v.value,
-                    "reference": v.reference,
-                    "reason": v.reason,
-                }
+        return views.ProbeRound(
+            id=self.id,
+            round=self.rendezvous_round,
+            trigger=self.trigger,
+            result=self.result,
+            members=list(self.members),
+            started_unix=self.started_at,
+            finished_unix=self.finished_at,
+            reported={kind: sorted(self.reports.get(kind, {})) for kind in self.kinds},
+            stale_reports=self.stale_reports,
+            verdicts=[
+                views.ProbeVerdict(
+                    node_id=v.node_id,
+                    kind=v.kind,
+                    confidence=v.confidence,
+                    value=v.value,
+                    reference=v.reference,
+                    reason=v.reason,
+                )
                 for v in self.verdicts
             ],
-            "evicted": list(self.evicted),
-        }
+            evicted=list(self.evicted),
+        )
 
 
 def round_kinds(*, configured: Sequence[str], members: int) -> tuple[str, ...]:
@@ -232,15 +233,15 @@ class ProbeRounds:
             return  # a replaced agent's results say nothing about the node now
         kind = pb.ProbeKind.Name(req.probe).removeprefix("PROBE_KIND_").lower()
         node.probes[kind] = [
-            {
-                "peer_node_id": m.peer_node_id,
-                "ok": m.ok,
-                "elapsed_s": m.elapsed_s,
-                "rate": m.rate,
-                "error": m.error,
-                "unix": now,
-                "probe_round": req.probe_round,
-            }
+            views.PeerProbe(
+                peer_node_id=m.peer_node_id,
+                ok=m.ok,
+                elapsed_s=m.elapsed_s,
+                rate=m.rate,
+                error=m.error,
+                unix=now,
+                probe_round=req.probe_round,
+            )
             for m in req.measurements
         ]
         self.probe_report(req, now=now)
@@ -344,7 +345,7 @@ class ProbeRounds:
             return f"no probe of probes.kinds={cfg.kinds!r} runs on {members} node(s); allgather needs two"
         return ""
 
-    def _end_probe(self, probe: ProbeRound, result: str, *, now: float, why: str) -> None:
+    def _end_probe(self, probe: ProbeRound, result: views.ProbeResult, *, now: float, why: str) -> None:
         probe.result = result
         probe.finished_at = now
         for node_id in probe.members:
@@ -396,6 +397,7 @@ class ProbeRounds:
             if node_id in failed or node_id in confirmed:
                 self.slow_streaks.pop(node_id, None)
                 self._evict_suspect(probe, node_id, now=now)
+        result: views.ProbeResult
         if probe.evicted:
             result = "evicted"
         elif probe.verdicts:

@@ -12,8 +12,8 @@ with ``probes.stragglers.evict_slow_nodes``, evicted at once without a probe rou
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+from phalanx.api import views
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics.stragglers import (
     NodeScore,
@@ -44,7 +44,7 @@ class StepChecks:
         self.probes = probes
         settings = core.state.settings
         self.step_times = StepTimes(window=settings.probes.stragglers.step_window)
-        self.slow_ranks: dict[int, dict[str, Any]] = {}
+        self.slow_ranks: dict[int, views.SlowRank] = {}
         """Ranks of the running round whose step intervals lag the others' (``slow_ranks`` of /v1/job)."""
         self._step_checked_at = now
         self.node_scores: dict[str, NodeScore] = {}
@@ -62,27 +62,27 @@ class StepChecks:
             return
         self.step_times.observe_beat(round=round, node_id=node_id, ranks=ranks)
 
-    def straggler_view(self, node_id: str) -> dict[str, Any] | None:
+    def straggler_view(self, node_id: str) -> views.Straggler | None:
         """The ``straggler`` field of a node in ``/v1/nodes``: its latest scores and verdict (``ok``,
-        ``suspect`` while being confirmed, ``slow`` once confirmed); null when the latest check did not score
+        ``suspect`` while being confirmed, ``slow`` once confirmed); None when the latest check did not score
         it (not a member, too few steps, a single node)."""
         score = self.node_scores.get(node_id)
         if score is None:
             return None
         stragglers = self.state.settings.probes.stragglers
         streak = self.straggler_streaks.get(node_id, 0)
-        return {
-            "verdict": straggler_state(streak, need=stragglers.step_confirm_checks),
-            "basis": score.basis,
-            "step_time_s": score.step_time_s,
-            "value_s": score.value_s,
-            "relative": score.relative,
-            "reference_s": score.reference_s,
-            "individual": score.individual,
-            "baseline_s": score.baseline_s,
-            "slow_checks": streak,
-            "reason": straggler_reason(score, checks=streak, factor=stragglers.step_factor) if streak else "",
-        }
+        return views.Straggler(
+            verdict=straggler_state(streak, need=stragglers.step_confirm_checks),
+            basis=score.basis,
+            step_time_s=score.step_time_s,
+            value_s=score.value_s,
+            relative=score.relative,
+            reference_s=score.reference_s,
+            individual=score.individual,
+            baseline_s=score.baseline_s,
+            slow_checks=streak,
+            reason=straggler_reason(score, checks=streak, factor=stragglers.step_factor) if streak else "",
+        )
 
     def _score_nodes(self, *, now: float) -> None:
         """Scores every member from its step times (relative to the other members, individual against its
@@ -159,13 +159,13 @@ class StepChecks:
         verdicts = step_verdicts(self.step_times.intervals, settings=s.settings.probes.stragglers)
         new = [v for v in verdicts if v.rank not in self.slow_ranks]
         self.slow_ranks = {
-            v.rank: {
-                "rank": v.rank,
-                "node": self.step_times.node_of.get(v.rank, ""),
-                "median_interval_s": v.median_interval_s,
-                "reference_s": v.reference_s,
-                "reason": v.reason,
-            }
+            v.rank: views.SlowRank(
+                rank=v.rank,
+                node=self.step_times.node_of.get(v.rank, ""),
+                median_interval_s=v.median_interval_s,
+                reference_s=v.reference_s,
+                reason=v.reason,
+            )
             for v in verdicts
         }
         for v in new:
@@ -178,5 +178,5 @@ class StepChecks:
             self.core.changed()
         self._score_nodes(now=now)
         if new and not self.probes.cannot_probe():
-            nodes = sorted({self.slow_ranks[v.rank]["node"] for v in new})
+            nodes = sorted({self.slow_ranks[v.rank].node for v in new})
             self.probes.start_probe(now=now, trigger=f"slow steps on {', '.join(nodes)}")

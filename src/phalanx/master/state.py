@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from phalanx.api import views
 from phalanx.api.errors import StateStoreError
 
 __all__ = [
@@ -54,9 +55,9 @@ class StateStore(Protocol):
 
 
 class StatusSink(Protocol):
-    """Receives the job status (the ``/v1/job`` JSON) whenever it changes."""
+    """Receives the job status (the ``/v1/job`` view) whenever it changes."""
 
-    def publish(self, status: Mapping[str, Any]) -> None: ...  # called on every change, at most ~2/s
+    def publish(self, status: views.JobView) -> None: ...  # called on every change, at most ~2/s
 
     def spec(self) -> SpecView | None: ...  # what the master follows of the spec (None: no spec); ~2/s
 
@@ -165,7 +166,7 @@ class MemoryStateStore:
 class NullStatusSink:
     """Publishes nothing: locally the status is read from ``/v1/job``."""
 
-    def publish(self, status: Mapping[str, Any]) -> None:
+    def publish(self, status: views.JobView) -> None:
         return None
 
     def spec(self) -> SpecView | None:
