@@ -14,7 +14,7 @@ TEST_LANES ?= 3
 # Python without a .py suffix (scripts) is named explicitly so ruff checks it too.
 PY_SOURCES := src tests e2e benchmarks examples $(shell grep -l '^\#!/usr/bin/env python' scripts/* 2>/dev/null)
 
-.PHONY: setup lock lock-check lint test test-prepare readme-check proto proto-check bench dist clean fmt
+.PHONY: setup lock lock-check lint test test-prepare readme-check proto proto-check openapi openapi-check bench dist clean fmt
 
 # The venv is exactly uv.lock: every extra and the dev group, phalanx itself editable. --locked fails when
 # uv.lock no longer matches pyproject.toml (`make lock` updates it; docs/development.md says when).
@@ -47,7 +47,14 @@ proto: setup
 proto-check: setup
 	$(BIN)/python $(PROTO_GEN) --check
 
-lint: setup lock-check proto-check crds-check chart-check
+# docs/master-api.json, the OpenAPI schema of a master's HTTP API, from the views it serves.
+openapi: setup
+	$(BIN)/python scripts/gen-openapi
+
+openapi-check: setup
+	$(BIN)/python scripts/gen-openapi --check
+
+lint: setup lock-check proto-check crds-check chart-check openapi-check
 	$(BIN)/ruff check $(PY_SOURCES)
 	$(BIN)/ruff format --check $(PY_SOURCES)
 	$(BIN)/mypy

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -41,7 +42,7 @@ from phalanx.master.errors import RequestError
 from phalanx.master.runtime import Runtime
 from phalanx.master.timeline import Timeline
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "openapi_document"]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -53,8 +54,8 @@ class BearerAuth:
     """ASGI middleware: 401 unless the request carries the job's bearer token, or the metrics token for a
     GET of /metrics (a read-only credential Prometheus may share across jobs)."""
 
-    def __init__(self, app: ASGIApp, *, token: str, metrics_token: str = "") -> None:
-        self._app = app
+    def __init__(self, app: FastAPI, *, token: str, metrics_token: str = "") -> None:
+        self.app = app
         self._expected = auth.bearer(token).encode()
         self._metrics = auth.bearer(metrics_token).encode() if metrics_token else b""
 
@@ -81,7 +82,7 @@ class BearerAuth:
                 await send({"type": "http.response.start", "status": 401, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
                 return
-        await self._app(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class ErrorBody(BaseModel):
@@ -130,7 +131,23 @@ def timeline_center(around: str, timeline: Timeline) -> tuple[float | None, dict
     return value, None
 
 
-def create_app(runtime: Runtime, *, token: str, metrics_token: str = "") -> ASGIApp:
+def openapi_document() -> dict[str, Any]:
+    """The schema :func:`create_app` serves, from an app over an empty job (``docs/master-api.json``)."""
+    from phalanx.api.settings import MasterSettings
+    from phalanx.master.job import Job
+    from phalanx.master.logstore import LogStore
+    from phalanx.master.state import MemoryStateStore, NullStatusSink
+
+    runtime = Runtime(
+        job=Job(settings=MasterSettings(job_id="job"), now=0.0),
+        logs=LogStore(ring_lines=1, max_line_bytes=1, path=None),
+        store=MemoryStateStore(),
+        sink=NullStatusSink(),
+    )
+    return create_app(runtime, token=secrets.token_hex(16)).app.openapi()  # the schema needs no token
+
+
+def create_app(runtime: Runtime, *, token: str, metrics_token: str = "") -> BearerAuth:
     """The HTTP API over ``runtime``'s job, wrapped in the bearer-token check (see :class:`BearerAuth`).
 
     The handlers are ``async def`` on purpose: they then run on the event loop, like the gRPC handlers
