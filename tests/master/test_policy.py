@@ -9,6 +9,7 @@ from phalanx.master.policy import (
     PolicyInput,
     Verdict,
     decide_failure,
+    failure_kind,
     records_from_request,
     root_cause,
 )
@@ -180,3 +181,11 @@ def test_the_failure_class_is_an_enum_that_prints_its_lowercase_label() -> None:
     assert unknown.to_json()["failure_class"] == "unknown"
     assert oom.summary() == "rank 1 on a (oom): exit code 0"
     assert FailureClass.from_label("hardware") is FailureClass.HARDWARE
+
+
+def test_a_reports_kind_is_one_the_master_knows() -> None:
+    assert failure_kind(pb.FAILURE_KIND_HANG) == "hang"
+    assert failure_kind(pb.FAILURE_KIND_LAUNCH) == "launch"
+    assert failure_kind(pb.FAILURE_KIND_WORKER_EXIT) == "worker_exit"
+    assert failure_kind(pb.FAILURE_KIND_UNSPECIFIED) == "worker_exit"  # an older agent
+    assert failure_kind(99) == "worker_exit"  # a newer agent's kind: proto3 enums are open

@@ -13,7 +13,7 @@ from kubernetes.client import (
     V1PodStatus,
 )
 
-from phalanx.operator.observe import pod_view
+from phalanx.operator.observe import pod_phase, pod_view
 
 
 def _pod(
@@ -117,3 +117,11 @@ def test_a_running_pod_whose_node_went_silent_is_unready_and_evicted_for_its_tai
     evicted.metadata.deletion_timestamp = "2026-11-30T10:00:00Z"
     assert pod_view(evicted).node_lost
     assert not pod_view(_pod()).node_lost
+
+
+def test_a_pods_phase_is_one_the_operator_knows() -> None:
+    assert pod_phase(None) == "Pending"  # no status yet
+    assert pod_phase("") == "Pending"
+    assert pod_phase("Running") == "Running"
+    assert pod_phase("Succeeded") == "Succeeded"
+    assert pod_phase("Evicted") == "Unknown"  # not a phase: a newer or broken API server's word

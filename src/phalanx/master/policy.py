@@ -32,6 +32,7 @@ import enum
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from phalanx.api import limits
 from phalanx.api.failures import FailureClass
@@ -51,6 +52,10 @@ __all__ = [
 ]
 
 
+FailureKind = Literal["worker_exit", "hang", "launch"]
+"""What an agent reported: a worker exited, a worker hung, or workers could not be started."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class FailureRecord:
     """One failed worker as the master keeps it (JSON-friendly)."""
@@ -62,8 +67,7 @@ class FailureRecord:
     exit_code: int = 1
     failure_class: FailureClass = FailureClass.UNKNOWN
     """JSON and sentences print its label: user, killed, oom, comm, hardware, hang, unknown."""
-    kind: str = "worker_exit"
-    """worker_exit, hang or launch."""
+    kind: FailureKind = "worker_exit"
     message: str = ""
     traceback: str = ""
     log_tail: tuple[str, ...] = ()
@@ -117,18 +121,18 @@ def exception_line(log_tail: Sequence[str]) -> str:
     return ""
 
 
-def _enum_name(enum_type: object, value: int, prefix: str) -> str:
-    try:
-        name = str(enum_type.Name(value))  # type: ignore[attr-defined]
-    except ValueError:
-        return "unknown"
-    return name.removeprefix(prefix).lower()
+def failure_kind(value: int) -> FailureKind:
+    """A report's kind; unspecified (an older agent) is a worker exit, one this master does not know too."""
+    if value == pb.FAILURE_KIND_HANG:
+        return "hang"
+    if value == pb.FAILURE_KIND_LAUNCH:
+        return "launch"
+    return "worker_exit"
 
 
 def records_from_request(request: pb.ReportFailureRequest, *, now: float) -> list[FailureRecord]:
     """Normalizes a ReportFailure request; a report without worker entries becomes one synthetic record."""
-    kind = _enum_name(pb.FailureKind, request.kind, "FAILURE_KIND_")
-    kind = "worker_exit" if kind == "unspecified" else kind
+    kind = failure_kind(request.kind)
     records = []
     for f in request.failures:
         stamp_ns = f.error_unix_ns or f.observed_unix_ns

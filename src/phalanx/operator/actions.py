@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from phalanx.api import elasticjob
 from phalanx.operator.admission import MAX_NODES
@@ -16,7 +16,10 @@ from phalanx.operator.admission import MAX_NODES
 MAX_POD_NAME = 63
 """A worker Pod's name is its hostname too, a DNS label (the job name's bound keeps the operator's within)."""
 
-LIVE_PHASES = ("Pending", "Running", "Unknown")
+PodPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Unknown"]
+"""A Pod's phase as Kubernetes reports it: a misspelt phase in a comparison is a mypy error."""
+POD_PHASES: tuple[PodPhase, ...] = get_args(PodPhase)
+LIVE_PHASES: tuple[PodPhase, ...] = ("Pending", "Running", "Unknown")
 
 
 NODE_LOST = "DeletionByTaintManager"
@@ -29,7 +32,7 @@ class PodView:
 
     name: str
     role: str
-    phase: str
+    phase: PodPhase
     node_name: str = ""
     terminating: bool = False
     exit_code: int | None = None

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal, get_args
 
 Condition = dict[str, Any]
+
+ConditionType = Literal[
+    "Created", "MasterReady", "GangScheduled", "ReplicaFailure", "PodsReady", "Running", "Restarting",
+    "Suspended", "Admitted", "Succeeded", "Failed", "ReconcileError",
+]  # fmt: skip
+"""The conditions an ElasticJob's status carries (the CRD's enum): a misspelt one is a mypy error."""
+CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
 
 
 def rfc3339(now: float) -> str:
@@ -37,7 +44,7 @@ def is_true(conditions: Sequence[Mapping[str, Any]], kind: str) -> bool:
 def set_condition(
     conditions: Sequence[Mapping[str, Any]],
     *,
-    kind: str,
+    kind: str,  # an ElasticJob's (ConditionType) or a Kueue Workload's
     status: bool,
     reason: str,
     message: str,

@@ -14,7 +14,7 @@ from typing import Any
 from phalanx.api import elasticjob
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator.actions import Action, Observed, PatchStatus, PodView
-from phalanx.operator.conditions import set_condition
+from phalanx.operator.conditions import ConditionType, set_condition
 
 FINISHED_PHASES = elasticjob.FINISHED_PHASES
 
@@ -83,7 +83,7 @@ class Pass:
         conditions: list[Mapping[str, Any]] = self.out["conditions"]
         return conditions
 
-    def condition(self, kind: str, value: bool, reason: str, message: str) -> None:
+    def condition(self, kind: ConditionType, value: bool, reason: str, message: str) -> None:
         """Sets one status condition (its transition time moves only when its status changes)."""
         self.out["conditions"] = set_condition(
             self.out["conditions"], kind=kind, status=value, reason=reason, message=message,

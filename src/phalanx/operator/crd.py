@@ -14,13 +14,10 @@ from typing import Any
 from phalanx.api import elasticjob as ej
 from phalanx.api.elasticjob import CATEGORIES, CRD_NAME, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from phalanx.operator.admission import job_name_rules
+from phalanx.operator.conditions import CONDITION_TYPES
 from phalanx.operator.crd_spec import spec_schema
 from phalanx.operator.schema import int_prop, object_prop
 
-CONDITION_TYPES = (
-    "Created", "MasterReady", "GangScheduled", "ReplicaFailure", "PodsReady", "Running", "Restarting",
-    "Suspended", "Admitted", "Succeeded", "Failed", "ReconcileError",
-)  # fmt: skip
 PHASES = tuple(phase.value for phase in ej.Phase)
 
 

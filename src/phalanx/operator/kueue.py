@@ -50,7 +50,7 @@ from phalanx.operator.actions import (
     QueueView,
     SetSuspend,
 )
-from phalanx.operator.conditions import get_condition, is_true, set_condition
+from phalanx.operator.conditions import ConditionType, get_condition, is_true, set_condition
 from phalanx.operator.context import Pass
 from phalanx.operator.meta import Obj, owner_reference
 from phalanx.operator.placement import Placement
@@ -64,7 +64,7 @@ PREBUILT_LABEL = "kueue.x-k8s.io/prebuilt-workload-name"
 uses and adopts that one and never creates its own."""
 GROUP, VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
 MASTER_SET, WORKER_SET = "master", "workers"
-CONDITION = "Admitted"
+CONDITION: ConditionType = "Admitted"
 """The job's condition that mirrors its Workload: whether Kueue admitted it, and Kueue's words if not."""
 REQUEUED_ON = ("Preempted", "NodeFailures")
 """Eviction reasons after which Kueue's job framework marks a Workload Requeued (to be admitted again)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from phalanx.api.errors import KubernetesError
 from phalanx.operator import names
-from phalanx.operator.actions import PodView
+from phalanx.operator.actions import POD_PHASES, PodPhase, PodView
 
 
 def pod_view(pod: Any) -> PodView:
@@ -25,7 +25,7 @@ def pod_view(pod: Any) -> PodView:
     return PodView(
         name=pod.metadata.name,
         role=labels.get(names.ROLE_LABEL, ""),
-        phase=(pod.status.phase if pod.status else None) or "Pending",
+        phase=pod_phase(pod.status.phase if pod.status else None),
         node_name=pod.spec.node_name or "",
         terminating=pod.metadata.deletion_timestamp is not None,
         exit_code=exit_code,
@@ -35,6 +35,13 @@ def pod_view(pod: Any) -> PodView:
         stuck=stuck(pod),
         unready=unready(pod),
     )
+
+
+def pod_phase(value: str | None) -> PodPhase:
+    """The Pod's phase; none yet is Pending, a word this operator does not know is Unknown."""
+    if value is None or value == "":
+        return "Pending"
+    return next((p for p in POD_PHASES if p == value), "Unknown")
 
 
 def unready(pod: Any) -> bool:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from phalanx.operator import lifecycle
 from phalanx.operator.actions import Event, PodView
-from phalanx.operator.conditions import get_condition, parse_rfc3339, rfc3339
+from phalanx.operator.conditions import ConditionType, get_condition, parse_rfc3339, rfc3339
 from phalanx.operator.context import Pass
 from phalanx.operator.spec import JobSpec
 
-CONDITION = "PodsReady"
+CONDITION: ConditionType = "PodsReady"
 MAX_MESSAGE = 1024
 """Bytes of the condition's message; the Events say each cause in full."""
 UNHEALABLE = frozenset({

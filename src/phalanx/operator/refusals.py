@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from phalanx.operator.conditions import set_condition
+from phalanx.operator.conditions import ConditionType, set_condition
 
-CONDITION = "ReplicaFailure"
+CONDITION: ConditionType = "ReplicaFailure"
 REASON = "FailedCreate"
 REFUSED_CODES = (400, 403, 422)
 """Bad request, Forbidden (admission, RBAC, quota) and Invalid: the same request fails the same way."""
