@@ -4,6 +4,7 @@ among the master's modules."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import phalanx
@@ -77,3 +78,14 @@ def test_the_cycle_check_finds_a_cycle() -> None:
         "snapshot",
         "core",
     ]
+
+
+def test_the_schema_names_every_event_kind_the_master_records() -> None:
+    """The event kinds are the master's (`EventKind`); the view of an event, which the readers and the OpenAPI
+    schema go by, lists them in its description: a kind added without it fails here."""
+    from phalanx.api.views import EventView
+    from phalanx.master.events import KINDS
+
+    description = EventView.model_fields["kind"].description or ""
+    named = set(re.findall(r"[a-z_]+", description))
+    assert set(KINDS) <= named, sorted(set(KINDS) - named)

@@ -261,7 +261,14 @@ class NodesView(View):
 class EventView(View):
     seq: int = Field(description="one more per event; jumps forward (never back) when the master restarts")
     unix: float
-    kind: str = Field(description="one of phalanx.master.events.KINDS")
+    kind: str = Field(
+        description="job_started, master_resumed, node_registered, node_replaced, node_joined, round_open, "
+        "round_complete, node_disconnected, node_lost, failure, restart, root_cause (a later report named a "
+        "better root cause than the restart went by), eviction_requested, hang, hang_analysis, "
+        "checkpoint_breakpoint, checkpoint_committed, checkpoint_failed, node_completed, job_succeeded, "
+        "job_failed, probe_started, probe_finished, probe_failed, straggler, slow_steps, job_suspended, "
+        "job_resumed, node_left; a reader skips a kind it does not know"
+    )
     node: str
     rank: int
     round: int
