@@ -7,6 +7,9 @@ with ``JobView.model_validate(payload)`` and read attributes, not keys.
 
 Evolution: fields are added, never renamed or removed. A reader keeps the fields it does not know
 (``extra="allow"``: an older client of a newer master neither fails nor drops them when it prints JSON).
+The values of the enumerated fields (``Literal`` types, :class:`Phase`) are part of the contract: a new
+value is a change of the API that its readers get with it (an older one refuses the answer with a message
+that names the field), so a value is added only when the readers of this repository handle it.
 """
 
 from __future__ import annotations
