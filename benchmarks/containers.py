@@ -207,7 +207,7 @@ def processes(state: Path) -> Iterator[Target]:
     try:
         cp.start()
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "elasticjobs.phalanx.dev.yaml"))
-        cp.kubectl("wait", "--for=condition=Established", "crd/elasticjobs.phalanx.dev", "--timeout=30s")
+        cp.wait_established("elasticjobs.phalanx.dev")
         cluster.start_kubelet()
         cluster.install_operator_rbac()
         cluster.start_operator()

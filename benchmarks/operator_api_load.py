@@ -20,6 +20,8 @@ own). The differences are the masters' and the operator's requests, reported per
 
 ``--operator-src DIR`` runs the operator and the masters from another source tree (e.g. ``git archive HEAD``
 unpacked) to measure a version before a change on the same machine; the nodes' gRPC client is this tree's.
+``--compare-src DIR`` runs a second operator from another tree right after the first, on the same control
+plane and jobs (side by side in one run), and reports both and their ratio.
 Writes one JSON object to ``--out`` (default benchmarks/results/operator_api_load.json) and prints it.
 
     .venv/bin/python -m benchmarks.operator_api_load --jobs 50 --window 60
@@ -227,6 +229,12 @@ def main() -> int:
     parser.add_argument("--operator-src", type=Path, default=ROOT / "src")
     parser.add_argument("--label", default="this tree")
     parser.add_argument(
+        "--compare-src", type=Path, default=None,
+        help="also run the operator from this source tree, on the same control plane and jobs, right after "
+        "the first one (side by side: one run, one machine state); its figures go under 'compared'",
+    )  # fmt: skip
+    parser.add_argument("--compare-label", default="compared tree")
+    parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results" / "operator_api_load.json"
     )
     args = parser.parse_args()
@@ -245,7 +253,7 @@ def main() -> int:
     try:
         cp.start()
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "elasticjobs.phalanx.dev.yaml"))
-        cp.kubectl("wait", "--for=condition=Established", "crd/elasticjobs.phalanx.dev", "--timeout=30s")
+        cp.wait_established("elasticjobs.phalanx.dev")
         cp.kubectl("create", "namespace", NAMESPACE)
         cp.kubectl("apply", "-f", "-", input_text=job_manifests(args.jobs))
         operator = start_operator(cp, src, state / "operator.log")
@@ -288,7 +296,13 @@ def main() -> int:
             stop_all(masters)
             time.sleep(5)
         running, running_s = window(cp, args.window)
-        stop_all([operator])
+        stop_all([operator])  # it hands its Lease over
+        compared_run: tuple[Counter[Any], float] | None = None
+        if args.compare_src is not None:
+            operator = start_operator(cp, args.compare_src.resolve(), state / "operator-compared.log")
+            time.sleep(20)  # it takes the Lease, lists everything and passes every job: nothing to create
+            compared_run = window(cp, args.window)
+            stop_all([operator])
         time.sleep(5)
         idle, idle_s = window(cp, args.window)
 
@@ -309,6 +323,16 @@ def main() -> int:
             "method": "apiserver_request_total over the window with the operator running minus the same "
             "window with it stopped; no kubelet (Pods Pending), so no kubelet requests",
         }
+        if compared_run is not None:
+            theirs = rates(*compared_run, idle, idle_s)
+            their_total = sum(theirs.values())
+            result["compared"] = {
+                "operator": args.compare_label,
+                "operator_requests_per_minute": round(their_total, 1),
+                "requests_per_job_per_minute": round(their_total / args.jobs, 2),
+                "by_verb_resource_per_minute": theirs,
+            }
+            result["ratio_to_compared"] = round(total / their_total, 2) if their_total else None
         if args.masters:
             by_masters = rates(with_masters, with_masters_s, running, running_s)
             master_total = sum(by_masters.values())

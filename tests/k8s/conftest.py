@@ -22,7 +22,6 @@ from k8s_harness import coscheduling as coscheduling_harness
 from k8s_harness.cluster import METRICS_TOKEN, Cluster
 from k8s_harness.controlplane import ControlPlane, find_binaries
 from tests import release
-from tests.eventually import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "elasticjobs.phalanx.dev.yaml"
@@ -35,18 +34,6 @@ def _missing(reason: str) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(message + " (CI=true: a skipped Kubernetes test is a failure)")
     pytest.skip(message)
-
-
-def _wait_established(cp: ControlPlane, crd: str, *, timeout_s: float = 90.0) -> None:
-    """Polls the CRD's Established condition. ``kubectl wait`` gives up at once on a CRD whose status has no
-    conditions yet, which a loaded API server takes a moment to write."""
-    query = '{.status.conditions[?(@.type=="Established")].status}'
-    eventually(
-        lambda: cp.kubectl("get", f"crd/{crd}", "-o", f"jsonpath={query}", check=False).strip() == "True",
-        timeout=timeout_s,
-        interval=0.2,
-        what=f"the CRD {crd} Established",
-    )
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +49,7 @@ def control_plane() -> Iterator[ControlPlane]:
         release.when_done("tests/k8s/", stop.close)  # idle after its tests, it would load the rest
         cp.start()
         cp.kubectl("apply", "--server-side", "-f", str(CRD))
-        _wait_established(cp, "elasticjobs.phalanx.dev")
+        cp.wait_established("elasticjobs.phalanx.dev")
         cp.kubectl("apply", "-f", str(ADMISSION))
         yield cp
 

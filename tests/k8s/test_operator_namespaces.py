@@ -1,11 +1,13 @@
 """An operator that handles a list of namespaces (``operator.watchNamespaces``) reads them with the rights the
-chart gives it there, a Role in each, and nothing cluster-wide: its caches list and watch each namespace on
-its own, against the real API server, as an identity that may not list the cluster."""
+chart gives it there, a Role in each, and nothing cluster-wide: kopf lists and watches each namespace on its
+own (no CRD or namespace watch, which a Role cannot grant), against the real API server, as an identity that
+may not list the cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Callable
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,9 @@ from kubernetes.client.exceptions import ApiException
 from tests.eventually import eventually
 
 from phalanx.api.elasticjob import GROUP, PLURAL, VERSION
-from phalanx.operator.cache import NamespacedCaches, watch
+from phalanx.api.settings import OperatorSettings
+from phalanx.operator.executor import Executor
+from phalanx.operator.handlers import Reconciler
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 
@@ -70,33 +74,37 @@ def test_an_operator_of_some_namespaces_watches_each_with_a_role_there(
         ]  # fmt: skip
     listed = json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
     cp.kubectl("apply", "-f", "-", input_text=listed)
-    cache: NamespacedCaches | None = None
+    stop: asyncio.Event | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    thread: threading.Thread | None = None
     try:
         token = cp.kubectl("create", "token", IDENTITY, "-n", HANDLED[0], "--duration=1h").strip()
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", server=cp.server, ca=cp.ca, token=token)
-        custom = client.CustomObjectsApi(
-            k8s_config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
-        )
+        api = k8s_config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
         with pytest.raises(ApiException) as refused:
-            custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)
+            client.CustomObjectsApi(api).list_cluster_custom_object(GROUP, VERSION, PLURAL)
         assert refused.value.status == 403, "nothing cluster-wide: the namespaces' Roles only"
 
-        def jobs(ns: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-            return custom.list_namespaced_custom_object, (GROUP, VERSION, ns, PLURAL)
-
-        found = watch(PLURAL, namespaces=HANDLED, lister=jobs, index=lambda m: (m["namespace"], m["name"]))
-        assert isinstance(found, NamespacedCaches)
-        cache = found.start()
-        assert cache.wait_synced(30)
+        settings = OperatorSettings(namespace=",".join(HANDLED))
+        reconciler = Reconciler(executor=Executor(api=api, settings=settings), settings=settings)
         for ns in (*HANDLED, OTHER):
             cp.kubectl("create", "-f", "-", input_text=json.dumps(_job("j", ns)))
-        eventually(lambda: sorted(cache.idents()) == [(HANDLED[0], "j"), (HANDLED[1], "j")], timeout=15,
+        loop, stop = asyncio.new_event_loop(), asyncio.Event()
+        thread = threading.Thread(target=loop.run_until_complete, args=(reconciler.run(stop),), daemon=True)
+        thread.start()
+        eventually(reconciler.listed.is_set, timeout=30, what="kopf listing the handled namespaces")
+        eventually(lambda: reconciler.jobs.idents() == [(HANDLED[0], "j"), (HANDLED[1], "j")], timeout=15,
                    what="the jobs of the handled namespaces, watched")  # fmt: skip
-        assert cache.get(OTHER, "j") is None
+        assert reconciler.jobs.get(OTHER, "j") is None
         cp.kubectl("delete", "ej", "j", "-n", HANDLED[1])
-        eventually(lambda: cache.idents() == [(HANDLED[0], "j")], timeout=15, what="a deletion, watched")
+        eventually(
+            lambda: reconciler.jobs.idents() == [(HANDLED[0], "j")], timeout=15, what="a deletion, watched"
+        )
+        assert thread.is_alive(), "kopf runs on under the Roles (nothing it needs is refused)"
     finally:
-        if cache is not None:
-            cache.stop()
+        if loop is not None and stop is not None and thread is not None:
+            loop.call_soon_threadsafe(stop.set)
+            thread.join(30)
+            loop.close()
         for ns in (*HANDLED, OTHER):
             cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -4,6 +4,7 @@ the real control plane in tests/k8s/test_operator_ha.py."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -12,10 +13,10 @@ from kubernetes import client
 
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import OperatorSettings
-from phalanx.operator.cache import NamespacedCaches, WatchCache, newer, watch
 from phalanx.operator.executor import Executor
-from phalanx.operator.handlers import Reconciler
+from phalanx.operator.handlers import Reconciler, pod_key
 from phalanx.operator.leader import LeaseTiming, Observation, decide
+from phalanx.operator.memory import OVERLAY_S, KindMemory, newer
 
 TIMING = LeaseTiming(lease_s=8, renew_deadline_s=5, retry_s=1)
 
@@ -67,57 +68,65 @@ def _pod(name: str, job: str, version: str, ns: str = "n") -> dict[str, Any]:
     return {"metadata": meta}
 
 
-def test_the_cache_indexes_by_job_and_ignores_older_copies() -> None:
-    cache = WatchCache(
-        kind="pods",
-        list_fn=lambda: None,
-        index=lambda m: (m["namespace"], m["labels"].get("phalanx.dev/job")),
-    )
-    cache.put(_pod("p0", "a", "5"))
-    cache.put(_pod("p1", "a", "6"))
-    cache.put(_pod("q0", "b", "7"))
-    assert sorted(p["metadata"]["name"] for p in cache.by_index(("n", "a"))) == ["p0", "p1"]
-    cache.put(_pod("p0", "a", "9"))  # written through from a create/patch answer
-    cache.put(_pod("p0", "a", "8"))  # a late watch event of an older version
-    assert cache.get("n", "p0")["metadata"]["resourceVersion"] == "9"
-    cache.remove("n", "p1")
-    assert [p["metadata"]["name"] for p in cache.by_index(("n", "a"))] == ["p0"]
-    assert cache.by_index(("n", "c")) == []
+def _memory(index: dict[Any, list[Any]], clock: Callable[[], float] = lambda: 0.0) -> KindMemory:
+    """A memory over ``index``, standing in for kopf's (a Mapping of key -> the objects filed there)."""
+    memory = KindMemory("pods", key=pod_key, clock=clock)
+    loop = asyncio.new_event_loop()
+    memory.attach(index, loop)
+    loop.close()  # kopf's loop, the index's only writer, is not running: the test's thread reads directly
+    return memory
+
+
+def test_own_writes_are_seen_until_the_index_has_them_or_newer() -> None:
+    now = [0.0]
+    index: dict[Any, list[Any]] = {("n", "a"): [_pod("p0", "a", "5")]}
+    memory = _memory(index, clock=lambda: now[0])
+    memory.put(_pod("p1", "a", "6"))  # the answer to the operator's create: the watch has not delivered it
+    memory.put(_pod("p0", "a", "9"))  # the answer to its patch
+    assert sorted(p["metadata"]["name"] for p in memory.by_index(("n", "a"))) == ["p0", "p1"]
+    assert memory.get("n", "p0")["metadata"]["resourceVersion"] == "9", "the own, newer copy wins"
+    index[("n", "a")] = [_pod("p0", "a", "10"), _pod("p1", "a", "6")]  # the watch caught up
+    assert memory.get("n", "p0")["metadata"]["resourceVersion"] == "10"
+    assert len(memory.by_index(("n", "a"))) == 2
+    assert memory._written == {}, "own copies are dropped once the index holds them"
+    memory.put(_pod("p2", "a", "11"))  # never delivered (the watch lost it): not held for ever
+    now[0] += OVERLAY_S + 1
+    assert memory.get("n", "p2") is None
+    assert memory.by_index(("n", "c")) == []
 
 
 def test_an_answer_read_after_the_watch_reported_the_deletion_does_not_bring_the_object_back() -> None:
     """A Pod deleted at once (a forced deletion): the watch's DELETED event can be read before the DELETE's
-    own answer, an older copy of the Pod, is written through; the cache must not hold a Pod that is gone."""
-    cache = WatchCache(kind="pods", list_fn=lambda: None, index=lambda m: (m["namespace"], "j"))
-    cache.put(_pod("master", "j", "5"))
-    assert cache.apply("DELETED", _pod("master", "j", "7"))
-    cache.put(_pod("master", "j", "6"))  # the DELETE's answer: the Pod as it was before
-    assert cache.get("n", "master") is None
-    cache.put(_pod("master", "j", "9"))  # created again under the same name
-    assert cache.get("n", "master")["metadata"]["resourceVersion"] == "9"
+    own answer, an older copy of the Pod, is written through; the memory must not hold a Pod that is gone."""
+    index: dict[Any, list[Any]] = {}
+    memory = _memory(index)
+    memory.put(_pod("master", "j", "5"))
+    memory.forget(("n", "master"), "7")  # the watch's DELETED
+    memory.put(_pod("master", "j", "6"))  # the DELETE's answer: the Pod as it was before
+    assert memory.get("n", "master") is None
+    memory.put(_pod("master", "j", "9"))  # created again under the same name
+    assert memory.get("n", "master")["metadata"]["resourceVersion"] == "9"
 
 
-def test_the_caches_of_several_namespaces_read_and_write_as_one() -> None:
-    listed: list[tuple[str, ...]] = []
-
-    def lister(ns: str) -> tuple[Callable[..., Any], tuple[str, ...]]:
-        listed.append((ns,))
-        return (lambda *_a, **_k: None), ("pods", ns)
-
-    cache = watch("pods", namespaces=("a", "b"), lister=lister, index=lambda m: (m["namespace"], "j"))
-    assert isinstance(cache, NamespacedCaches)
-    assert listed == [("a",), ("b",)], "a watch of its own per namespace"
-    cache.put(_pod("p0", "j", "5", ns="a"))
-    cache.put(_pod("p1", "j", "6", ns="b"))
-    cache.put(_pod("p2", "j", "7", ns="elsewhere"))  # not a namespace it handles: not kept
-    assert [p["metadata"]["name"] for p in cache.by_index(("a", "j"))] == ["p0"]
-    assert cache.get("b", "p1") is not None
-    assert cache.get("elsewhere", "p2") is None
-    assert sorted(cache.idents()) == [("a", "p0"), ("b", "p1")]
-    cache.remove("a", "p0")
-    assert cache.by_index(("a", "j")) == []
-    assert isinstance(watch("pods", namespaces=(), lister=lister, index=lambda m: None), WatchCache)
-    assert listed[-1] == ("",), "no namespace: the whole cluster's list"
+def test_a_relist_is_told_apart_and_its_ghosts_are_buried_but_not_what_came_after_the_list() -> None:
+    """kopf re-lists after 410 Gone and keeps in its index what was deleted meanwhile (a ghost). A LIST made
+    after the re-list buries what it lacks, unless that is newer than the LIST (created after it)."""
+    index: dict[Any, list[Any]] = {("n", "a"): [_pod("p0", "a", "5"), _pod("p1", "a", "6")]}
+    memory = _memory(index)
+    assert not memory.seen(_pod("p0", "a", "5"), listed=True), "the first listing is no re-list"
+    assert not memory.seen(_pod("p1", "a", "6"), listed=False)
+    assert memory.seen(_pod("p0", "a", "5"), listed=True), "listed again: kopf re-listed"
+    index[("n", "a")].append(_pod("p2", "a", "30"))  # created after the LIST below, and watched
+    buried = memory.bury({("n", "p0"): "5"}, "20")
+    assert [p["metadata"]["name"] for p in buried] == ["p1"]
+    assert sorted(p["metadata"]["name"] for p in memory.by_index(("n", "a"))) == ["p0", "p2"]
+    assert memory.idents() == [("n", "p0"), ("n", "p2")]
+    assert memory.bury({("n", "p0"): "5"}, "21") == [], "a ghost is buried once"
+    # Made again under the same name: kopf files it by its new uid, beside the ghost it keeps.
+    memory.seen(_pod("p1", "a", "40"), listed=False)
+    index[("n", "a")] = [_pod("p0", "a", "5"), _pod("p1", "a", "40"), _pod("p1", "a", "6")]
+    assert memory.get("n", "p1")["metadata"]["resourceVersion"] == "40"
+    assert sorted(p["metadata"]["resourceVersion"] for p in memory.by_index(("n", "a"))) == ["40", "5"]
 
 
 def test_the_operators_namespaces_are_a_list_of_names() -> None:
@@ -135,7 +144,7 @@ def test_no_pass_runs_before_the_jobs_and_the_pods_are_both_listed() -> None:
     """A new leader's jobs watch delivers changes (the master's status patches) while its Pods may still be
     being listed: a pass then would see the job without its Pods and replace every one of them, on any
     machine (a replacement landed on the machine it was evicted from in tests/k8s/test_operator_ha.py).
-    Such triggers run no pass; the first periodic round, once both caches are synced, passes every job.
+    Such triggers run no pass; the first periodic round, once kopf filled its indices, passes every job.
     Nothing listens at the API address: a pass that ran fails on its first read and is counted."""
     settings = OperatorSettings()
     nowhere = client.Configuration(host="http://127.0.0.1:9")
@@ -149,14 +158,14 @@ def test_no_pass_runs_before_the_jobs_and_the_pods_are_both_listed() -> None:
         "status": {"evictions": [{"nodeId": "j-worker-0-0"}]},
     }
     early = Reconciler(executor=Executor(api=api, settings=settings), settings=settings)
-    early.jobs.put(job)  # the jobs are listed; the Pods' LIST has not come back
-    early._changed(("ns", "j"), job)  # what the jobs watch calls on a change
+    early.jobs.put(job)  # the jobs are listed; kopf has not called a handler yet (the Pods' LIST is out)
+    early.trigger("ns", "j")  # what a handler or the periodic round asks for
     early._pool.shutdown(wait=True)
     assert _passes(early.executor) == 0
 
-    synced = Reconciler(executor=Executor(api=api, settings=settings), settings=settings)
-    synced.jobs.put(job)
-    synced._synced.set()  # as start() does once both caches listed everything
-    synced._changed(("ns", "j"), job)
-    synced._pool.shutdown(wait=True)
-    assert _passes(synced.executor) == 1, "once synced, a change runs a pass"
+    listed = Reconciler(executor=Executor(api=api, settings=settings), settings=settings)
+    listed.jobs.put(job)
+    listed.listed.set()  # as the first handler call of a kopf run does: every index is filled
+    listed.trigger("ns", "j")
+    listed._pool.shutdown(wait=True)
+    assert _passes(listed.executor) == 1, "once listed, a change runs a pass"

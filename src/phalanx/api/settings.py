@@ -289,6 +289,12 @@ class OperatorSettings:
     reconcile_interval_s: float = setting(
         2.0, doc="How often each job is reconciled against its Pods, whatever the events.", unit="s"
     )
+    watch_inactivity_s: float = setting(
+        70.0,
+        doc="A watch of jobs, Pods or Workloads that delivers nothing (not even the API server's bookmark, "
+        "sent every minute) for this long has stalled: it is reopened.",
+        unit="s",
+    )
     http_port: int = setting(
         8081,
         doc="Port of the operator's own /healthz (liveness: its event loop answers and, on the leader, its "
@@ -376,6 +382,7 @@ class OperatorSettings:
 
     def __post_init__(self) -> None:
         positive(self.reconcile_interval_s, "reconcile_interval_s")
+        positive(self.watch_inactivity_s, "watch_inactivity_s")
         if self.metrics_token_file and self.metrics_token_secret:
             raise ConfigError(
                 "set metrics_token_file or metrics_token_secret, not both", field="metrics_token_secret"

@@ -76,12 +76,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s"
     )
+    if not args.verbose:  # kopf says at INFO what every handler call did
+        logging.getLogger("kopf").setLevel(logging.WARNING)
     try:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
         config.load_kube_config()  # type: ignore[no-untyped-call]
     configuration = client.Configuration.get_default_copy()
-    # Two long watches, the elector and up to 8 passes at once: more than urllib3's default 10 connections.
+    # The elector, up to 8 passes at once and the ghost sweeps' LISTs: more than urllib3's default 10
+    # connections (kopf's watches have their own, aiohttp's).
     configuration.connection_pool_maxsize = 32
     api = client.ApiClient(configuration)
     executor = Executor(api=api, settings=settings, own_namespace=lease_namespace(os.environ))
@@ -134,11 +137,9 @@ def run(args: argparse.Namespace) -> int:
                 None, unguarded_pods, executor.discovery, settings.pod_admission_policy
             ):
                 logging.getLogger("phalanx.operator").warning(unguarded)
-            await loop.run_in_executor(None, reconciler.start)
             started = True
-            await stop.wait()
+            await reconciler.run(stop)
         finally:
-            reconciler.stop()
             if elector is not None:
                 # Hand the Lease over now rather than make a standby wait out its duration (a rolling
                 # update, a drained node).

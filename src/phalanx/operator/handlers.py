@@ -1,39 +1,72 @@
-"""When to reconcile: every trigger only asks for a pass of the executor; the decision is
-:func:`phalanx.operator.reconcile.reconcile`, and the state it sees comes from the watch caches
-(:mod:`phalanx.operator.cache`): the jobs, their Pods and, where Kueue is installed when the operator starts,
-their Workloads.
+"""When to reconcile, on kopf: kopf lists and watches the ElasticJobs, the operator's Pods and, where Kueue
+serves them, the jobs' Workloads, keeps each kind in an index, and calls an event handler on every change.
+A handler only asks for a pass of the executor; the decision is
+:func:`phalanx.operator.reconcile.reconcile`, and the state it sees is kopf's indices with the operator's own
+writes laid over them (:mod:`phalanx.operator.memory`).
 
 Level based: every job is reconciled every ``reconcile_interval_s`` whatever events were missed (an
-operator restarted mid-job, or a new leader, simply continues); a change of a job (created, spec or status
-changed) or of one of its Pods triggers a pass at once. A pass reads memory only, so the periodic passes
-cost the API server nothing; it is written to only when a pass changes something.
+operator restarted mid-job, or a new leader, simply continues); a change of a job or of one of its Pods
+triggers a pass at once. A pass reads memory only, so the periodic passes cost the API server nothing.
 
-No finalizer: deleting an ElasticJob never waits for a live operator. Everything a job owns carries an
-ownerReference to it, so Kubernetes' garbage collector removes it. The finalizer older versions (kopf) put on
-jobs is taken off by the first pass that sees it, deleted jobs included.
+What kopf is asked for, and what it is not (docs/operator.md says why):
+
+- **Indices and event handlers only.** They store nothing on the objects: no annotation, no finalizer
+  (kopf's timers and daemons would put a finalizer on every job; the periodic round here needs none).
+  Deleting an ElasticJob never waits for a live operator: what it owns carries an ownerReference, and
+  Kubernetes' garbage collector removes it. The finalizer older versions put on jobs is taken off.
+- **No pass before everything is listed.** kopf calls no handler before every index is filled; the periodic
+  round starts at the first handler call of each kopf run (:attr:`Reconciler.listed`).
+- **The Pods by label, on the server** (``settings.watching.label_selectors``): never every Pod of the
+  cluster.
+- **A silent watch is reopened** (``settings.watching.inactivity_timeout``: the API server sends a bookmark
+  every minute, so a stream silent for longer has stalled).
+- **Ghosts**: an object deleted while a watch was broken, and missing from kopf's re-list after ``410 Gone``,
+  stays in kopf's index. A LIST of metadata made after a re-list is seen (and every
+  :data:`GHOST_SWEEP_S` whatever was seen) takes such objects out of the memory.
+- **kopf runs on the leader only** and standalone (no peering: a Lease with fencing, :mod:`.leader`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
+
+import kopf
 
 from phalanx.api.elasticjob import GROUP, PLURAL, VERSION
 from phalanx.api.settings import OperatorSettings
 from phalanx.operator import kueue, names
-from phalanx.operator.cache import Cache, watch
 from phalanx.operator.executor import Executor
+from phalanx.operator.memory import Ident, KindMemory, ident_of, version_of
+from phalanx.operator.observe import METADATA_LIST, pod_from_dict
 
 log = logging.getLogger("phalanx.operator")
 
 LEGACY_FINALIZER = f"{GROUP}/operator"
-"""The finalizer kopf kept on every job (its timers needed it); a job deleted while no operator ran hung."""
+"""The finalizer kopf kept on every job in older versions (their timers needed it); the first pass that sees
+it takes it off."""
 PASS_WORKERS = 8
-SYNC_TIMEOUT_S = 120
+GHOST_SWEEP_S = 300.0
+"""The longest a ghost (see above) stays in memory when no re-list was seen."""
+SWEEP_DELAY_S = 2.0
+"""How long after a re-list is seen its sweep runs: the re-list's other objects arrive meanwhile."""
+WATCH_TIMEOUT_S = 300
+"""The server ends each watch after this long; kopf reconnects from where it was (no LIST)."""
+
+MANAGED = {"app.kubernetes.io/managed-by": names.MANAGED_BY}
+MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={names.MANAGED_BY}"
+Resource = tuple[str, str] | tuple[str, str, str]
+"""What kopf's decorators take: (group, version, plural), or ("v1", plural) for the core API."""
+JOBS = (GROUP, VERSION, PLURAL)
+PODS = ("v1", "pods")
+WORKLOADS = (kueue.GROUP, kueue.VERSION, kueue.WORKLOADS)
 
 
 def pod_key(meta: dict[str, Any]) -> Hashable | None:
@@ -45,106 +78,177 @@ def job_key(meta: dict[str, Any]) -> Hashable | None:
     return (meta["namespace"], meta["name"])
 
 
+class Kind:
+    """One kind kopf watches: its resource, its memory and, for Pods and Workloads, the label that makes an
+    object the operator's (on the server) and the label that names the job (in the handlers)."""
+
+    def __init__(self, resource: Resource, memory: KindMemory, *, selector: str = "") -> None:
+        self.resource, self.memory, self.selector = resource, memory, selector
+        self.index_id = f"phalanx_{memory.kind}"
+        self.labels: dict[str, Any] = {**MANAGED, names.JOB_LABEL: kopf.PRESENT} if selector else {}
+
+    def job_of(self, raw: Mapping[str, Any]) -> Ident | None:
+        meta = raw.get("metadata") or {}
+        if not self.selector:
+            return (meta.get("namespace", ""), meta.get("name", ""))
+        job = (meta.get("labels") or {}).get(names.JOB_LABEL)
+        return (meta.get("namespace", ""), job) if job else None
+
+
 class Reconciler:
-    """Keeps the watch caches and runs the passes: on changes, and for every job every interval."""
+    """Runs kopf (on the leader) and the passes: on changes, and for every job every interval."""
 
     def __init__(self, *, executor: Executor, settings: OperatorSettings) -> None:
         self.executor = executor
+        self.settings = settings
         self.interval_s = settings.reconcile_interval_s
-        core, custom = executor.core, executor.custom
-        selector = f"app.kubernetes.io/managed-by={names.MANAGED_BY}"
-        self._namespaces = settings.namespaces
-
-        def jobs(ns: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-            if ns:
-                return custom.list_namespaced_custom_object, (GROUP, VERSION, ns, PLURAL)
-            return custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL)
-
-        def pods(ns: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-            return (core.list_namespaced_pod, (ns,)) if ns else (core.list_pod_for_all_namespaces, ())
-
-        self.jobs = watch(PLURAL, namespaces=self._namespaces, lister=jobs, index=job_key,
-                          on_change=self._changed)  # fmt: skip
-        self.pods = watch("pods", namespaces=self._namespaces, lister=pods, label_selector=selector,
-                          index=pod_key, on_change=self._changed)  # fmt: skip
+        self.jobs = KindMemory(PLURAL, key=job_key)
+        self.pods = KindMemory("pods", key=pod_key, model=lambda raw: pod_from_dict(raw, executor.core))
+        self.workloads = KindMemory(kueue.WORKLOADS, key=job_key)
         executor.use_caches(jobs=self.jobs, pods=self.pods)
-        self.workloads: Cache | None = None
         self._pool = ThreadPoolExecutor(max_workers=PASS_WORKERS, thread_name_prefix="pass")
         self._stop = threading.Event()
-        self._synced = threading.Event()
-        """Set once both caches listed everything: no pass runs before (see :meth:`trigger`)."""
+        self.listed = threading.Event()
+        """Set at the first handler call of a kopf run: kopf calls none before every index is filled, so no
+        pass runs before the jobs and their Pods are both listed (see :meth:`trigger`)."""
+        self._kinds: list[Kind] = []
+        self._restart: asyncio.Event | None = None
+        self._sweeps: dict[str, asyncio.Task[None]] = {}
         self._last_tick = time.monotonic()
 
-    def start(self) -> Reconciler:
-        for cache in (self.jobs, self.pods):
-            cache.start()
-        for cache in (self.jobs, self.pods):
-            if not cache.wait_synced(SYNC_TIMEOUT_S):
-                raise TimeoutError(f"could not list {cache.kind} within {SYNC_TIMEOUT_S}s")
-        self._synced.set()
-        threading.Thread(target=self._resync, name="resync", daemon=True).start()
-        return self
+    # --- running kopf --------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Runs kopf and the periodic passes until ``stop`` (or a signal kopf received). kopf watches what
+        it found when it started: once Kueue starts serving Workloads, it is started again with them."""
+        rounds = asyncio.create_task(self._rounds(stop), name="phalanx periodic passes")
+        try:
+            while not stop.is_set():
+                queues = await asyncio.to_thread(self.executor.queues.serves_workloads)
+                self._kinds = self.kinds(workloads=queues)
+                self._restart = restart = asyncio.Event()
+                self.listed.clear()
+                kopf_stop = asyncio.Event()
+                operator = asyncio.create_task(self._kopf(kopf_stop), name="kopf")
+                waits = [asyncio.create_task(e.wait()) for e in (stop, restart)]
+                await asyncio.wait([operator, *waits], return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
+                kopf_stop.set()
+                await operator  # kopf's own errors end the process: the Deployment restarts it
+                if not restart.is_set():
+                    stop.set()  # kopf stopped on a signal (it takes SIGTERM over while it runs)
+                else:
+                    log.info("Kueue serves Workloads now: watching them too")
+        finally:
+            self._stop.set()
+            rounds.cancel()
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self.jobs.stop()
-        self.pods.stop()
-        if self.workloads is not None:
-            self.workloads.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def kinds(self, *, workloads: bool) -> list[Kind]:
+        kinds = [Kind(JOBS, self.jobs), Kind(PODS, self.pods, selector=MANAGED_SELECTOR)]
+        if workloads:
+            kinds.append(Kind(WORKLOADS, self.workloads, selector=MANAGED_SELECTOR))
+        return kinds
+
+    async def _kopf(self, stop: asyncio.Event) -> None:
+        namespaces = list(self.settings.namespaces)
+        await kopf.operator(
+            registry=self.registry(self._kinds),
+            settings=self.kopf_settings(self._kinds),
+            standalone=True,  # leader election is the Lease's (fencing, a handover within seconds)
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            stop_flag=stop,
+        )
+
+    def kopf_settings(self, kinds: list[Kind]) -> kopf.OperatorSettings:
+        settings = kopf.OperatorSettings()
+        settings.scanning.disabled = True  # no cluster-wide watch of CRDs and namespaces: a Role suffices
+        settings.posting.enabled = False  # the executor writes the Events a person reads, no handler logs
+        settings.watching.server_timeout = WATCH_TIMEOUT_S
+        settings.watching.inactivity_timeout = self.settings.watch_inactivity_s
+        for kind in kinds:
+            if kind.selector:
+                settings.watching.label_selectors[kind.resource] = kind.selector
+        return settings
+
+    def registry(self, kinds: list[Kind]) -> kopf.OperatorRegistry:
+        """An index and an event handler per kind, and the login: nothing that writes to an object."""
+        registry = kopf.OperatorRegistry()
+        kopf.on.login(registry=registry)(self._login)
+        for kind in kinds:
+            kopf.index(*kind.resource, id=kind.index_id, labels=kind.labels, registry=registry)(
+                _indexer(kind)
+            )
+            kopf.on.event(*kind.resource, id=f"{kind.index_id}_event", labels=kind.labels, registry=registry)(
+                self._handler(kind)
+            )
+        return registry
+
+    def _login(self, **_: Any) -> kopf.ConnectionInfo:
+        """kopf connects as the executor does: the same configuration, loaded once (kopf's own login would
+        load it again, from the environment)."""
+        return connection_info(self.executor.core.api_client.configuration)
+
+    def _handler(self, kind: Kind) -> Callable[..., Any]:
+        async def changed(type: str | None, body: kopf.Body, **kwargs: Any) -> None:
+            self._attach(kwargs)
+            raw = cast(Mapping[str, Any], body)
+            if type == "DELETED":
+                kind.memory.forget(ident_of(raw), version_of(raw))
+            elif kind.memory.seen(raw, listed=type is None):
+                self._sweep_soon(kind, SWEEP_DELAY_S)  # an object delivered again by a LIST: kopf re-listed
+            if (job := kind.job_of(raw)) is not None:
+                self.trigger(*job)
+
+        return changed
+
+    def _attach(self, indices: Mapping[str, Any]) -> None:
+        """The first handler call of a kopf run: every index is filled; the memories read them from now."""
+        if self.listed.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        for kind in self._kinds:
+            kind.memory.attach(indices[kind.index_id], loop)
+            self._sweep_soon(kind, GHOST_SWEEP_S)
+        if any(kind.memory is self.workloads for kind in self._kinds):
+            self.executor.queues.use_cache(self.workloads)
+        self.listed.set()
+
+    # --- passes --------------------------------------------------------------------------------------
+    def trigger(self, namespace: str, name: str) -> None:
+        """Asks for a pass of the job, unless kopf has not listed everything yet (a pass then could see a
+        job without its Pods and replace every one of them). Nothing is lost: the first periodic round after
+        the listing passes every job."""
+        if self.listed.is_set() and not self._stop.is_set():
+            self._pool.submit(self._pass, namespace, name)
+
+    async def _rounds(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self._last_tick = time.monotonic()
+            if self.listed.is_set():
+                for namespace, name in self.jobs.idents():
+                    self.trigger(namespace, name)
+            await self._watch_workloads_once_served()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+
+    async def _watch_workloads_once_served(self) -> None:
+        """Kueue installed after the operator started: kopf is started again to watch its Workloads. Until
+        then a queued job's pass reads its Workload with a GET."""
+        if self._restart is None or any(kind.memory is self.workloads for kind in self._kinds):
+            return
+        try:
+            served = await asyncio.to_thread(self.executor.queues.serves_workloads)
+        except Exception:  # the API server's hiccup: asked again next round
+            log.exception("cannot ask whether Kueue serves Workloads")
+            return
+        if served:
+            self._restart.set()
 
     def healthy(self) -> bool:
         """Whether the periodic passes are still being scheduled (a wedged operator is restarted)."""
         return time.monotonic() - self._last_tick < max(30.0, 10 * self.interval_s)
-
-    def _changed(self, key: Hashable, _obj: Any) -> None:
-        namespace, name = cast(tuple[str, str], key)
-        self.trigger(namespace, name)
-
-    def trigger(self, namespace: str, name: str) -> None:
-        """Asks for a pass of the job, unless the caches have not both listed everything yet. The jobs'
-        watch starts delivering changes while the Pods are still being listed (a large cluster's LIST takes
-        seconds): a pass then would see a job without its Pods and replace every one of them, none kept off
-        an evicted machine. Nothing is lost by dropping those triggers: the first periodic round, which
-        starts once both caches are synced, passes every job."""
-        if self._synced.is_set() and not self._stop.is_set():
-            self._pool.submit(self._pass, namespace, name)
-
-    def _watch_workloads(self) -> None:
-        """Once Kueue serves Workloads (installed before the operator or after), the jobs' Workloads are
-        watched too: a queued job's pass reads its Workload from memory and runs at once when Kueue admits or
-        evicts it. Until the watch has listed them, a pass reads its job's Workload with a GET."""
-        queues = self.executor.queues
-        if self.workloads is not None or not queues.serves_workloads():
-            return
-        custom = self.executor.custom
-
-        def workloads(ns: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-            if ns:
-                return custom.list_namespaced_custom_object, (kueue.GROUP, kueue.VERSION, ns, kueue.WORKLOADS)
-            return custom.list_cluster_custom_object, (kueue.GROUP, kueue.VERSION, kueue.WORKLOADS)
-
-        self.workloads = watch(
-            kueue.WORKLOADS, namespaces=self._namespaces, lister=workloads,
-            label_selector=f"app.kubernetes.io/managed-by={names.MANAGED_BY}", index=pod_key,
-            on_change=self._changed,
-        ).start()  # fmt: skip
-        threading.Thread(target=self._use_workloads, args=(self.workloads,), daemon=True).start()
-
-    def _use_workloads(self, cache: Cache) -> None:
-        if cache.wait_synced(SYNC_TIMEOUT_S):
-            self.executor.queues.use_cache(cache)
-
-    def _resync(self) -> None:
-        while not self._stop.is_set():
-            self._last_tick = time.monotonic()
-            try:
-                self._watch_workloads()
-            except Exception:  # the API server's hiccup: the passes read Workloads with GETs meanwhile
-                log.exception("cannot start watching Kueue's Workloads")
-            for namespace, name in self.jobs.idents():
-                self.trigger(namespace, name)
-            self._stop.wait(self.interval_s)
 
     def _pass(self, namespace: str, name: str) -> None:
         try:
@@ -165,3 +269,87 @@ class Reconciler:
             self.executor.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, body)
         )
         log.info("%s/%s: removed the finalizer %s", namespace, name, LEGACY_FINALIZER)
+
+    # --- ghosts --------------------------------------------------------------------------------------
+    def _sweep_soon(self, kind: Kind, delay_s: float) -> None:
+        """A sweep of ``kind`` in ``delay_s`` (or sooner, if one is already due), then every
+        :data:`GHOST_SWEEP_S`."""
+        due = self._sweeps.get(kind.memory.kind)
+        if due is not None and not due.done():
+            if delay_s >= GHOST_SWEEP_S:
+                return
+            due.cancel()
+        self._sweeps[kind.memory.kind] = asyncio.get_running_loop().create_task(self._sweep(kind, delay_s))
+
+    async def _sweep(self, kind: Kind, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        try:
+            listed, version = await asyncio.to_thread(self.list_metadata, kind)
+        except Exception as exc:  # tried again at the next re-list, or the next period
+            log.warning("cannot list %s to find ghosts: %s", kind.memory.kind, exc)
+        else:
+            for ghost in kind.memory.bury(listed, version):
+                namespace, name = ident_of(ghost)
+                log.info("%s %s/%s: deleted while the watch was broken; forgotten", kind.memory.kind,
+                         namespace, name)  # fmt: skip
+                if (job := kind.job_of(ghost)) is not None:
+                    self.trigger(*job)
+        self._sweeps.pop(kind.memory.kind, None)
+        self._sweep_soon(kind, GHOST_SWEEP_S)
+
+    def list_metadata(self, kind: Kind) -> tuple[dict[Ident, str], str]:
+        """What exists of ``kind`` (ident -> resourceVersion) and the LIST's resourceVersion: metadata only,
+        one LIST per namespace the operator handles (or one for the cluster)."""
+        listed: dict[Ident, str] = {}
+        versions: list[str] = []
+        for namespace in self.settings.namespaces or ("",):
+            response = self._list(kind, namespace)
+            body = json.loads(response.data or b"{}")
+            versions.append(str(body["metadata"]["resourceVersion"]))
+            for item in body.get("items") or []:
+                listed[ident_of(item)] = version_of(item)
+        # Several namespaces: the oldest LIST bounds what may be buried (newer objects are kept).
+        return listed, min(versions, key=lambda v: int(v) if v.isdigit() else 0)
+
+    def _list(self, kind: Kind, namespace: str) -> Any:
+        options: dict[str, Any] = {"_preload_content": False, "_headers": {"Accept": METADATA_LIST}}
+        if kind.selector:
+            options["label_selector"] = kind.selector
+        custom, core = self.executor.custom, self.executor.core
+        if kind.memory is self.pods:
+            if namespace:
+                return core.list_namespaced_pod(namespace, **options)
+            return core.list_pod_for_all_namespaces(**options)
+        group, version, plural = cast(tuple[str, str, str], kind.resource)
+        if namespace:
+            return custom.list_namespaced_custom_object(group, version, namespace, plural, **options)
+        return custom.list_cluster_custom_object(group, version, plural, **options)
+
+
+def connection_info(config: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials from a kubernetes.client Configuration, as ``kopf.login_via_client`` reads them (a
+    token's hook, e.g. a service account's rotating token, is asked again at each login)."""
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=config.host,
+        ca_path=config.ssl_ca_cert,
+        insecure=not config.verify_ssl,
+        username=config.username or None,
+        password=config.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=config.cert_file,
+        private_key_path=config.key_file,
+    )
+
+
+def _indexer(kind: Kind) -> Callable[..., Any]:
+    """kopf's index of ``kind``: the raw object under its job's key (an Index is read-only outside kopf)."""
+
+    async def index(body: kopf.Body, **_: Any) -> dict[Hashable, Any] | None:
+        raw = cast(Mapping[str, Any], body)
+        key = kind.memory.key_of(raw)
+        return {key: dict(raw)} if key is not None else None
+
+    return index

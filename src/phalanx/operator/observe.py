@@ -37,6 +37,16 @@ def pod_view(pod: Any) -> PodView:
     )
 
 
+def pod_from_dict(raw: Mapping[str, Any], api: Any) -> Any:
+    """A kubernetes.client V1Pod from a Pod as the API server sends it (kopf's index holds those), made by
+    ``api`` (a client API object, e.g. CoreV1Api) as the Kubernetes client makes one of every answer.
+
+    Through the client's one private method that every version has: its public ``deserialize`` takes a
+    response object up to kubernetes 33 and the response's text and content type since (and would parse the
+    JSON again)."""
+    return api.api_client._ApiClient__deserialize(dict(raw), "V1Pod")
+
+
 def pod_phase(value: str | None) -> PodPhase:
     """The Pod's phase; none yet is Pending, a word this operator does not know is Unknown."""
     if value is None or value == "":
@@ -119,6 +129,8 @@ def disruption(pod: Any) -> str:
 
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 """The Accept header that makes the API server send an object's metadata without its data or spec."""
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+"""The same for a LIST: the objects' metadata only."""
 
 
 def read_metadata(read: Callable[..., Any], name: str, namespace: str) -> Mapping[str, Any] | None:

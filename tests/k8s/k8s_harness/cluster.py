@@ -106,9 +106,12 @@ class Cluster:
         self.operator = self.spawn_operator(self.operator_http, log="operator.log")
         (self.cp.state_dir / "operator.pid").write_text(str(self.operator.pid))
 
-    def spawn_operator(self, http: str, *, log: str) -> subprocess.Popen[bytes]:
-        """One operator replica (they elect a leader on the Lease phalanx-system/phalanx-operator)."""
-        env = {
+    def spawn_operator(
+        self, http: str, *, log: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """One operator replica (they elect a leader on the Lease phalanx-system/phalanx-operator); ``env``
+        adds to or overrides its environment."""
+        environment = {
             **os.environ,
             "KUBECONFIG": str(self.operator_kubeconfig),
             "PHALANX_OPERATOR_RECONCILE_INTERVAL_S": "1",
@@ -116,9 +119,12 @@ class Cluster:
             "PHALANX_OPERATOR_HTTP_PORT": http.rsplit(":", 1)[1],
             "PHALANX_OPERATOR_LEASE_NAMESPACE": "phalanx-system",
             **self.extra_env,
+            **(env or {}),
         }
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        return _spawn([sys.executable, "-m", "phalanx", "operator"], log=self.cp.state_dir / log, env=env)
+        environment.pop("KUBERNETES_SERVICE_HOST", None)
+        return _spawn(
+            [sys.executable, "-m", "phalanx", "operator"], log=self.cp.state_dir / log, env=environment
+        )
 
     def power_off(self, node: str) -> None:
         """One process node's machine dies (see the test kubelet's docstring): its Pods' processes are

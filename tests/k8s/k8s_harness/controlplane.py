@@ -138,6 +138,16 @@ class ControlPlane:
         with urllib.request.urlopen(self.server + api_path(*args), context=self._admin_tls, timeout=30) as r:
             return json.load(r)
 
+    def wait_established(self, crd: str, *, timeout_s: float = 90.0) -> None:
+        """Polls the CRD's Established condition. ``kubectl wait`` gives up at once on a CRD whose status has
+        no conditions yet, which a loaded API server takes a moment to write."""
+        query = '{.status.conditions[?(@.type=="Established")].status}'
+        deadline = time.monotonic() + timeout_s
+        while self.kubectl("get", f"crd/{crd}", "-o", f"jsonpath={query}", check=False).strip() != "True":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the CRD {crd} was not Established within {timeout_s:.0f} s")
+            time.sleep(0.2)
+
     def kubectl(self, *args: str, input_text: str | None = None, check: bool = True) -> str:
         result = subprocess.run(
             [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
