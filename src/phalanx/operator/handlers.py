@@ -123,8 +123,7 @@ class Reconciler:
         rounds = asyncio.create_task(self._rounds(stop), name="phalanx periodic passes")
         try:
             while not stop.is_set():
-                queues = await asyncio.to_thread(self.executor.queues.serves_workloads)
-                self._kinds = self.kinds(workloads=queues)
+                self._kinds = self.kinds(workloads=await self._kueue_serves_workloads())
                 self._restart = restart = asyncio.Event()
                 self.listed.clear()
                 kopf_stop = asyncio.Event()
@@ -238,13 +237,15 @@ class Reconciler:
         then a queued job's pass reads its Workload with a GET."""
         if self._restart is None or any(kind.memory is self.workloads for kind in self._kinds):
             return
-        try:
-            served = await asyncio.to_thread(self.executor.queues.serves_workloads)
-        except Exception:  # the API server's hiccup: asked again next round
-            log.exception("cannot ask whether Kueue serves Workloads")
-            return
-        if served:
+        if await self._kueue_serves_workloads():
             self._restart.set()
+
+    async def _kueue_serves_workloads(self) -> bool:
+        try:
+            return await asyncio.to_thread(self.executor.queues.serves_workloads)
+        except Exception:  # the API server's hiccup: asked again at the next round
+            log.exception("cannot ask whether Kueue serves Workloads")
+            return False
 
     def healthy(self) -> bool:
         """Whether the periodic passes are still being scheduled (a wedged operator is restarted)."""
