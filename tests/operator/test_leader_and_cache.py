@@ -1,6 +1,7 @@
-"""The pure parts of leader election (what a candidate does with the Lease as read) and of the watch caches
-(which copy of an object wins), and when a new leader may run its first pass. The I/O around them runs against
-the real control plane in tests/k8s/test_operator_ha.py."""
+"""The pure parts of leader election (what a candidate does with the Lease as read) and of the operator's
+memory of kopf's watches (which copy of an object wins, ghosts), and when a new leader may run its first pass.
+The I/O around them runs against the real control plane in tests/k8s/test_operator_ha.py and
+tests/k8s/test_operator_watches.py."""
 
 from __future__ import annotations
 

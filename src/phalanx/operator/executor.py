@@ -81,7 +81,7 @@ class Executor:
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._dirty: set[tuple[str, str]] = set()
         self._guard = threading.Lock()
-        self.jobs: Any = None  # the watch caches (phalanx.operator.cache), once use_caches() was called
+        self.jobs: Any = None  # kopf's watches, remembered (phalanx.operator.memory): see use_caches()
         self.pods: Any = None
         self.may_act: Callable[[], bool] = lambda: True
         """Whether this replica may write now (leader election: phalanx.operator.leader); checked before
@@ -89,7 +89,7 @@ class Executor:
         self._supporting_seen: dict[str, float] = {}  # job uid -> when all its supporting objects existed
 
     def use_caches(self, *, jobs: Any, pods: Any) -> None:
-        """Reads jobs and Pods from these watch caches instead of a GET and a LIST per pass."""
+        """Reads jobs and Pods from these memories of kopf's watches instead of a GET and a LIST per pass."""
         self.jobs, self.pods = jobs, pods
 
     def reconcile_job(self, *, namespace: str, name: str) -> None:
@@ -192,11 +192,11 @@ class Executor:
             self.jobs.put(patched)
 
     def observe(self, *, namespace: str, name: str) -> Observed | None:
-        """The job and its objects: from the watch caches when the operator runs them, else read fresh."""
+        """The job and its objects: from the watches' memory when the operator runs them, else read fresh."""
         from kubernetes.client.exceptions import ApiException
 
         if self.jobs is not None:
-            # The watch cache is current to within the watch's latency, and the executor writes what it
+            # The memory is current to within the watch's latency, and the executor writes what it
             # changed through to it, so no pass acts on its own stale state.
             cached = self.jobs.get(namespace, name)
             if cached is None:
