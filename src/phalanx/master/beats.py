@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.core import JobCore, action
-from phalanx.master.hangs import Hangs
 from phalanx.master.membership import ALIVE
 from phalanx.master.rounds import Rounds
 from phalanx.master.slowsteps import StepChecks
@@ -19,10 +18,9 @@ __all__ = ["Heartbeats"]
 class Heartbeats:
     """Heartbeats in, actions out."""
 
-    def __init__(self, core: JobCore, *, hangs: Hangs, steps: StepChecks, rounds: Rounds) -> None:
+    def __init__(self, core: JobCore, *, steps: StepChecks, rounds: Rounds) -> None:
         self.core = core
         self.state = core.state
-        self.hangs = hangs
         self.steps = steps
         self.rounds = rounds
 
@@ -44,7 +42,7 @@ class Heartbeats:
             if req.ranks:
                 ranks = node.ranks = list(req.ranks)  # read the repeated field once: every beat passes here
                 top = ranks[0].step
-                activities = self.hangs.activities
+                activities = s.activities
                 for r in ranks:
                     top = max(top, r.step)
                     if r.HasField("activity"):

@@ -1,5 +1,8 @@
-"""The job's bookkeeping, which every room of the job (:mod:`phalanx.master.job`) shares: versions, events,
+"""The job's writer, which every component of the job (:mod:`phalanx.master.job`) shares: versions, events,
 one-shot actions, opening a round, evictions, finishing the job, and the views of its state.
+
+A component that decides returns what to do as :mod:`.effects`, and :meth:`JobCore.apply` carries them out,
+in order: the one place where a decision changes the job's state.
 
 A job can be *suspended* (the ElasticJob's ``spec.suspend``, see
 :meth:`phalanx.master.liveness.Liveness.suspend`): the operator then deletes the worker Pods, each of which
@@ -14,18 +17,19 @@ Pure: every method takes ``now`` and does no I/O (see :mod:`phalanx.master.job`)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from phalanx.api.elasticjob import FINISHED_PHASES, Phase
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import Eviction
-from phalanx.master.errors import RequestError
+from phalanx.master import effects as fx
+from phalanx.master import restarts
 from phalanx.master.events import EventKind
 from phalanx.master.jobstate import JobState
 from phalanx.master.membership import ALIVE, EVICTED, LOST, Node, absent
 
-__all__ = ["EVENT_SEQ_GAP", "FINISHED", "JobCore", "action"]
+__all__ = ["EVENT_SEQ_GAP", "FINISHED", "JobCore", "action", "end_reason", "ending", "exit_action"]
 
 log = logging.getLogger("phalanx.master")
 rdzv_log = logging.getLogger("phalanx.rendezvous")
@@ -40,14 +44,124 @@ def action(kind: int, **fields: Any) -> pb.Action:
     return pb.Action(kind=kind, **fields)  # type: ignore[arg-type]
 
 
+def ending(phase: Phase, reason: str) -> str:
+    """Why the job ended, as its agents are told."""
+    return f"job {phase.lower()}: {reason}" if reason else f"job {phase.lower()}"
+
+
+def end_reason(state: JobState) -> str:
+    return ending(state.phase, state.reason)
+
+
+def exit_action(state: JobState, node: Node, incarnation: str) -> pb.Action | None:
+    """EXIT for a finished job, an evicted or lost node, or a replaced incarnation; None otherwise."""
+    if state.finished:
+        code = 0 if state.phase == Phase.SUCCEEDED else 1
+        return action(pb.ACTION_KIND_EXIT, round=state.round_number, exit_code=code, reason=end_reason(state))
+    if incarnation != node.incarnation:
+        return action(pb.ACTION_KIND_EXIT, exit_code=1, reason="replaced by a newer incarnation of this node")
+    if node.status != ALIVE:
+        return action(pb.ACTION_KIND_EXIT, exit_code=1, reason=node.exit_reason or f"node {node.status}")
+    return None
+
+
 class JobCore:
-    """The bookkeeping over one :class:`JobState` that the rooms of the job share."""
+    """The writer of one :class:`JobState`, which the components of the job share."""
 
     def __init__(self, state: JobState) -> None:
         self.state = state
-        self.before_event: Callable[[EventKind, float], None] | None = None
-        """Called with (kind, now) before each event is recorded (the restart room holds its event back
-        and dates recoveries with it)."""
+
+    def apply(self, effects: Iterable[fx.Effect], *, now: float) -> None:
+        """Carries out what a decision asked for, in order."""
+        s = self.state
+        for e in effects:
+            match e:
+                case fx.Emit():
+                    self.event(
+                        e.kind,
+                        now=now,
+                        node=e.node,
+                        rank=e.rank,
+                        round=e.round,
+                        message=e.message,
+                        log=e.log,
+                        hang=e.hang,
+                    )
+                case fx.Tally():
+                    counts = getattr(s.stats, e.counter)
+                    counts[e.label] = counts.get(e.label, 0) + 1
+                case fx.SeeNode():
+                    s.nodes[e.node_id].last_seen = now
+                case fx.NoteFailures():
+                    s.round_failures.extend(e.records)
+                case fx.SetRootCause():
+                    s.root_cause = e.cause
+                    if e.job_reason is not None:
+                        s.reason = e.job_reason
+                case fx.AmendRestart():
+                    self._amend_restart(e)
+                case fx.Restart():
+                    s.restart_count += 1
+                    s.recovery.start(now=now, failed=e.failed, step=s.max_step)
+                case fx.HoldRestart():
+                    self.emit_pending_restart()  # one still waiting from an earlier round goes first
+                    s.pending_restart = e.pending
+                case fx.SettleRestart():
+                    self.settle_restart(now=now)
+                case fx.OpenRound():
+                    self.open_round(e.why, now=now)
+                case fx.Evict():
+                    self._evict(e, now=now)
+                case fx.Finish():
+                    self.finish(e.phase, e.reason, now=now)
+                case fx.Push():
+                    self.push(s.nodes[e.node_id], list(e.actions))
+                case fx.AskStacks():
+                    self._ask_stacks(e, now=now)
+                case fx.KeepStacks():
+                    self._keep_stacks(e)
+                case fx.RecordHangAnalysis():
+                    s.hang = None
+                    s.last_hang_analysis = e.analysis
+                case fx.ChargeHang():
+                    s.hang_counts[e.node_id] = max(0, s.hang_counts.get(e.node_id, 0) + e.delta)
+                case fx.Saved():
+                    self.changed(durable=e.durable)
+
+    def _amend_restart(self, e: fx.AmendRestart) -> None:
+        pending, recovery = self.state.pending_restart, self.state.recovery.current
+        if pending is None:
+            return
+        pending.node, pending.rank, pending.message = e.node, e.rank, e.message
+        if recovery is not None and e.failed > 0:
+            recovery.failed = min(e.failed, recovery.started)
+
+    def _evict(self, e: fx.Evict, *, now: float) -> None:
+        s = self.state
+        node = s.nodes.get(e.node_id)
+        if node is None:
+            return
+        was_member = e.node_id in s.members or (e.joiners_too and e.node_id in s.joiners)
+        if self.request_eviction(node, kind=e.kind, reason=e.reason, now=now) and was_member:
+            self.open_round(e.reopen_why, now=now)
+
+    def _keep_stacks(self, e: fx.KeepStacks) -> None:
+        s = self.state
+        if s.hang is not None and s.hang.round == e.round:
+            s.hang.stacks[e.node_id] = e.stacks
+            return
+        early_round, early = s.early_stacks
+        s.early_stacks = (e.round, {**(early if early_round == e.round else {}), e.node_id: e.stacks})
+
+    def _ask_stacks(self, e: fx.AskStacks, *, now: float) -> None:
+        s, inquiry = self.state, e.inquiry
+        if inquiry.charged:
+            s.hang_counts[inquiry.charged] = s.hang_counts.get(inquiry.charged, 0) + 1
+        s.early_stacks = (0, {})
+        s.hang = inquiry
+        for member in e.ask:
+            self.push(s.nodes[member], [e.dump])
+        self.event("hang", now=now, node=inquiry.charged or inquiry.node, message=e.message)
 
     # ------------------------------------------------------------------------------------------------
     # Views
@@ -99,11 +213,18 @@ class JobCore:
         log: Callable[..., None] | None = None,
         hang: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Records an event, after :attr:`before_event` had its say. With ``log`` (a logger's method, such
-        as ``failure_log.warning``) the master's log says it too, in the event's words. ``hang``: a hang
-        report's evidence per rank, which the timeline keeps with the failure (not durable)."""
-        if self.before_event is not None:
-            self.before_event(kind, now)
+        """Records an event. A restart event still waiting for the round's root cause goes first unless this
+        one may come before it, and the event dates the recoveries (see :mod:`.restarts`). With ``log``
+        (a logger's method, such as ``failure_log.warning``) the master's log says it too, in the event's
+        words. ``hang``: a hang report's evidence per rank, which the timeline keeps with the failure (not
+        durable)."""
+        s = self.state
+        if kind not in restarts.HOLDS_RESTART_EVENT:
+            self.emit_pending_restart()
+        if kind == "round_complete":
+            s.recovery.reformed(now=now)
+        elif restarts.dates_a_new_recovery(s, kind):
+            s.recovery.start(now=now, failed=0.0, step=s.max_step)
         self.record_event(kind, now=now, node=node, rank=rank, round=round, message=message, hang=hang)
         if log is not None:
             extra: dict[str, Any] = {"round": self.state.round_number if round < 0 else round}
@@ -122,7 +243,7 @@ class JobCore:
         message: str = "",
         hang: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Records an event as it is (no :attr:`before_event`)."""
+        """Records an event as it is (no restart event goes first, no recovery is dated)."""
         s = self.state
         event = s.events.add(
             kind,
@@ -137,32 +258,32 @@ class JobCore:
 
     def node(self, node_id: str, incarnation: str) -> Node:
         """The node's record; RequestError for an unknown node or incarnation."""
-        node = self.state.nodes.get(node_id)
-        if node is None:
-            raise RequestError(
-                f"node {node_id!r} is not registered; call RegisterNode first", code="not_found"
-            )
-        if node.incarnation != incarnation and incarnation not in node.old_incarnations:
-            raise RequestError(f"unknown incarnation {incarnation!r} of node {node_id!r}")
-        return node
+        return self.state.node(node_id, incarnation)
 
     def exitaction(self, node: Node, incarnation: str) -> pb.Action | None:
-        """EXIT for a finished job, an evicted or lost node, or a replaced incarnation; None otherwise."""
-        s = self.state
-        if s.finished:
-            code = 0 if s.phase == Phase.SUCCEEDED else 1
-            return action(pb.ACTION_KIND_EXIT, round=s.round_number, exit_code=code, reason=self.end_reason())
-        if incarnation != node.incarnation:
-            return action(
-                pb.ACTION_KIND_EXIT, exit_code=1, reason="replaced by a newer incarnation of this node"
-            )
-        if node.status != ALIVE:
-            return action(pb.ACTION_KIND_EXIT, exit_code=1, reason=node.exit_reason or f"node {node.status}")
-        return None
+        return exit_action(self.state, node, incarnation)
 
     def end_reason(self) -> str:
+        return end_reason(self.state)
+
+    def settle_restart(self, *, now: float) -> None:
+        """Emits the pending restart event once the round's root cause is settled."""
+        if restarts.settled(self.state, now=now):
+            self.emit_pending_restart()
+
+    def emit_pending_restart(self) -> None:
+        """The pending restart event, dated when the restart was decided."""
         s = self.state
-        return f"job {s.phase.lower()}: {s.reason}" if s.reason else f"job {s.phase.lower()}"
+        pending, s.pending_restart = s.pending_restart, None
+        if pending is not None:
+            self.record_event(
+                "restart",
+                now=pending.at,
+                node=pending.node,
+                rank=pending.rank,
+                round=pending.round,
+                message=pending.message,
+            )
 
     def finish(self, phase: Phase, reason: str, *, now: float) -> None:
         s = self.state

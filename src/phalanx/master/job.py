@@ -15,8 +15,7 @@ evictions), and rooms with one job each:
 * :class:`~.rounds.Rounds` -- registration, joining, completing rounds, GetRendezvous, the job's success;
 * :class:`~.beats.Heartbeats` -- heartbeats in, actions out;
 * :class:`~.failures.Failures` -- failure reports and the policy's decision;
-* :class:`~.hangs.Hangs` -- who a hang counts against, the stacks, their analysis;
-* :class:`~.restarts.Restarts` -- the restart event held for the root cause, recovery dating;
+* :class:`~.hangs.Hangs` -- the members' stacks and the analysis of a hang;
 * :class:`~.growth.FoldIn` -- checkpoint reports and the fold-in of waiting nodes at a boundary;
 * :class:`~.liveness.Liveness` -- everything that happens with time, suspension;
 * :class:`~.probing.ProbeRounds` and :class:`~.slowsteps.StepChecks` -- probe rounds, slow steps, stragglers.
@@ -45,14 +44,13 @@ from phalanx.master.core import EVENT_SEQ_GAP, FINISHED, JobCore
 from phalanx.master.events import EventLog
 from phalanx.master.failures import Failures
 from phalanx.master.growth import FoldIn
-from phalanx.master.hangs import HangInquiry, Hangs
-from phalanx.master.jobstate import JobState
+from phalanx.master.hangs import Hangs
+from phalanx.master.jobstate import HangInquiry, JobState
 from phalanx.master.liveness import Liveness
 from phalanx.master.membership import Node
 from phalanx.master.policy import FailureRecord
 from phalanx.master.probing import ProbeRound, ProbeRounds
 from phalanx.master.recovery import RecoveryTracker
-from phalanx.master.restarts import Restarts
 from phalanx.master.rounds import RendezvousAnswer, Rounds
 from phalanx.master.slowsteps import StepChecks
 from phalanx.master.stats import JobStats
@@ -121,15 +119,13 @@ class Job:
     ) -> None:
         self.state = state = JobState.new(settings, now=now)
         self.core = core = JobCore(state)
-        # First: it hooks into the events, and restoring saved state emits events already.
-        self.restarts = Restarts(core)
         self.hangs = Hangs(core)
-        self.failures = Failures(core, hangs=self.hangs, restarts=self.restarts)
+        self.failures = Failures(core)
         self.fold_in = FoldIn(core)
         self.rounds = Rounds(core, failures=self.failures, fold_in=self.fold_in)
         self.probes = ProbeRounds(core)
         self.steps = StepChecks(core, probes=self.probes, now=now)
-        self.beats = Heartbeats(core, hangs=self.hangs, steps=self.steps, rounds=self.rounds)
+        self.beats = Heartbeats(core, steps=self.steps, rounds=self.rounds)
         self.liveness = Liveness(core, hangs=self.hangs, rounds=self.rounds)
         if saved is not None:
             snapshot.restore(state, saved, now=now)
@@ -139,7 +135,7 @@ class Job:
             # Likewise an action pushed after the last save must not reuse a seq an agent already acked.
             state.action_seq = int(saved.get("action_seq", 0)) + EVENT_SEQ_GAP
             # Restored only now, into the new log: master_resumed (a non-holding event) emits it first, once.
-            self.restarts.pending = snapshot.pending_restart(saved)
+            state.pending_restart = snapshot.pending_restart(saved)
             core.event(
                 "master_resumed", now=now, round=state.round_number, message=f"resumed in phase {state.phase}"
             )
@@ -183,7 +179,7 @@ class Job:
     @property
     def hang(self) -> HangInquiry | None:
         """The pending hang analysis of a round."""
-        return self.hangs.hang
+        return self.state.hang
 
     @property
     def node_scores(self) -> dict[str, NodeScore]:
@@ -244,7 +240,7 @@ class Job:
 
     def durable(self) -> dict[str, Any]:
         """The state a restarted master resumes from (JSON); see :mod:`phalanx.master.snapshot`."""
-        return snapshot.durable(self.state, pending_restart=self.restarts.pending)
+        return snapshot.durable(self.state)
 
     # ------------------------------------------------------------------------------------------------
     # Requests
@@ -313,7 +309,7 @@ class Job:
         if not state.finished:
             self.steps.check(now=now)
         self.probes.tick(now=now)
-        self.restarts.settle(now=now)
+        self.core.settle_restart(now=now)
         if not state.round_open and (state.joiners or self.fold_in.fold_in_wait is not None):
             # Steps arrive with heartbeats and the maximum wait ends with time: a boundary is seen here.
             self.fold_in.maybe_fold_in(now=now)

@@ -1,21 +1,25 @@
-"""The job's state: one record every room of the job (:mod:`phalanx.master.job`) reads and writes.
+"""The job's state: one record the job's components (:mod:`phalanx.master.job`) read, and the job's writer
+(:class:`~phalanx.master.core.JobCore`) writes.
 
 The fields marked *durable* are what :mod:`phalanx.master.snapshot` saves and restores; the others live and
-die with the master process. What only one room needs (a probe round, a hang inquiry, a fold-in wait) is
-kept by that room, not here.
+die with the master process. What only one component needs (a probe round, a fold-in wait) is kept by that
+component, not here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from phalanx.api.elasticjob import FINISHED_PHASES, Phase
 from phalanx.api.settings import MasterSettings
+from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import Eviction, HangAnalysis
 from phalanx.master import rendezvous as rdzv
 from phalanx.master.breakpoints import Breakpoint
 from phalanx.master.checkpoints import CheckpointTracker
+from phalanx.master.errors import RequestError
 from phalanx.master.events import EventLog
 from phalanx.master.membership import ALIVE, Node
 from phalanx.master.policy import FailureRecord
@@ -23,7 +27,50 @@ from phalanx.master.recovery import RecoveryTracker
 from phalanx.master.stats import JobStats
 from phalanx.master.timeline import Timeline
 
-__all__ = ["JobState"]
+__all__ = ["HangInquiry", "JobState", "PendingRestart"]
+
+
+@dataclass
+class PendingRestart:
+    """A restart done and its event not yet emitted: it waits (:func:`.restarts.settled`) for the round's
+    other reports, so that it names the root cause even when the echo's node reports first."""
+
+    round: int
+    at: float
+    node: str
+    rank: int
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, saved: Mapping[str, Any]) -> PendingRestart:
+        """Raises KeyError, TypeError or ValueError for a malformed one."""
+        return cls(
+            round=int(saved["round"]),
+            at=float(saved["at"]),
+            node=str(saved["node"]),
+            rank=int(saved["rank"]),
+            message=str(saved["message"]),
+        )
+
+
+@dataclass(kw_only=True)
+class HangInquiry:
+    """A hang being analysed: the members of its round were asked for their stacks."""
+
+    round: int
+    node: str
+    """The node whose agent found the hang."""
+    requested_at: float
+    members: list[str]
+    stacks: dict[str, dict[int, pb.RankStacks]] = field(default_factory=dict)
+    """Node -> rank -> stack dump and process state, as they arrive."""
+    charged: str = ""
+    """The node the hang was counted against when it was reported ("": none, nothing singled one out)."""
+    suspect_nodes: list[str] = field(default_factory=list)
+    """The nodes of the interval recorder's suspects when it was reported."""
 
 
 @dataclass(kw_only=True, eq=False)
@@ -71,8 +118,20 @@ class JobState:
     """Durable: the seq of the newest one-shot action, so seqs grow across restarts."""
     next_probe: int = 1
     """Durable: the next probe round's id, so a report to an old master stays stale."""
+    pending_restart: PendingRestart | None = None
+    """Durable: the restart whose event waits for the round's root cause (see :mod:`.restarts`)."""
 
     joiners: dict[str, rdzv.Joiner] = field(default_factory=dict)
+    hang: HangInquiry | None = None
+    """The pending hang analysis of a round."""
+    activities: dict[int, tuple[str, int, pb.RankActivity]] = field(default_factory=dict)
+    """Each global rank's last ``RankActivity`` from heartbeats: rank -> (node, round, activity). Where the
+    ranks are when a hang is reported: the ones that never entered the collective the others wait in are
+    the suspects (not durable: a restarted master learns them again within a heartbeat)."""
+    early_stacks: tuple[int, dict[str, dict[int, pb.RankStacks]]] = (0, {})
+    """Stacks of the current round that came before any hang analysis asked for them (round, node -> rank
+    -> dump): an agent that detects a hang sends its stacks first and then reports the failure that starts
+    the analysis, and so may every node whose ranks block in the same collective."""
     breakpoint: Breakpoint | None = None
     """The save at breakpoint of the newest broken round (not durable: a restarted master only misses
     the correction of a straddled step)."""
@@ -140,3 +199,14 @@ class JobState:
 
     def alive(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.status == ALIVE]
+
+    def node(self, node_id: str, incarnation: str) -> Node:
+        """The node's record; RequestError for an unknown node or incarnation."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise RequestError(
+                f"node {node_id!r} is not registered; call RegisterNode first", code="not_found"
+            )
+        if node.incarnation != incarnation and incarnation not in node.old_incarnations:
+            raise RequestError(f"unknown incarnation {incarnation!r} of node {node_id!r}")
+        return node

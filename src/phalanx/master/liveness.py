@@ -87,9 +87,9 @@ class Liveness:
                 return
         for node_id in core.absent(now=now):
             self._leave_out(s.nodes[node_id], now=now)
-        inquiry = self.hangs.hang
+        inquiry = s.hang
         if inquiry is not None and now - inquiry.requested_at > hb.timeout_s:
-            self.hangs.analyze(now=now)
+            self.hangs.conclude(now=now)
         core.settle_breakpoint(now=now)  # a member that went away is no longer waited for
         self.rounds.maybe_complete(now=now)
         rs = s.settings.rendezvous

@@ -7,7 +7,7 @@ status, old incarnations), ``hang_counts``, ``completed``, ``root_cause``, ``eve
 ``suspended``, ``next_probe`` and ``recovery`` (the recovery in progress and the finished ones' totals,
 :meth:`~phalanx.master.recovery.RecoveryTracker.to_json`): the durable fields of
 :class:`~phalanx.master.jobstate.JobState`; and ``pending_restart``, the restart event still waiting for the
-round's root cause (:class:`~phalanx.master.restarts.PendingRestart`) or null. A state saved before a key
+round's root cause (:class:`~phalanx.master.jobstate.PendingRestart`) or null. A state saved before a key
 was added loads without it (``recovery`` and ``pending_restart`` then start empty).
 
 Not durable, by design: heartbeat times (a restarted master gives every node one heartbeat timeout to
@@ -25,18 +25,17 @@ from phalanx.api.errors import StateStoreError
 from phalanx.api.verdicts import Eviction
 from phalanx.master import rendezvous as rdzv
 from phalanx.master.checkpoints import CheckpointTracker
-from phalanx.master.jobstate import JobState
+from phalanx.master.jobstate import JobState, PendingRestart
 from phalanx.master.membership import Node
 from phalanx.master.recovery import RecoveryTracker
-from phalanx.master.restarts import PendingRestart
 
 __all__ = ["STATE_VERSION", "durable", "pending_restart", "restore"]
 
 STATE_VERSION = 1
 
 
-def durable(job: JobState, *, pending_restart: PendingRestart | None = None) -> dict[str, Any]:
-    """The state a restarted master resumes from (JSON); ``pending_restart``: the restart room's."""
+def durable(job: JobState) -> dict[str, Any]:
+    """The state a restarted master resumes from (JSON)."""
     r = job.round
     return {
         "version": STATE_VERSION,
@@ -77,7 +76,7 @@ def durable(job: JobState, *, pending_restart: PendingRestart | None = None) -> 
         "suspended": job.suspended,
         "next_probe": job.next_probe,
         "recovery": job.recovery.to_json(),
-        "pending_restart": None if pending_restart is None else pending_restart.to_json(),
+        "pending_restart": None if job.pending_restart is None else job.pending_restart.to_json(),
     }
 
 
