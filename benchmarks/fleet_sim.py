@@ -152,7 +152,7 @@ class Fleet:
     spares: int = 4
     heartbeat_timeout_s: float = 10.0
     tick_s: float = 0.25
-    """The master's tick (``phalanx.master.server._tick_interval`` with the default settings)."""
+    """The master's tick (``phalanx.master.serve.server._tick_interval`` with the default settings)."""
     spare_join_s: float = 1.0
     """A spare joins within a heartbeat interval of the round opening."""
     rejoin_s: float = 0.05

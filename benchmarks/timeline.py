@@ -26,7 +26,7 @@ from typing import Any
 
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.cli.timeline import draw_png, trace_events
-from phalanx.master.timeline import Timeline
+from phalanx.master.state.timeline import Timeline
 
 NS = 1_000_000_000
 OUT = Path(__file__).resolve().parent / "results" / "timeline.json"

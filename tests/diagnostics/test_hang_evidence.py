@@ -9,7 +9,7 @@ from phalanx.api.failures import FailureClass
 from phalanx.api.settings import HangSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import hang
-from phalanx.master.policy import FailureRecord, PolicyInput, Verdict, decide_failure
+from phalanx.master.decide.failure_policy import FailureRecord, PolicyInput, Verdict, decide_failure
 
 S = HangSettings()  # the defaults: floor 10 s, idle floor 60 s, factor 3
 NS = 1_000_000_000

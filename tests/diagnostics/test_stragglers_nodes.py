@@ -23,8 +23,8 @@ from phalanx.diagnostics.stragglers import (
     score_basis,
     straggler_state,
 )
-from phalanx.master.logstore import LogStore
-from phalanx.master.metrics import MasterMetrics
+from phalanx.master.serve.logstore import LogStore
+from phalanx.master.serve.metrics import MasterMetrics
 from tests.master.sim import Sim
 
 CFG = StragglerSettings(step_min_samples=3, step_window=8)

@@ -1,4 +1,5 @@
-"""The master follows its ElasticJob by a watch and coalesces its status patches (phalanx.master.kube), on the
+"""The master follows its ElasticJob by a watch and coalesces its status patches (phalanx.master.store.kube),
+on the
 real control plane, as the master's own service account with the Role the operator builds for it:
 
 * the Role lets the master list and watch its own job (a field selector on its name) and nothing else;
@@ -36,9 +37,9 @@ from tests.jobviews import job_view
 from phalanx.api import views
 from phalanx.api.elasticjob import GROUP, PLURAL, VERSION
 from phalanx.api.errors import MasterFenced
-from phalanx.master.kube import HOLDER_ANNOTATION, ConfigMapStateStore, ElasticJobStatusSink
-from phalanx.master.runtime import FENCE_CHECK_S
-from phalanx.master.server import FENCED_EXIT
+from phalanx.master.serve.runtime import FENCE_CHECK_S
+from phalanx.master.serve.server import FENCED_EXIT
+from phalanx.master.store.kube import HOLDER_ANNOTATION, ConfigMapStateStore, ElasticJobStatusSink
 from phalanx.operator import supporting
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]

@@ -1,10 +1,10 @@
-"""Save at breakpoint across nodes: the pure agreement (:mod:`phalanx.master.breakpoints`) and the job's
+"""Save at breakpoint across nodes: the pure agreement (:mod:`phalanx.master.state.breakpoints`) and the job's
 side of it (who is answered, who is asked to persist the agreed step), with an injected clock."""
 
 from __future__ import annotations
 
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.master.breakpoints import Breakpoint, agreed_step
+from phalanx.master.state.breakpoints import Breakpoint, agreed_step
 
 from .sim import Sim, kinds
 

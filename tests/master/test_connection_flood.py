@@ -21,7 +21,7 @@ import pytest
 from phalanx.api import httpguard
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.v1 import master_pb2_grpc as pb_grpc
-from phalanx.master import server
+from phalanx.master.serve import server
 from tests.eventually import eventually
 from tests.master.procs import AUTH, TOKEN, Master
 

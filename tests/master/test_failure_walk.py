@@ -21,19 +21,19 @@ from typing import Any
 import pytest
 
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.master import effects as fx
-from phalanx.master import snapshot
-from phalanx.master.beats import Heartbeats
-from phalanx.master.core import JobCore
-from phalanx.master.failures import Failures, plan_failure
-from phalanx.master.growth import FoldIn
-from phalanx.master.hangs import Hangs
 from phalanx.master.job import Job
-from phalanx.master.jobstate import JobState
-from phalanx.master.liveness import Liveness
-from phalanx.master.probing import ProbeRounds
-from phalanx.master.rounds import Rounds
-from phalanx.master.slowsteps import StepChecks
+from phalanx.master.job import effects as fx
+from phalanx.master.job.core import JobCore
+from phalanx.master.job.failures import Failures, plan_failure
+from phalanx.master.job.foldin import FoldIn
+from phalanx.master.job.hangs import Hangs
+from phalanx.master.job.heartbeats import Heartbeats
+from phalanx.master.job.liveness import Liveness
+from phalanx.master.job.probes import ProbeRounds
+from phalanx.master.job.rounds import Rounds
+from phalanx.master.job.stepchecks import StepChecks
+from phalanx.master.state import snapshot
+from phalanx.master.state.jobstate import JobState
 
 from .sim import Sim, failure_report, kinds
 from .test_hang_blame import stacks, two_nodes

@@ -1,9 +1,9 @@
 """Folding waiting nodes (a replacement) into a running job at a checkpoint boundary: the pure decision
-(:func:`phalanx.master.foldin.decide`) and the job that applies it, driven with an injected clock."""
+(:func:`phalanx.master.decide.foldin.decide`) and the job that applies it, driven with an injected clock."""
 
 from __future__ import annotations
 
-from phalanx.master.foldin import MAX_WAIT_S, Snapshots, Waiting, cadence, decide
+from phalanx.master.decide.foldin import MAX_WAIT_S, Snapshots, Waiting, cadence, decide
 
 from .sim import Sim, kinds
 

@@ -578,7 +578,7 @@ def test_registrations_beyond_the_cap_are_refused_and_silent_nodes_do_not_accumu
     """Anyone with the job token can call RegisterNode: a script registering node after node must neither grow
     the master without bound nor push out the job's own nodes."""
     from phalanx.master.errors import RequestError
-    from phalanx.master.membership import KEPT_LOST_RECORDS, registration_cap
+    from phalanx.master.state.nodes import KEPT_LOST_RECORDS, registration_cap
 
     sim = Sim(restart={"max_evictions": 1000}, **TWO)
     cap = registration_cap(2)

@@ -1,5 +1,5 @@
 """Which status changes the master writes into its ElasticJob at once and which wait (pure:
-phalanx.master.kube.publish_decision, resourceVersion ordering), and how the interval of progress
+phalanx.master.store.kube.publish_decision, resourceVersion ordering), and how the interval of progress
 publishes gets from the job's spec to the master."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from phalanx.api.errors import ConfigError
 from phalanx.api.settings import MasterSettings, OperatorSettings, from_env
-from phalanx.master.kube import job_status_patch, newer, publish_decision
+from phalanx.master.store.kube import job_status_patch, newer, publish_decision
 from phalanx.operator import builders
 from phalanx.operator.spec import parse_spec
 from tests.jobviews import job_view

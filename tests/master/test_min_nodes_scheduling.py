@@ -5,7 +5,7 @@ the spec. Pure, with an injected clock; tests/k8s/test_operator_ha.py runs it on
 
 from __future__ import annotations
 
-from phalanx.master.kube import scheduled_workers
+from phalanx.master.store.kube import scheduled_workers
 
 from .sim import Sim
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from phalanx.api.failures import FailureClass
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.master.policy import (
+from phalanx.master.decide.failure_policy import (
     FailureRecord,
     PolicyInput,
     Verdict,

@@ -11,7 +11,7 @@ from phalanx.api import settings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.errors import RequestError
 from phalanx.master.job import Job
-from phalanx.master.probing import PROBE_KINDS, STEPLESS_PROBE_AFTER_S, round_kinds
+from phalanx.master.job.probes import PROBE_KINDS, STEPLESS_PROBE_AFTER_S, round_kinds
 
 from .sim import Sim, kinds
 

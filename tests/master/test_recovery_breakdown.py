@@ -11,9 +11,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.master.logstore import LogStore
-from phalanx.master.metrics import MasterMetrics
-from phalanx.master.recovery import RecoveryTracker
+from phalanx.master.serve.logstore import LogStore
+from phalanx.master.serve.metrics import MasterMetrics
+from phalanx.master.state.recovery import RecoveryTracker
 
 from .sim import Sim
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from phalanx.api.settings import RendezvousSettings
-from phalanx.master import rendezvous as rdzv
-from phalanx.master.rendezvous import Joiner, can_grow, form_round, should_complete, usable
+from phalanx.master.decide import rendezvous as rdzv
+from phalanx.master.decide.rendezvous import Joiner, can_grow, form_round, should_complete, usable
 
 
 def joiner(node: str, at: float, *, nproc: int = 2, port: int = 1000) -> Joiner:

@@ -1,5 +1,6 @@
 """A restarted master keeps the restart event still waiting for its root cause and the recovery in progress:
-both are in the durable state (:mod:`phalanx.master.snapshot`). The job driven with an injected clock; each
+both are in the durable state (:mod:`phalanx.master.state.snapshot`). The job driven with an injected clock;
+each
 "master restart" is a new :class:`Job` built from the old one's state after a JSON round trip, as the state
 store does it."""
 
@@ -15,12 +16,12 @@ from prometheus_client import generate_latest
 from phalanx.api.elasticjob import Phase
 from phalanx.api.errors import StateStoreError
 from phalanx.diagnostics import rootcause
-from phalanx.master.core import EVENT_SEQ_GAP
 from phalanx.master.job import Job
-from phalanx.master.logstore import LogStore
-from phalanx.master.membership import NodeStatus
-from phalanx.master.metrics import MasterMetrics
-from phalanx.master.recovery import BUCKETS, RecoveryTracker
+from phalanx.master.job.core import EVENT_SEQ_GAP
+from phalanx.master.serve.logstore import LogStore
+from phalanx.master.serve.metrics import MasterMetrics
+from phalanx.master.state.nodes import NodeStatus
+from phalanx.master.state.recovery import BUCKETS, RecoveryTracker
 
 from .sim import Sim, settings
 from .test_recovery_breakdown import TWO, _kill

@@ -11,11 +11,11 @@ import pytest
 
 from phalanx.api import views
 from phalanx.api.errors import MasterFenced, StateStoreError
-from phalanx.master import runtime
 from phalanx.master.job import Job
-from phalanx.master.logstore import LogStore
-from phalanx.master.runtime import FENCE_CHECK_S, Runtime
-from phalanx.master.state import MemoryStateStore, SpecView
+from phalanx.master.serve import runtime
+from phalanx.master.serve.logstore import LogStore
+from phalanx.master.serve.runtime import FENCE_CHECK_S, Runtime
+from phalanx.master.store.stores import MemoryStateStore, SpecView
 
 from .sim import Sim, settings
 

@@ -14,8 +14,8 @@ from phalanx.api.v1 import master_pb2 as pb
 from phalanx.cli import main as cli_main
 from phalanx.cli.master import build_settings, register
 from phalanx.master.job import Job
-from phalanx.master.logstore import MAX_RINGS_PER_NODE, LogStore
-from phalanx.master.state import FileStateStore
+from phalanx.master.serve.logstore import MAX_RINGS_PER_NODE, LogStore
+from phalanx.master.store.stores import FileStateStore
 
 from .sim import settings
 
@@ -138,8 +138,8 @@ def test_run_master_itself_refuses_a_short_token() -> None:
     import asyncio
 
     from phalanx.api.settings import MasterSettings
-    from phalanx.master.server import run_master
-    from phalanx.master.state import MemoryStateStore, NullStatusSink
+    from phalanx.master.serve.server import run_master
+    from phalanx.master.store.stores import MemoryStateStore, NullStatusSink
 
     with pytest.raises(ConfigError, match=r"^token_file: .*at least 16"):
         asyncio.run(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.api.errors import StateStoreError
-from phalanx.master.state import FileStateStore
+from phalanx.master.store.stores import FileStateStore
 
 PAGE = 4096
 

@@ -1,4 +1,4 @@
-"""The step-time check: intervals from heartbeats (:class:`phalanx.master.steptimes.StepTimes`) and the
+"""The step-time check: intervals from heartbeats (:class:`phalanx.master.state.steptimes.StepTimes`) and the
 master's verdicts on them (event ``slow_steps``, ``slow_ranks`` of /v1/job, a probe round), with an
 injected clock."""
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.master.steptimes import StepTimes
+from phalanx.master.state.steptimes import StepTimes
 
 from .sim import Sim
 

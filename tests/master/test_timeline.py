@@ -1,4 +1,4 @@
-"""What the master keeps of the ranks' intervals (phalanx.master.timeline): pure logic on real protobuf
+"""What the master keeps of the ranks' intervals (phalanx.master.state.timeline): pure logic on real protobuf
 messages, and the pure trace builder of ``phalanx timeline``."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import tracemalloc
 from phalanx.api import limits
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.cli.timeline import flight_recorder_dumps, png_size, trace_events
-from phalanx.master.events import EventLog
-from phalanx.master.timeline import MAX_TRACED_FAILURES, MIN_PER_RANK, Timeline
+from phalanx.master.state.events import EventLog
+from phalanx.master.state.timeline import MAX_TRACED_FAILURES, MIN_PER_RANK, Timeline
 
 NS = 1_000_000_000
 NOW = 1_800_000_000.0

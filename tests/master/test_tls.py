@@ -27,7 +27,7 @@ from phalanx.api.errors import ConfigError
 from phalanx.api.settings import MasterSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.checkpoint.report import MasterReporter
-from phalanx.master.server import TLS_HANDSHAKE_TIMEOUT_S
+from phalanx.master.serve.server import TLS_HANDSHAKE_TIMEOUT_S
 
 from .procs import TOKEN, Master
 

@@ -11,7 +11,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.errors import RequestError
-from phalanx.master.validate import validate
+from phalanx.master.serve.validate import validate
 
 FLOATS = (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT)
 

@@ -11,7 +11,7 @@ from tests.jobviews import job_view
 
 from phalanx.api import elasticjob as ej
 from phalanx.api.settings import OperatorSettings
-from phalanx.master.kube import job_status_patch, parse_state_url
+from phalanx.master.store.kube import job_status_patch, parse_state_url
 from phalanx.operator import builders, supporting
 from phalanx.operator.crd import build_crd
 from phalanx.operator.spec import parse_spec
@@ -65,7 +65,7 @@ def test_the_operator_names_a_jobs_objects_as_the_master_and_the_cli_derive_them
             },
         },
     }
-    # The master finds its state ConfigMap from its --state k8s://NAMESPACE/NAME (phalanx.master.kube).
+    # The master finds its state ConfigMap from its --state k8s://NAMESPACE/NAME (phalanx.master.store.kube).
     spec = parse_spec(job["spec"])
     master = builders.master_pod(job, spec, settings=OperatorSettings())["spec"]["containers"][0]
     args = master["command"]

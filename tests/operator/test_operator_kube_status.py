@@ -1,4 +1,4 @@
-"""The master's /v1/job JSON mapped onto the ElasticJob status (phalanx.master.kube)."""
+"""The master's /v1/job JSON mapped onto the ElasticJob status (phalanx.master.store.kube)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from tests.jobviews import job_view
 
 from phalanx.api.errors import StateStoreError
-from phalanx.master.kube import job_status_patch, parse_state_url
+from phalanx.master.store.kube import job_status_patch, parse_state_url
 
 
 def test_status_mapping() -> None:

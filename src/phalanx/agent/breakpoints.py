@@ -1,5 +1,5 @@
 """Saves at breakpoint settled with the master: nodes straddling a step all persist the one they share
-(see :mod:`phalanx.master.breakpoints`), through the agent's checkpoint host
+(see :mod:`phalanx.master.state.breakpoints`), through the agent's checkpoint host
 (:class:`~phalanx.agent.checkpointing.NodeCheckpointHost`)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from phalanx.api.v1 import master_pb2 as pb
 
 
 class Breakpoints:
-    """Saves at breakpoint the step the master settles across nodes (:mod:`phalanx.master.breakpoints`).
+    """Saves at breakpoint the step the master settles across nodes (:mod:`phalanx.master.state.breakpoints`).
 
     :meth:`save` reports what this node's ranks hold, then persists the master's step, or this node's
     newest while the master waits for other nodes. A node that goes on gets the master's later request

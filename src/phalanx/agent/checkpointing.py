@@ -10,7 +10,7 @@ reason. The host runs detached and holds on to its memory only while the agent (
 connected: an agent killed with SIGKILL leaves a host that releases everything :data:`IDLE_EXIT_S` later.
 
 :class:`phalanx.agent.breakpoints.Breakpoints` settles the step of a save at breakpoint with the master,
-so that nodes straddling a step all persist the one they share (see :mod:`phalanx.master.breakpoints`).
+so that nodes straddling a step all persist the one they share (see :mod:`phalanx.master.state.breakpoints`).
 
 A host that cannot start is not fatal: the agent logs one error and runs without it, and the workers'
 Checkpointer then falls back to starting its own host on local rank 0.
@@ -311,7 +311,7 @@ class NodeCheckpointHost:
         rank died mid-save; a step is committed on storage only when every rank wrote it, so the ranks
         must agree on the step first. Across nodes the master settles it: ``agree`` reports what the
         ranks hold and returns the step every node of the broken round holds, or None while the master
-        does not know it yet (see :mod:`phalanx.master.breakpoints`)."""
+        does not know it yet (see :mod:`phalanx.master.state.breakpoints`)."""
         if not self.running or not self.handle.storage or self.shm_dir is None:
             return None
         slot_ranks = sorted(shm.list_job_slots(self.shm_dir, self.handle.job_id))

@@ -255,7 +255,8 @@ class StragglerSettings:
 @checked
 @dataclass(frozen=True, kw_only=True)
 class ProbeSettings:
-    """Probe rounds the master runs (:mod:`phalanx.master.probing`): every member runs the configured probes
+    """Probe rounds the master runs (:mod:`phalanx.master.job.probes`): every member runs the configured
+    probes
     (the matmul probe, the pairwise all-gather probe), and the master evicts the nodes the results single
     out."""
 

@@ -158,10 +158,10 @@ def _read_metrics_token(path: str) -> str:
 
 
 def _stores(state: str, *, progress_interval_s: float = 10.0) -> tuple[Any, Any]:
-    from phalanx.master.state import FileStateStore, MemoryStateStore, NullStatusSink
+    from phalanx.master.store.stores import FileStateStore, MemoryStateStore, NullStatusSink
 
     if state.startswith("k8s://"):
-        from phalanx.master import kube
+        from phalanx.master.store import kube
 
         namespace, _, name = state.removeprefix("k8s://").partition("/")
         if not namespace or not name or "/" in name:
@@ -178,7 +178,7 @@ def _stores(state: str, *, progress_interval_s: float = 10.0) -> tuple[Any, Any]
 def _handle(args: argparse.Namespace) -> int:
     import asyncio
 
-    from phalanx.master.server import run_master
+    from phalanx.master.serve.server import run_master
 
     settings = build_settings(args, os.environ)
     token = _read_token(settings.token_file)

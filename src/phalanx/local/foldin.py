@@ -2,7 +2,7 @@
 
 A node kill is one fault, recovered in two rounds: the survivors re-form at a smaller world at once, and
 the replacement joins a later round (the master opens it at a checkpoint boundary, see
-:mod:`phalanx.master.foldin`). The summary's row of the fault says both: when the survivors trained
+:mod:`phalanx.master.decide.foldin`). The summary's row of the fault says both: when the survivors trained
 again (``recovered``), and when, at which step and at what cost the replacement was folded in.
 
 Pure bookkeeping: :mod:`phalanx.local.accounting` feeds it what :class:`phalanx.local.cluster.LocalCluster`

@@ -97,7 +97,8 @@ def workers_network_policy(job: Mapping[str, Any]) -> Obj:
 
 
 def state_config_map(job: Mapping[str, Any]) -> Obj:
-    """Holds the master's durable state (written by phalanx.master.kube), so a new master Pod resumes."""
+    """Holds the master's durable state (written by phalanx.master.store.kube), so a new master Pod
+    resumes."""
     job_name = job["metadata"]["name"]
     return {
         "apiVersion": "v1",

@@ -2,7 +2,7 @@
 
 A node is lost: the survivors re-form at once at a smaller world and train on, and the replacement that
 the operator (or ``phalanx local``) starts joins later. Folding it in is a second round: every worker
-stops, the agents save at breakpoint (:mod:`phalanx.master.breakpoints`), and all ranks restore the step
+stops, the agents save at breakpoint (:mod:`phalanx.master.state.breakpoints`), and all ranks restore the step
 that save persisted. Where that step is older than the job's own, the steps between are trained again:
 a job that snapshots every ``k`` steps loses up to ``k - 1`` of them when the round opens at an arbitrary
 moment, none when it opens just after a snapshot. Training on at the smaller world meanwhile only costs

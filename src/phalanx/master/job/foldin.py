@@ -1,6 +1,6 @@
-"""The job's room for checkpoint reports and the fold-in they time: commits, failed saves, the in-memory
-snapshots of a save at breakpoint (:mod:`phalanx.master.breakpoints`), and nodes that wait beside the
-running round until a checkpoint boundary folds them in (:func:`phalanx.master.foldin.decide`).
+"""The job's component for checkpoint reports and the fold-in they time: commits, failed saves, the in-memory
+snapshots of a save at breakpoint (:mod:`phalanx.master.state.breakpoints`), and nodes that wait beside the
+running round until a checkpoint boundary folds them in (:func:`phalanx.master.decide.foldin.decide`).
 
 Pure: every method takes ``now`` and does no I/O.
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.master import foldin
-from phalanx.master import rendezvous as rdzv
-from phalanx.master.breakpoints import Breakpoint
-from phalanx.master.core import JobCore, failure_log, log, rdzv_log
+from phalanx.master.decide import foldin
+from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.errors import RequestError
-from phalanx.master.membership import ALIVE
+from phalanx.master.job.core import JobCore, failure_log, log, rdzv_log
+from phalanx.master.state.breakpoints import Breakpoint
+from phalanx.master.state.nodes import ALIVE
 
 __all__ = ["FoldIn"]
 
@@ -27,7 +27,8 @@ class FoldIn:
         self.core = core
         self.state = core.state
         self.fold_in_wait: foldin.Waiting | None = None
-        """Nodes wait beside the running round for a checkpoint boundary (:mod:`.foldin`)."""
+        """Nodes wait beside the running round for a checkpoint boundary
+        (:mod:`phalanx.master.decide.foldin`)."""
         self.snapshots: foldin.Snapshots | None = None
         """The job's snapshot cadence, from its newest save at breakpoint (not durable: a restarted master
         learns it at the next one, and waits for a commit meanwhile)."""
@@ -131,7 +132,8 @@ class FoldIn:
         )
 
     def _breakpoint_report(self, req: pb.ReportCheckpointRequest, *, now: float) -> int:
-        """Records what a node of a broken round holds (see :mod:`phalanx.master.breakpoints`); the step it
+        """Records what a node of a broken round holds (see :mod:`phalanx.master.state.breakpoints`); the
+        step it
         must persist, or -1 while some member has not reported."""
         s = self.state
         bp = s.breakpoint

@@ -9,7 +9,7 @@ server.
 
 Heartbeat may be held (``wait_s``, at most one heartbeat interval) until the job has an action for the
 node: a new round reaches a held agent the moment it opens. A held heartbeat whose connection closes before
-the answer marks the node disconnected (see :mod:`phalanx.master.membership`). HeartbeatStream carries the
+the answer marks the node disconnected (see :mod:`phalanx.master.state.nodes`). HeartbeatStream carries the
 same beats on one stream per agent (the token checked once, when it opens); its closing marks the node
 disconnected whether a beat is held or not.
 
@@ -33,8 +33,8 @@ from phalanx.api import auth
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.v1 import master_pb2_grpc as pb_grpc
 from phalanx.master.errors import RequestError
-from phalanx.master.runtime import Runtime
-from phalanx.master.validate import validate
+from phalanx.master.serve.runtime import Runtime
+from phalanx.master.serve.validate import validate
 
 __all__ = ["AuthInterceptor", "MasterService", "add_to_server"]
 

@@ -1,4 +1,4 @@
-"""The master's watch of its one ElasticJob (:class:`JobWatch`), for :mod:`phalanx.master.kube`'s status
+"""The master's watch of its one ElasticJob (:class:`JobWatch`), for :mod:`phalanx.master.store.kube`'s status
 sink: spec changes (``spec.suspend``, the generation, the operator's scheduled-workers annotation) reach
 the master within a second, and an idle job costs no reads."""
 

@@ -1,8 +1,10 @@
-"""Failure reports: what the failure policy (:func:`phalanx.master.policy.decide_failure`) makes of them
+"""Failure reports: what the failure policy (:func:`phalanx.master.decide.failure_policy.decide_failure`)
+makes of them
 (restart, evict, fail), the round's root cause, and the reporter's answer.
 
 :func:`plan_failure` is a pure function of the job's state and the report: it returns what to do as
-:mod:`.effects` and what to answer; :class:`Failures` has the job's writer apply it, once per report.
+:mod:`phalanx.master.job.effects` and what to answer; :class:`Failures` has the job's writer apply it, once
+per report.
 """
 
 from __future__ import annotations
@@ -13,12 +15,7 @@ from typing import Any
 from phalanx.api.elasticjob import Phase
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics import hang
-from phalanx.master import effects as fx
-from phalanx.master import hangs
-from phalanx.master.core import JobCore, action, ending, exit_action, failure_log
-from phalanx.master.jobstate import JobState, PendingRestart
-from phalanx.master.membership import ALIVE, Node
-from phalanx.master.policy import (
+from phalanx.master.decide.failure_policy import (
     Decision,
     FailureRecord,
     PolicyInput,
@@ -28,6 +25,11 @@ from phalanx.master.policy import (
     records_from_request,
     root_cause,
 )
+from phalanx.master.job import effects as fx
+from phalanx.master.job import hangs
+from phalanx.master.job.core import JobCore, action, ending, exit_action, failure_log
+from phalanx.master.state.jobstate import JobState, PendingRestart
+from phalanx.master.state.nodes import ALIVE, Node
 
 __all__ = ["Failures", "Plan", "plan_failure"]
 

@@ -1,24 +1,25 @@
 """The job: the master's whole state machine, driven by agent requests and a clock tick.
 
 Every method takes ``now`` (Unix seconds) and does no I/O, so the master's behaviour is tested with plain
-values and an injected clock. The decisions themselves live in pure modules:
-:mod:`.rendezvous` (when a round completes, who is in it), :mod:`.membership` (liveness),
-:mod:`.policy` (what a failure leads to), :mod:`.checkpoints` (commits) and
-:func:`phalanx.diagnostics.stacks.compare_stacks` (hang verdicts). The executor
-(:mod:`phalanx.master.service`) calls these methods, persists :meth:`Job.durable` when
-``durable_version`` moves, and wakes long-polls when ``round_version`` moves.
+values and an injected clock. The executor (:mod:`phalanx.master.serve.runtime`) calls these methods,
+persists :meth:`Job.durable` when ``durable_version`` moves, and wakes long-polls when ``round_version``
+moves.
 
-:class:`Job` is a composition: one :class:`~.jobstate.JobState` record (what :mod:`.snapshot` saves and
-restores), the bookkeeping every room shares (:class:`~.core.JobCore`: events, actions, opening rounds,
-evictions), and rooms with one job each:
+:class:`Job` is a composition of one :class:`~phalanx.master.state.jobstate.JobState` record (what
+:mod:`phalanx.master.state.snapshot` saves and restores), its writer (:class:`.core.JobCore`: events,
+actions, rounds, evictions, the end of the job, and :meth:`~.core.JobCore.apply` for the effects decisions
+return), and one component per concern:
 
-* :class:`~.rounds.Rounds` -- registration, joining, completing rounds, GetRendezvous, the job's success;
-* :class:`~.beats.Heartbeats` -- heartbeats in, actions out;
-* :class:`~.failures.Failures` -- failure reports and the policy's decision;
-* :class:`~.hangs.Hangs` -- the members' stacks and the analysis of a hang;
-* :class:`~.growth.FoldIn` -- checkpoint reports and the fold-in of waiting nodes at a boundary;
-* :class:`~.liveness.Liveness` -- everything that happens with time, suspension;
-* :class:`~.probing.ProbeRounds` and :class:`~.slowsteps.StepChecks` -- probe rounds, slow steps, stragglers.
+* :class:`.rounds.Rounds` -- registration, joining, completing rounds, GetRendezvous, the job's success;
+* :class:`.heartbeats.Heartbeats` -- heartbeats in, actions out;
+* :class:`.failures.Failures` -- failure reports, planned by :func:`.failures.plan_failure`;
+* :class:`.hangs.Hangs` -- the members' stacks and the analysis of a hang;
+* :class:`.foldin.FoldIn` -- checkpoint reports and the fold-in of waiting nodes at a boundary;
+* :class:`.liveness.Liveness` -- everything that happens with time, suspension;
+* :class:`.probes.ProbeRounds` and :class:`.stepchecks.StepChecks` -- probe rounds, slow steps, stragglers.
+
+The pure decisions they ask are in :mod:`phalanx.master.decide` (the failure policy, rendezvous, fold-in)
+and :mod:`phalanx.diagnostics` (hang verdicts, stragglers).
 
 Phases: ``Pending`` (no round completed yet), ``Running``, ``Restarting`` (a new round is gathering after
 the first), ``Succeeded``, ``Failed``.
@@ -35,26 +36,26 @@ from phalanx.api.settings import MasterSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import Eviction, HangAnalysis
 from phalanx.diagnostics.stragglers import NodeScore
-from phalanx.master import rendezvous as rdzv
-from phalanx.master import snapshot
-from phalanx.master.beats import Heartbeats
-from phalanx.master.breakpoints import Breakpoint
-from phalanx.master.checkpoints import CheckpointTracker
-from phalanx.master.core import EVENT_SEQ_GAP, FINISHED, JobCore
-from phalanx.master.events import EventLog
-from phalanx.master.failures import Failures
-from phalanx.master.growth import FoldIn
-from phalanx.master.hangs import Hangs
-from phalanx.master.jobstate import HangInquiry, JobState
-from phalanx.master.liveness import Liveness
-from phalanx.master.membership import Node
-from phalanx.master.policy import FailureRecord
-from phalanx.master.probing import ProbeRound, ProbeRounds
-from phalanx.master.recovery import RecoveryTracker
-from phalanx.master.rounds import RendezvousAnswer, Rounds
-from phalanx.master.slowsteps import StepChecks
-from phalanx.master.stats import JobStats
-from phalanx.master.timeline import Timeline
+from phalanx.master.decide import rendezvous as rdzv
+from phalanx.master.decide.failure_policy import FailureRecord
+from phalanx.master.job.core import EVENT_SEQ_GAP, FINISHED, JobCore
+from phalanx.master.job.failures import Failures
+from phalanx.master.job.foldin import FoldIn
+from phalanx.master.job.hangs import Hangs
+from phalanx.master.job.heartbeats import Heartbeats
+from phalanx.master.job.liveness import Liveness
+from phalanx.master.job.probes import ProbeRound, ProbeRounds
+from phalanx.master.job.rounds import RendezvousAnswer, Rounds
+from phalanx.master.job.stepchecks import StepChecks
+from phalanx.master.state import snapshot
+from phalanx.master.state.breakpoints import Breakpoint
+from phalanx.master.state.checkpoints import CheckpointTracker
+from phalanx.master.state.counters import JobStats
+from phalanx.master.state.events import EventLog
+from phalanx.master.state.jobstate import HangInquiry, JobState
+from phalanx.master.state.nodes import Node
+from phalanx.master.state.recovery import RecoveryTracker
+from phalanx.master.state.timeline import Timeline
 
 __all__ = ["FINISHED", "Job", "RendezvousAnswer"]
 
@@ -76,7 +77,7 @@ class _Shared(Generic[T]):
 
 
 class Job:
-    """State and decisions of one job's master (see the module docstring for its rooms)."""
+    """State and decisions of one job's master (see the module docstring for its components)."""
 
     settings: _Shared[MasterSettings] = _Shared()
     job_id: _Shared[str] = _Shared()
@@ -239,7 +240,7 @@ class Job:
         return views.NodesView(nodes=shown)
 
     def durable(self) -> dict[str, Any]:
-        """The state a restarted master resumes from (JSON); see :mod:`phalanx.master.snapshot`."""
+        """The state a restarted master resumes from (JSON); see :mod:`phalanx.master.state.snapshot`."""
         return snapshot.durable(self.state)
 
     # ------------------------------------------------------------------------------------------------
@@ -303,7 +304,7 @@ class Job:
         self.liveness.suspend(value, now=now)
 
     def tick(self, *, now: float) -> None:
-        """Applies everything that happens with time, room by room, in this order."""
+        """Applies everything that happens with time, component by component, in this order."""
         state = self.state
         self.liveness.tick(now=now)
         if not state.finished:

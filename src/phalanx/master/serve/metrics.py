@@ -53,9 +53,9 @@ from prometheus_client.core import (
 
 from phalanx.api.elasticjob import MASTER_PHASES
 from phalanx.master.job import Job
-from phalanx.master.logstore import LogStore
-from phalanx.master.membership import ALIVE, EVICTED, LOST
-from phalanx.master.recovery import PHASES
+from phalanx.master.serve.logstore import LogStore
+from phalanx.master.state.nodes import ALIVE, EVICTED, LOST
+from phalanx.master.state.recovery import PHASES
 
 __all__ = ["MasterMetrics"]
 
@@ -186,7 +186,7 @@ class _JobCollector:
 
 
 def _recovery(job: Job) -> Iterator[Metric]:
-    """The recovery breakdown (:mod:`phalanx.master.recovery`): where each recovery's time went."""
+    """The recovery breakdown (:mod:`phalanx.master.state.recovery`): where each recovery's time went."""
     tracker = job.recovery
     phases = HistogramMetricFamily(
         "phalanx_recovery_phase_seconds",

@@ -3,7 +3,8 @@ stacks (:func:`phalanx.diagnostics.stacks.compare_stacks`, :func:`.hang.blame`).
 
 A hang counts against the node the evidence singles out (a stopped rank, the interval recorder's suspects,
 odd stacks), never merely the node that noticed it; a node's second hang evicts it. The decisions are pure
-functions of the job's state that return :mod:`.effects`; :class:`Hangs` takes the stacks the members send
+functions of the job's state that return :mod:`phalanx.master.job.effects`; :class:`Hangs` takes the stacks
+the members send
 and has the job's writer apply what the analysis decides.
 """
 
@@ -15,10 +16,10 @@ from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import HangAnalysis
 from phalanx.diagnostics import hang
 from phalanx.diagnostics.stacks import compare_stacks
-from phalanx.master import effects as fx
-from phalanx.master.core import JobCore, action, failure_log
-from phalanx.master.jobstate import HangInquiry, JobState
-from phalanx.master.membership import ALIVE
+from phalanx.master.job import effects as fx
+from phalanx.master.job.core import JobCore, action, failure_log
+from phalanx.master.state.jobstate import HangInquiry, JobState
+from phalanx.master.state.nodes import ALIVE
 
 __all__ = ["HangEvidence", "Hangs", "analysis", "ask_stacks", "evidence"]
 

@@ -1,13 +1,13 @@
 """When a restart's event is emitted, and which events date a recovery: pure decisions over the job's
-state, which the job's writer (:meth:`~phalanx.master.core.JobCore.event`) follows.
+state, which the job's writer (:meth:`~phalanx.master.job.core.JobCore.event`) follows.
 
 A restart's event waits (:func:`phalanx.diagnostics.rootcause.settled`) for the round's other failure
 reports, so that it names the root cause even when the echo's node reports first; any event that must come
 after it (the next round completing, the job ending) emits it first, so the log stays in order. Every event
-also dates the recoveries (:class:`~phalanx.master.recovery.RecoveryTracker`).
+also dates the recoveries (:class:`~phalanx.master.state.recovery.RecoveryTracker`).
 
-The pending restart (:class:`~phalanx.master.jobstate.PendingRestart`) is durable
-(:mod:`phalanx.master.snapshot`): a master killed while one waits leaves it
+The pending restart (:class:`~phalanx.master.state.jobstate.PendingRestart`) is durable
+(:mod:`phalanx.master.state.snapshot`): a master killed while one waits leaves it
 in its last saved state, and the restarted master emits it once, into its new log, before its own
 ``master_resumed`` (a non-holding event, so the same rule as above). One save holds both the cleared
 pending restart and the event counter past its event, so an event the old master emitted and saved is not
@@ -20,8 +20,8 @@ settling window.
 from __future__ import annotations
 
 from phalanx.diagnostics import rootcause
-from phalanx.master.events import EventKind
-from phalanx.master.jobstate import JobState
+from phalanx.master.state.events import EventKind
+from phalanx.master.state.jobstate import JobState
 
 __all__ = ["HOLDS_RESTART_EVENT", "dates_a_new_recovery", "settled"]
 

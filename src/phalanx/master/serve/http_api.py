@@ -19,7 +19,7 @@ seconds up to now; ``latest``: the newest failure, and the window is ``window_s`
 whole number below 10^9: the failure with that id (its event's ``seq``), likewise; otherwise a unix time,
 likewise. 404 ``{"error": str}`` when no such failure is remembered.
 
-``GET /metrics`` -> Prometheus text format (see :mod:`phalanx.master.metrics`).
+``GET /metrics`` -> Prometheus text format (see :mod:`phalanx.master.serve.metrics`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from pydantic import BaseModel
 
 from phalanx.api import auth, views
 from phalanx.master.errors import RequestError
-from phalanx.master.runtime import Runtime
-from phalanx.master.timeline import Timeline
+from phalanx.master.serve.runtime import Runtime
+from phalanx.master.state.timeline import Timeline
 
 __all__ = ["create_app", "openapi_document"]
 
@@ -135,8 +135,8 @@ def openapi_document() -> dict[str, Any]:
     """The schema :func:`create_app` serves, from an app over an empty job (``docs/master-api.json``)."""
     from phalanx.api.settings import MasterSettings
     from phalanx.master.job import Job
-    from phalanx.master.logstore import LogStore
-    from phalanx.master.state import MemoryStateStore, NullStatusSink
+    from phalanx.master.serve.logstore import LogStore
+    from phalanx.master.store.stores import MemoryStateStore, NullStatusSink
 
     runtime = Runtime(
         job=Job(settings=MasterSettings(job_id="job"), now=0.0),

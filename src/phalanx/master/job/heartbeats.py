@@ -1,4 +1,4 @@
-"""The job's room for heartbeats: what a node's beat tells the job (liveness, progress, where its ranks
+"""The job's component for heartbeats: what a node's beat tells the job (liveness, progress, where its ranks
 are) and what the job answers (one-shot actions until acknowledged, REJOIN, EXIT).
 
 Pure: every method takes ``now`` and does no I/O.
@@ -7,10 +7,10 @@ Pure: every method takes ``now`` and does no I/O.
 from __future__ import annotations
 
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.master.core import JobCore, action
-from phalanx.master.membership import ALIVE
-from phalanx.master.rounds import Rounds
-from phalanx.master.slowsteps import StepChecks
+from phalanx.master.job.core import JobCore, action
+from phalanx.master.job.rounds import Rounds
+from phalanx.master.job.stepchecks import StepChecks
+from phalanx.master.state.nodes import ALIVE
 
 __all__ = ["Heartbeats"]
 

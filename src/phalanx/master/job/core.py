@@ -1,11 +1,13 @@
 """The job's writer, which every component of the job (:mod:`phalanx.master.job`) shares: versions, events,
 one-shot actions, opening a round, evictions, finishing the job, and the views of its state.
 
-A component that decides returns what to do as :mod:`.effects`, and :meth:`JobCore.apply` carries them out,
+A component that decides returns what to do as :mod:`phalanx.master.job.effects`, and :meth:`JobCore.apply`
+carries them out,
 in order: the one place where a decision changes the job's state.
 
 A job can be *suspended* (the ElasticJob's ``spec.suspend``, see
-:meth:`phalanx.master.liveness.Liveness.suspend`): the operator then deletes the worker Pods, each of which
+:meth:`phalanx.master.job.liveness.Liveness.suspend`): the operator then deletes the worker Pods, each of
+which
 persists its newest in-memory checkpoint first. While suspended, a node that goes away (lost, disconnected,
 or one the policy would evict) is forgotten, not evicted: its Pod was deleted on purpose, so it spends no
 budget; no round completes and the min-nodes timeout does not run. On resume, a round whose members are
@@ -23,11 +25,11 @@ from typing import Any
 from phalanx.api.elasticjob import FINISHED_PHASES, Phase
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import Eviction
-from phalanx.master import effects as fx
-from phalanx.master import restarts
-from phalanx.master.events import EventKind
-from phalanx.master.jobstate import JobState
-from phalanx.master.membership import ALIVE, EVICTED, LOST, Node, absent
+from phalanx.master.job import effects as fx
+from phalanx.master.job import restarts
+from phalanx.master.state.events import EventKind
+from phalanx.master.state.jobstate import JobState
+from phalanx.master.state.nodes import ALIVE, EVICTED, LOST, Node, absent
 
 __all__ = ["EVENT_SEQ_GAP", "FINISHED", "JobCore", "action", "end_reason", "ending", "exit_action"]
 
@@ -167,7 +169,7 @@ class JobCore:
     # Views
 
     def absent(self, *, now: float) -> list[str]:
-        """Live nodes whose agent is most likely gone (see :func:`phalanx.master.membership.absent`); the
+        """Live nodes whose agent is most likely gone (see :func:`phalanx.master.state.nodes.absent`); the
         grace is one heartbeat interval, within which a live agent whose connection broke heartbeats again."""
         return absent(self.state.nodes.values(), now=now, grace_s=self.state.settings.heartbeat.interval_s)
 
@@ -214,7 +216,8 @@ class JobCore:
         hang: list[dict[str, Any]] | None = None,
     ) -> None:
         """Records an event. A restart event still waiting for the round's root cause goes first unless this
-        one may come before it, and the event dates the recoveries (see :mod:`.restarts`). With ``log``
+        one may come before it, and the event dates the recoveries (see :mod:`phalanx.master.job.restarts`).
+        With ``log``
         (a logger's method, such as ``failure_log.warning``) the master's log says it too, in the event's
         words. ``hang``: a hang report's evidence per rank, which the timeline keeps with the failure (not
         durable)."""

@@ -4,9 +4,9 @@ evicted and replaced).
 A probe round is started on demand (``POST /v1/probe``), right after a rendezvous round completes
 (``probes.on_round_complete``), every ``probes.interval_s`` (counted from the rendezvous round's first
 training step where that came after the last probe round: a start is no time to measure), or when the
-step-time check finds ranks whose step intervals lag the others' (:mod:`phalanx.master.slowsteps`, event
+step-time check finds ranks whose step intervals lag the others' (:mod:`phalanx.master.job.stepchecks`, event
 ``slow_steps``, ``slow_ranks`` of /v1/job); nothing starts unless ``probes.enabled``. The same check
-scores every member node (:mod:`phalanx.master.slowsteps`): a node confirmed slow over
+scores every member node (:mod:`phalanx.master.job.stepchecks`): a node confirmed slow over
 ``step_confirm_checks`` checks is reported (event ``straggler``, ``straggler`` of /v1/nodes,
 ``phalanx_node_straggler_score``) and, with ``probes.stragglers.evict_slow_nodes``, evicted at once without
 a probe round.
@@ -53,11 +53,11 @@ from typing import Any
 from phalanx.api import views
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics.stragglers import NodeVerdict, compute_verdicts, link_verdicts
-from phalanx.master import rendezvous as rdzv
-from phalanx.master.core import JobCore, action, failure_log, log
+from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.errors import RequestError
-from phalanx.master.events import EventKind
-from phalanx.master.membership import ALIVE
+from phalanx.master.job.core import JobCore, action, failure_log, log
+from phalanx.master.state.events import EventKind
+from phalanx.master.state.nodes import ALIVE
 
 __all__ = [
     "PROBE_KINDS",

@@ -1,17 +1,17 @@
-"""The job's room for everything that happens with time: heartbeat timeouts, absent nodes, the hang
+"""The job's component for everything that happens with time: heartbeat timeouts, absent nodes, the hang
 analysis's timeout, the min-nodes timeout, and following the spec (suspend, resume, scheduled workers).
 
-A suspended job forgets the nodes that go away instead of evicting them (see :mod:`phalanx.master.core`).
+A suspended job forgets the nodes that go away instead of evicting them (see :mod:`phalanx.master.job.core`).
 Pure: every method takes ``now`` and does no I/O.
 """
 
 from __future__ import annotations
 
 from phalanx.api.elasticjob import Phase
-from phalanx.master.core import JobCore, failure_log, log
-from phalanx.master.hangs import Hangs
-from phalanx.master.membership import Node, expired
-from phalanx.master.rounds import Rounds
+from phalanx.master.job.core import JobCore, failure_log, log
+from phalanx.master.job.hangs import Hangs
+from phalanx.master.job.rounds import Rounds
+from phalanx.master.state.nodes import Node, expired
 
 __all__ = ["Liveness"]
 
@@ -43,7 +43,8 @@ class Liveness:
             self.core.changed()  # published: the operator waits for the generation it acts on
 
     def suspend(self, value: bool, *, now: float) -> None:
-        """Follows the job's ``spec.suspend`` (see :mod:`phalanx.master.core`); a finished job ignores it."""
+        """Follows the job's ``spec.suspend`` (see :mod:`phalanx.master.job.core`); a finished job ignores
+        it."""
         s = self.state
         if value == s.suspended or s.finished:
             return

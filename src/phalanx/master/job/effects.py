@@ -1,4 +1,5 @@
-"""What the job's decisions ask for, as values: the job's one writer (:meth:`.core.JobCore.apply`) carries
+"""What the job's decisions ask for, as values: the job's one writer
+(:meth:`phalanx.master.job.core.JobCore.apply`) carries
 them out, in order.
 
 A component that decides (a failure report's handling, a hang's analysis) reads the state, calls pure
@@ -15,9 +16,9 @@ from typing import Any, Literal
 from phalanx.api.elasticjob import Phase
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import HangAnalysis
-from phalanx.master.events import EventKind
-from phalanx.master.jobstate import HangInquiry, PendingRestart
-from phalanx.master.policy import FailureRecord
+from phalanx.master.decide.failure_policy import FailureRecord
+from phalanx.master.state.events import EventKind
+from phalanx.master.state.jobstate import HangInquiry, PendingRestart
 
 __all__ = [
     "AmendRestart",
@@ -44,7 +45,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Emit:
-    """An event (see :meth:`.core.JobCore.event`); ``log``: a logger's method that says it too."""
+    """An event (see :meth:`phalanx.master.job.core.JobCore.event`); ``log``: a logger's method that says it
+    too."""
 
     kind: EventKind
     message: str

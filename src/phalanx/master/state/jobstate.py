@@ -1,7 +1,8 @@
 """The job's state: one record the job's components (:mod:`phalanx.master.job`) read, and the job's writer
-(:class:`~phalanx.master.core.JobCore`) writes.
+(:class:`~phalanx.master.job.core.JobCore`) writes.
 
-The fields marked *durable* are what :mod:`phalanx.master.snapshot` saves and restores; the others live and
+The fields marked *durable* are what :mod:`phalanx.master.state.snapshot` saves and restores; the others live
+and
 die with the master process. What only one component needs (a probe round, a fold-in wait) is kept by that
 component, not here.
 """
@@ -16,23 +17,24 @@ from phalanx.api.elasticjob import FINISHED_PHASES, Phase
 from phalanx.api.settings import MasterSettings
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import Eviction, HangAnalysis
-from phalanx.master import rendezvous as rdzv
-from phalanx.master.breakpoints import Breakpoint
-from phalanx.master.checkpoints import CheckpointTracker
+from phalanx.master.decide import rendezvous as rdzv
+from phalanx.master.decide.failure_policy import FailureRecord
 from phalanx.master.errors import RequestError
-from phalanx.master.events import EventLog
-from phalanx.master.membership import ALIVE, Node
-from phalanx.master.policy import FailureRecord
-from phalanx.master.recovery import RecoveryTracker
-from phalanx.master.stats import JobStats
-from phalanx.master.timeline import Timeline
+from phalanx.master.state.breakpoints import Breakpoint
+from phalanx.master.state.checkpoints import CheckpointTracker
+from phalanx.master.state.counters import JobStats
+from phalanx.master.state.events import EventLog
+from phalanx.master.state.nodes import ALIVE, Node
+from phalanx.master.state.recovery import RecoveryTracker
+from phalanx.master.state.timeline import Timeline
 
 __all__ = ["HangInquiry", "JobState", "PendingRestart"]
 
 
 @dataclass
 class PendingRestart:
-    """A restart done and its event not yet emitted: it waits (:func:`.restarts.settled`) for the round's
+    """A restart done and its event not yet emitted: it waits (:func:`phalanx.master.job.restarts.settled`)
+    for the round's
     other reports, so that it names the root cause even when the echo's node reports first."""
 
     round: int
@@ -75,7 +77,8 @@ class HangInquiry:
 
 @dataclass(kw_only=True, eq=False)
 class JobState:
-    """Everything of one job several rooms share. Durable fields first (see :mod:`.snapshot`)."""
+    """Everything of one job its components share. Durable fields first (see
+    :mod:`phalanx.master.state.snapshot`)."""
 
     settings: MasterSettings
     job_id: str
@@ -111,7 +114,7 @@ class JobState:
     root_cause: dict[str, Any] | None = None
     """Durable."""
     suspended: bool = False
-    """Durable: whether the job's spec asks it to be suspended (see :mod:`phalanx.master.core`)."""
+    """Durable: whether the job's spec asks it to be suspended (see :mod:`phalanx.master.job.core`)."""
     events: EventLog = field(default_factory=EventLog)
     """Durable: only its next seq."""
     action_seq: int = 0
@@ -119,7 +122,8 @@ class JobState:
     next_probe: int = 1
     """Durable: the next probe round's id, so a report to an old master stays stale."""
     pending_restart: PendingRestart | None = None
-    """Durable: the restart whose event waits for the round's root cause (see :mod:`.restarts`)."""
+    """Durable: the restart whose event waits for the round's root cause (see
+    :mod:`phalanx.master.job.restarts`)."""
 
     joiners: dict[str, rdzv.Joiner] = field(default_factory=dict)
     hang: HangInquiry | None = None

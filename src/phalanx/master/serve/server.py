@@ -31,12 +31,12 @@ from phalanx.api import auth
 from phalanx.api.errors import ConfigError
 from phalanx.api.httpguard import GuardedH11Protocol
 from phalanx.api.settings import MasterSettings
-from phalanx.master.http import create_app
 from phalanx.master.job import Job
-from phalanx.master.logstore import LogStore
-from phalanx.master.runtime import Runtime
-from phalanx.master.service import AuthInterceptor, add_to_server
-from phalanx.master.state import StateStore, StatusSink
+from phalanx.master.serve.grpc_service import AuthInterceptor, add_to_server
+from phalanx.master.serve.http_api import create_app
+from phalanx.master.serve.logstore import LogStore
+from phalanx.master.serve.runtime import Runtime
+from phalanx.master.store.stores import StateStore, StatusSink
 
 __all__ = ["job_log_path", "run_master"]
 

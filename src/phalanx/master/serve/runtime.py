@@ -8,9 +8,9 @@ version counters and
   some node may have a new action (``action_version``),
 * hands the durable state to the saver task when it changed (``durable_version``): the saver writes the
   newest snapshot in a worker thread, so a burst of changes costs one write, never one per heartbeat,
-* and the publisher task sends the status to the :class:`~phalanx.master.state.StatusSink` at most
+* and the publisher task sends the status to the :class:`~phalanx.master.store.stores.StatusSink` at most
   twice a second when it changed (``status_version``), and has the job follow the spec as the sink reads
-  it (:meth:`~phalanx.master.liveness.Liveness.follow_spec`).
+  it (:meth:`~phalanx.master.job.liveness.Liveness.follow_spec`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import time
 
 from phalanx.api.errors import MasterFenced, StateStoreError
 from phalanx.master.job import Job
-from phalanx.master.logstore import LogStore
-from phalanx.master.metrics import MasterMetrics
-from phalanx.master.state import StateStore, StatusSink
+from phalanx.master.serve.logstore import LogStore
+from phalanx.master.serve.metrics import MasterMetrics
+from phalanx.master.store.stores import StateStore, StatusSink
 
 __all__ = ["Runtime"]
 

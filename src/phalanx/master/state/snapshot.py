@@ -5,9 +5,11 @@ group ranks, world size, store address) or null, ``next_round``, ``round_open``,
 ``evictions``, ``committed_checkpoint_step``, ``nodes`` (node id -> incarnation, host, machine, nproc,
 status, old incarnations), ``hang_counts``, ``completed``, ``root_cause``, ``event_seq``, ``action_seq``,
 ``suspended``, ``next_probe`` and ``recovery`` (the recovery in progress and the finished ones' totals,
-:meth:`~phalanx.master.recovery.RecoveryTracker.to_json`): the durable fields of
-:class:`~phalanx.master.jobstate.JobState`; and ``pending_restart``, the restart event still waiting for the
-round's root cause (:class:`~phalanx.master.jobstate.PendingRestart`) or null. A state saved before a key
+:meth:`~phalanx.master.state.recovery.RecoveryTracker.to_json`): the durable fields of
+:class:`~phalanx.master.state.jobstate.JobState`; and ``pending_restart``, the restart event still waiting
+for the
+round's root cause (:class:`~phalanx.master.state.jobstate.PendingRestart`) or null. A state saved before a
+key
 was added loads without it (``recovery`` and ``pending_restart`` then start empty).
 
 Not durable, by design: heartbeat times (a restarted master gives every node one heartbeat timeout to
@@ -23,11 +25,11 @@ from typing import Any
 from phalanx.api.elasticjob import Phase
 from phalanx.api.errors import StateStoreError
 from phalanx.api.verdicts import Eviction
-from phalanx.master import rendezvous as rdzv
-from phalanx.master.checkpoints import CheckpointTracker
-from phalanx.master.jobstate import JobState, PendingRestart
-from phalanx.master.membership import Node
-from phalanx.master.recovery import RecoveryTracker
+from phalanx.master.decide import rendezvous as rdzv
+from phalanx.master.state.checkpoints import CheckpointTracker
+from phalanx.master.state.jobstate import JobState, PendingRestart
+from phalanx.master.state.nodes import Node
+from phalanx.master.state.recovery import RecoveryTracker
 
 __all__ = ["STATE_VERSION", "durable", "pending_restart", "restore"]
 

@@ -4,7 +4,7 @@ Two small interfaces, so the master runs the same on one machine and in Kubernet
 
 * :class:`StateStore` -- the durable state (job id, round and membership, node incarnations, restart and
   eviction counts, evictions, committed checkpoint step, phase). A plain file locally
-  (:class:`FileStateStore`); the ElasticJob object in Kubernetes (``phalanx.master.kube``). ``save`` is
+  (:class:`FileStateStore`); the ElasticJob object in Kubernetes (``phalanx.master.store.kube``). ``save`` is
   called on every durable change (coalesced by the server, never per heartbeat) and must be atomic: a
   master killed mid-write leaves the previous state readable.
 * :class:`StatusSink` -- receives the ``/v1/job`` JSON on every change (coalesced to at most ~2/s). In

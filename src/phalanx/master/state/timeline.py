@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from phalanx.api import limits
-from phalanx.master.events import Event, EventKind
+from phalanx.master.state.events import Event, EventKind
 
 __all__ = [
     "FAILURE_KINDS",

@@ -14,7 +14,7 @@
   every ``status_progress_interval_s`` (10 s; :func:`publish_decision`), so a training job costs a few
   PATCHes a minute instead of one per heartbeat.
 * the sink follows ``spec.suspend``, the job's generation and the operator's scheduled-workers annotation
-  through a watch of the one ElasticJob (:class:`phalanx.master.kube_watch.JobWatch`: a LIST and a WATCH
+  through a watch of the one ElasticJob (:class:`phalanx.master.store.kube_watch.JobWatch`: a LIST and a WATCH
   with the field selector ``metadata.name=<job>``, resumed from the last resourceVersion, listed again on
   ``410 Gone``), so a spec change reaches the master within a second and an idle job costs no reads. A
   suspended master publishes phase ``Suspended`` and the generation it follows
@@ -45,8 +45,8 @@ from phalanx.api import elasticjob as ej
 from phalanx.api import views
 from phalanx.api.elasticjob import GROUP, PLURAL, SCHEDULED_ANNOTATION, STATE_KEY, VERSION
 from phalanx.api.errors import KubernetesError, MasterFenced, StateStoreError
-from phalanx.master.kube_watch import SPEC_POLL_S, JobWatch
-from phalanx.master.state import SpecView
+from phalanx.master.store.kube_watch import SPEC_POLL_S, JobWatch
+from phalanx.master.store.stores import SpecView
 
 log = logging.getLogger("phalanx.master")
 
@@ -107,7 +107,8 @@ class ConfigMapStateStore:
     it (its resourceVersion). A replacement master (started while the old one's node stopped answering, the
     old process perhaps still running) claims it in turn: from then on each of the old master's saves fails
     with a conflict, and on the re-read it finds another holder and raises :class:`MasterFenced`, as its
-    periodic :meth:`holds` does; it stops without writing anything more (:mod:`phalanx.master.runtime`)."""
+    periodic :meth:`holds` does; it stops without writing anything more
+    (:mod:`phalanx.master.serve.runtime`)."""
 
     def __init__(self, *, namespace: str, name: str, api: Any | None = None, holder: str = "") -> None:
         from kubernetes import client
@@ -453,12 +454,13 @@ class ElasticJobStatusSink:
 
 
 def state_store(*, namespace: str, name: str) -> ConfigMapStateStore:
-    """The StateStore of job ``namespace/name`` (see phalanx.master.state.StateStore)."""
+    """The StateStore of job ``namespace/name`` (see phalanx.master.store.stores.StateStore)."""
     return ConfigMapStateStore(namespace=namespace, name=name)
 
 
 def status_sink(*, namespace: str, name: str, progress_interval_s: float = 10.0) -> ElasticJobStatusSink:
-    """The StatusSink of job ``namespace/name`` (see phalanx.master.state.StatusSink), for this process:
+    """The StatusSink of job ``namespace/name`` (see phalanx.master.store.stores.StatusSink), for this
+    process:
     progress it still holds back is sent when the process exits."""
     sink = ElasticJobStatusSink(namespace=namespace, name=name, progress_interval_s=progress_interval_s)
     atexit.register(sink.flush_pending)

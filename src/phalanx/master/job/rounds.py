@@ -1,7 +1,9 @@
-"""The job's room for rendezvous rounds: nodes register, join the open round, learn the completed round, and
+"""The job's component for rendezvous rounds: nodes register, join the open round, learn the completed round,
+and
 report that they completed their work (which succeeds the job).
 
-The decisions (when a round completes, who is in it) are :mod:`phalanx.master.rendezvous`'s; this room
+The decisions (when a round completes, who is in it) are :mod:`phalanx.master.decide.rendezvous`'s; this
+component
 carries them out. Pure: every method takes ``now`` and does no I/O.
 """
 
@@ -10,19 +12,19 @@ from __future__ import annotations
 from phalanx.api.elasticjob import Phase
 from phalanx.api.failures import FailureClass
 from phalanx.api.v1 import master_pb2 as pb
-from phalanx.master import rendezvous as rdzv
-from phalanx.master.core import JobCore, action, log, rdzv_log
+from phalanx.master.decide import rendezvous as rdzv
+from phalanx.master.decide.failure_policy import FailureRecord
 from phalanx.master.errors import RequestError
-from phalanx.master.failures import Failures
-from phalanx.master.growth import FoldIn
-from phalanx.master.membership import (
+from phalanx.master.job.core import JobCore, action, log, rdzv_log
+from phalanx.master.job.failures import Failures
+from phalanx.master.job.foldin import FoldIn
+from phalanx.master.state.nodes import (
     ALIVE,
     Node,
     lost_records_to_drop,
     registration_refusal,
     unheard_since_restore,
 )
-from phalanx.master.policy import FailureRecord
 
 __all__ = ["RESTORE_GRACE_INTERVALS", "RendezvousAnswer", "Rounds"]
 

@@ -1,9 +1,9 @@
-"""The job's room for slow steps: the step-time check over the heartbeats' progress, and the per-node
+"""The job's component for slow steps: the step-time check over the heartbeats' progress, and the per-node
 straggler scores.
 
 Every ``probes.stragglers.step_check_interval_s`` the check flags the ranks whose step intervals lag the
 others' (event ``slow_steps``, ``slow_ranks`` of /v1/job) and starts a probe round for them
-(:class:`~phalanx.master.probing.ProbeRounds`). It also scores every member node
+(:class:`~phalanx.master.job.probes.ProbeRounds`). It also scores every member node
 (:func:`phalanx.diagnostics.stragglers.node_scores`): a node confirmed slow over ``step_confirm_checks``
 checks is reported (event ``straggler``, ``straggler`` of /v1/nodes, ``phalanx_node_straggler_score``) and,
 with ``probes.stragglers.evict_slow_nodes``, evicted at once without a probe round. Pure (``now`` injected).
@@ -27,10 +27,10 @@ from phalanx.diagnostics.stragglers import (
     straggler_reason,
     straggler_state,
 )
-from phalanx.master.core import JobCore, failure_log
-from phalanx.master.membership import ALIVE
-from phalanx.master.probing import ProbeRounds
-from phalanx.master.steptimes import StepTimes
+from phalanx.master.job.core import JobCore, failure_log
+from phalanx.master.job.probes import ProbeRounds
+from phalanx.master.state.nodes import ALIVE
+from phalanx.master.state.steptimes import StepTimes
 
 __all__ = ["StepChecks"]
 
