@@ -3,9 +3,9 @@
  * Why C: the recorder runs several times a training step, and on a sub-millisecond CPU step what a record
  * costs is not the few word stores it makes but the Python it runs to make them. Right after a torch op has
  * evicted the caches, every Python frame, bound method and dict the path touches is a cache miss: the pure
- * Python writer's `with collective(...)` block cost about 20 us there, 10 times what it costs in a tight
- * loop. Here a block is one call to a type (vectorcall: no argument tuple), two special-method calls, and
- * the stores; the step boundary one C call.
+ * Python writer's `with collective(...)` block cost many times there what it costs in a tight loop (see
+ * docs/benchmarks.md). Here a block is one call to a type (vectorcall: no argument tuple), two special-method
+ * calls, and the stores; the step boundary one C call.
  *
  * The ring's format and protocol are phalanx.api.intervals' (its docstring says them; RingWriter is the
  * reference implementation, and tests/agent/test_ring_writers.py checks that both write the same words):

@@ -14,15 +14,15 @@ Turn it on with one call, then train as before::
         dist.all_reduce(t, group=pg)
 
 Outside ``phalanx-run`` (no ring in the environment) :func:`enable` returns ``None`` and everything is a
-no-op. Records go to a bounded ring in shared memory (:mod:`phalanx.api.intervals`): no lock, no system
-call. The write path is C (``phalanx._ringwrite``, built at install where a C compiler is at hand; else the
-same ring from Python, :class:`_PyWriter`): on a sub-millisecond CPU step, right after torch ops have evicted
-the caches, every Python frame a record runs is a cache miss: about 0.7 to 0.9 % of a 0.6 to 0.8 ms step
-through C, five times that through Python (docs/hangs.md). On a GPU a collective's end and each step
-boundary are CUDA events recorded on the current stream (the start is the host's time: when the work was
-queued): the training thread never synchronises; a watcher thread polls ``event.query()`` and writes the
-completion time, so work that was queued on the device and never completed (a kernel or a collective that
-is stuck) is told apart from a host that stopped recording anything.
+no-op. Records go to a bounded ring in shared memory (:mod:`phalanx.api.intervals`): no lock, no system call.
+The write path is C (``phalanx._ringwrite``, built at install where a C compiler is at hand; else the same
+ring from Python, :class:`_PyWriter`): on a sub-millisecond CPU step, right after torch ops have evicted the
+caches, every Python frame a record runs is a cache miss, so through C a record costs a small share of such a
+step and a fraction of what it costs through Python (see docs/benchmarks.md). On a GPU a collective's end and
+each step boundary are CUDA events recorded on the current stream (the start is the host's time: when the work
+was queued): the training thread never synchronises; a watcher thread polls ``event.query()`` and writes the
+completion time, so work that was queued on the device and never completed (a kernel or a collective that is
+stuck) is told apart from a host that stopped recording anything.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ LineSink = Callable[[int, int, int, str], None]
 
 WARM_IMPORTS = "torch,torch._dynamo"
 """What a warm spare imports before a round needs it. ``torch._dynamo`` too: every ``torch.optim`` optimizer
-imports it when built (sympy, triton, inductor: 3 s on an idle 2-core machine, 20 s on a busy one), so a
-spare that imported torch alone still left that on every restart's path, and recovery depended on whether
-the script builds an optimizer."""
+imports it when built (sympy, triton, inductor: seconds even on an idle machine, far longer on a busy one; see
+docs/benchmarks.md), so a spare that imported torch alone still left that on every restart's path, and
+recovery depended on whether the script builds an optimizer."""
 
 
 @dataclass(frozen=True, kw_only=True)

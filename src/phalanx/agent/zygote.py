@@ -1,7 +1,7 @@
 """The agent's zygote: one process that imports torch once and forks every warm spare from there.
 
-A warm spare used to be a fresh interpreter that imported torch and ``torch._dynamo`` itself: about 8 CPU
-seconds each on a 2-core machine, paid again for every spare that refills the pool after a restart, at the
+A warm spare used to be a fresh interpreter that imported torch and ``torch._dynamo`` itself: seconds of
+CPU each (see docs/benchmarks.md), paid again for every spare that refills the pool after a restart, at the
 moment the new workers need the cores, and wasted for every spare a finished job never used. The zygote pays
 once per agent; each spare is then a ``fork()`` of it (milliseconds), the way Android starts its apps and
 Python's ``multiprocessing`` forkserver starts its workers. Forking is safe here because the zygote does

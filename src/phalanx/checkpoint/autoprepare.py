@@ -1,14 +1,14 @@
 """The first save prepared without the script's help: a Checkpointer sizes its memory from the optimizers.
 
-A save that finds no slots allocates them and first-touches their pages on the training path (1 GiB here:
-about 0.35 s against a 0.05 to 0.1 s copy; 4 GiB on an H200: 1.35 s against 0.079 s). ``Checkpointer.prepare``
-avoids that, and most scripts never call it. What a training script saves is, in the main, its model's
-parameters and its optimizers' state, and both exist once the optimizers have stepped (Adam makes its moments
-in its first step). So, while its process has no slots, a Checkpointer watches torch's global optimizer step
-hook: at an optimizer's second step (by then every optimizer of the loop has stepped once) it prepares slots
-for the parameters and state of every optimizer it saw, in the background, and stops watching. The first save
-then finds them mapped. A save larger than that (buffers, tensors of its own beyond the slots' headroom) is
-sized again by that save, as before; a restarted process, which adopts its slots from the host, never watches.
+A save that finds no slots allocates them and first-touches their pages on the training path, which costs far
+more than the copy itself (see docs/benchmarks.md). ``Checkpointer.prepare`` avoids that, and most scripts
+never call it. What a training script saves is, in the main, its model's parameters and its optimizers' state,
+and both exist once the optimizers have stepped (Adam makes its moments in its first step). So, while its
+process has no slots, a Checkpointer watches torch's global optimizer step hook: at an optimizer's second step
+(by then every optimizer of the loop has stepped once) it prepares slots for the parameters and state of every
+optimizer it saw, in the background, and stops watching. The first save then finds them mapped. A save larger
+than that (buffers, tensors of its own beyond the slots' headroom) is sized again by that save, as before; a
+restarted process, which adopts its slots from the host, never watches.
 """
 
 from __future__ import annotations

@@ -10,10 +10,9 @@ the copy engine moves them while the compute engines run the next step. Host ten
 chunks by ``memmove`` through ctypes (which releases the GIL and, unlike a torch copy on a second thread,
 starts no second intra-op thread team) on a thread at idle priority: it only uses cores the training step
 leaves idle, and :meth:`BackgroundCopy.wait` copies whatever is left at full speed on ``threads`` threads.
-Measured on 2 cores (1 GiB, a step of 0.5 s on both cores): a background copy at normal priority cost
-training 0.092 s per save against 0.039 s for a blocking copy, because the step had no idle core to give;
-at idle priority it costs about what a blocking copy does, and with a core to spare 0.015-0.022 s against
-0.050-0.059 s (docs/decisions.md).
+With a step that keeps every core busy, a background copy at normal priority costs training more per save
+than a blocking copy, because the step has no idle core to give; at idle priority it costs about what a
+blocking copy does, and with a core to spare less (see docs/benchmarks.md).
 """
 
 from __future__ import annotations

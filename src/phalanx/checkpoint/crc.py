@@ -1,9 +1,9 @@
 """zlib's CRC-32 of a large snapshot on several threads.
 
-Loading verifies every byte, and one thread of ``zlib.crc32`` runs at ~1.5-3.5 GB/s: 4 GiB of snapshot took
-most of a 1.45 s load from memory on an H200's host, ten times the copy. The bytes are cut into pieces
-hashed on a thread pool (``zlib.crc32`` releases the GIL on large buffers), and the pieces' checksums are
-joined with ``crc32_combine``, so the result is the same CRC-32 that the persister writes into manifests.
+Loading verifies every byte, and ``zlib.crc32`` on one thread is far slower than a memory copy: hashing a
+large snapshot that way took most of a load from memory (see docs/benchmarks.md). The bytes are cut into
+pieces hashed on a thread pool (``zlib.crc32`` releases the GIL on large buffers), and the pieces' checksums
+are joined with ``crc32_combine``, so the result is the same CRC-32 that the persister writes into manifests.
 """
 
 from __future__ import annotations

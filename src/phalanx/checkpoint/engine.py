@@ -54,8 +54,9 @@ def current_round() -> int:
     return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
-# Measured on a 16-core host: 1 GiB in 0.061 s with 4 threads, 0.033 s with 16 (DLRover's torch copy on its
-# 16 intra-op threads: 0.034 s). Memory bandwidth caps a copy eventually, but later than 4 threads.
+# On a 16-core host a copy still gets faster from 4 threads to 16, where it keeps up with DLRover's torch
+# copy on its 16 intra-op threads (see docs/benchmarks.md): memory bandwidth caps a copy eventually, but later
+# than 4 threads.
 MAX_COPY_THREADS = 16
 
 
@@ -90,7 +91,7 @@ class Checkpointer:
     Ranks and the job come from the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``PHALANX_CHECKPOINT_*``) unless given. Without a host advertised in the environment, local rank 0
     starts one (detached, so it survives the training process) and the other local ranks connect to it.
-    ``copy_threads`` (0: the node's cores divided by its local ranks, at most 4) copy while training waits:
+    ``copy_threads`` (0: the node's cores divided by its local ranks, at most 16) copy while training waits:
     a blocking save, and what a save behind training has left when :meth:`fence` is called.
     ``prepare_from_optimizer`` (on by default): a new process's slots are readied in the background at its
     optimizers' second step, so that its first save is a plain copy without :meth:`prepare`
@@ -133,9 +134,9 @@ class Checkpointer:
         self.keep_last = keep_last
         self.host_socket = protocol.host_socket(env, job_id=self.job_id, given=host_socket)
         self.host_idle_exit_s = host_idle_exit_s
-        # Training waits for the copy, so it may use this rank's share of the node's cores (two threads
-        # copied 1 GiB in 0.09-0.12 s against 0.13-0.17 s for one here); more would only fight the
-        # node's other ranks, which save at the same moment.
+        # Training waits for the copy, so it may use this rank's share of the node's cores (two threads copy
+        # faster than one; see docs/benchmarks.md); more would only fight the node's other ranks, which save
+        # at the same moment.
         self.copy_threads = copy_threads or copy_threads_for(local_world_size=_env_int("LOCAL_WORLD_SIZE", 1))
         self._behind: _Behind | None = None
         self.host = HostConnection(
@@ -414,13 +415,13 @@ class Checkpointer:
 
     def _prepare_like(self, state: Any, *, now: bool = False) -> bool:
         """A load tells the size of the next save (``into``, or the state saved last, by this job or the one
-        it resumes): the slots are readied in the background from then on, where a first save would
-        otherwise allocate and first-touch them on the training path (1 GiB: ~0.4 s against a ~0.06 s copy
-        on 2 cores). This serves a rank whose node lost its memory (a replacement node, a job resumed from
-        storage), a rank renumbered onto slots it never had, and a new job that loads ``into`` its state
+        it resumes): the slots are readied in the background from then on, where a first save would otherwise
+        allocate and first-touch them on the training path, at far more than the copy costs (see
+        docs/benchmarks.md). This serves a rank whose node lost its memory (a replacement node, a job resumed
+        from storage), a rank renumbered onto slots it never had, and a new job that loads ``into`` its state
         before training; a restarted rank that kept its slots is ready already (see __init__). Only where a
-        host runs, and keeps its memory where this process looks: a process that only loads must not start
-        a host, nor take the node's shared memory. With ``now`` the host sizes the slots on this thread (see
+        host runs, and keeps its memory where this process looks: a process that only loads must not start a
+        host, nor take the node's shared memory. With ``now`` the host sizes the slots on this thread (see
         RankMemory.prepare). Whether it prepares."""
         if not self._host_memory or not Path(self.host_socket).exists():
             return False

@@ -43,7 +43,7 @@ class Slots:
         self._threads: list[threading.Thread] = []
         self.populate_errors: dict[int, BaseException] = {}  # of background populates, shown by wait_prepared
         # Set once a save copied device tensors: the slots readied off the training path are then pinned
-        # there too (pinning 4 GiB takes ~0.19 s on an H200's host, over twice the copy itself).
+        # there too (pinning takes longer than the device-to-host copy itself; see docs/benchmarks.md).
         self.pin_for_cuda = False
 
     def populate_async(self, indices: list[int], *, in_order: bool = False) -> None:
@@ -160,8 +160,8 @@ class RankMemory:
     def adopt(self) -> bool:
         """Maps this rank's slots when an earlier incarnation of it left them on this node (the host keeps
         them across restarts), and maps their pages in the background, the slot the next save writes first:
-        a new process would otherwise take a page fault per 4 KiB page in its first save (1 GiB: ~0.35 s
-        against a 0.05-0.1 s copy here). Whether there were slots to adopt."""
+        a new process would otherwise take a page fault per 4 KiB page in its first save, at several times
+        the cost of the copy (see docs/benchmarks.md). Whether there were slots to adopt."""
         with self._lock:  # a prepare's thread may adopt or allocate meanwhile
             if self.mapped is None:
                 self.mapped = self._open_existing()

@@ -46,7 +46,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from phalanx.api import auth
 from phalanx.diagnostics.probe_runner import Measurement
 
-_SDC_TOLERANCE = 32.0  # multiple of the expected checksum rounding noise; calibrated at ~25x below it
+_SDC_TOLERANCE = 32.0  # multiple of the expected checksum rounding noise; calibration noise is far below it
 _MAX_ITERS = 100_000
 _print_lock = threading.Lock()
 _printed = False

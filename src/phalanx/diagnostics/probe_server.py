@@ -1,8 +1,8 @@
 """The warm probe process (``python -m phalanx.diagnostics.probe_server``, or a fork of the agent's zygote,
 which has imported torch already): imports torch once, forks probes.
 
-A probe started cold pays for ``import torch`` first: about 1 s on an idle node, many seconds on the node a
-probe round is looking for, whose CPU is starved (8-9 s at 150m), and the round waits for its slowest node.
+A probe started cold pays for ``import torch`` first, most of all on the node a probe round is looking for,
+whose CPU is starved; and the round waits for its slowest node (see docs/benchmarks.md).
 This server imports the probe programs (and so torch) once, then forks one child per request; the child
 starts with torch already imported. It never runs a probe itself, so no probe leaves state behind for the
 next one, and it never touches a GPU (a forked CUDA context is unusable; each child makes its own).

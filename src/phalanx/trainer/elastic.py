@@ -483,7 +483,7 @@ def leave_world() -> None:
     peer vanished while gloo connected the mesh) has counted its group without registering it, so nothing
     would. This process would then name its next world "1" while a freshly started peer names it "0", and
     each would wait for the other's keys until the timeout, round after round, until every process had
-    been restarted (seen with a node evicted while the survivors regrouped: 3.5 minutes without a step).
+    been restarted (seen with a node evicted while the survivors regrouped: minutes without a step).
     """
     if dist.is_initialized():
         with contextlib.suppress(RuntimeError, dist.DistError):  # already broken: its peers are gone
