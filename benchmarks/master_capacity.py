@@ -21,8 +21,9 @@ the clients were the bottleneck (this is a Python client against a Python server
 capacity per core is extrapolated as answered/s divided by the master's CPU fraction, and the JSON
 says so (``capacity_per_core`` for calls, ``stream_capacity_per_core`` for streams). ``--clients``
 spreads the load over more client processes (the client CPUs are shared among them). ``--baseline-src``
-runs the saturated unary phase once more against another source tree's master (the code before a change)
-in the same run, for a fair before/after; ``--repeat N`` alternates the saturated phases N times and
+runs the saturated phases (unary and streams; ``--baseline-unary-only`` for a master without streams) once
+more against another source tree's master (the code before a change) in the same run, for a fair
+before/after; ``--repeat N`` alternates the saturated phases N times and
 reports the median run of each (with every run's rate beside it); ``--grpc-floor`` drives both saturated
 loads against a no-op server too (answers at once, no token check, no job): gRPC's own cost, the floor.
 ``heartbeats_per_master_cpu_s`` is each phase's rate per second of the master's CPU: its cost per beat,
@@ -446,6 +447,11 @@ def main() -> int:
     )
     parser.add_argument("--baseline-label", default="", help="what the baseline is, for the JSON")
     parser.add_argument(
+        "--baseline-unary-only",
+        action="store_true",
+        help="run only the unary phase against the baseline (a master from before the streams)",
+    )
+    parser.add_argument(
         "--grpc-floor",
         action="store_true",
         help="also drive a no-op server (gRPC's own cost: no token check, no job) with both saturated loads",
@@ -489,11 +495,17 @@ def main() -> int:
                     "seconds": args.seconds,
                 }
                 saturated = {"concurrency": args.concurrency, "cpus": every, "clients": args.clients}
-                if source:  # the baseline: the same saturated unary phase against the older master
-                    runs.setdefault("baseline_saturated", []).append(
-                        phase(mode="closed", **saturated, **common)
-                    )
-                    runs["baseline_saturated"][-1]["source"] = args.baseline_label or source
+                if source:  # the baseline: the same saturated phases against the older master
+                    if not args.streams_only:
+                        runs.setdefault("baseline_saturated", []).append(
+                            phase(mode="closed", **saturated, **common)
+                        )
+                        runs["baseline_saturated"][-1]["source"] = args.baseline_label or source
+                    if not args.baseline_unary_only:
+                        runs.setdefault("baseline_stream_saturated", []).append(
+                            phase(mode="stream_closed", **saturated, **common)
+                        )
+                        runs["baseline_stream_saturated"][-1]["source"] = args.baseline_label or source
                     return
                 if first and not args.streams_only:
                     runs["paced_1hz"] = [phase(mode="paced", concurrency=0, cpus=pair, **common)]
@@ -586,6 +598,13 @@ def main() -> int:
         before = capacity(phases["baseline_saturated"])
         result["baseline_capacity_per_core"] = before["per_core"]
         result["stream_vs_baseline"] = (
+            round(stream["per_core"] / before["per_core"], 2) if before["per_core"] else None
+        )
+    if "baseline_stream_saturated" in phases:
+        # The agents' pattern against the same pattern of the older master: the change's own cost.
+        before = capacity(phases["baseline_stream_saturated"])
+        result["baseline_stream_capacity_per_core"] = before["per_core"]
+        result["stream_vs_baseline_stream"] = (
             round(stream["per_core"] / before["per_core"], 2) if before["per_core"] else None
         )
     print(json.dumps(result))
