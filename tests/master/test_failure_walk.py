@@ -34,6 +34,7 @@ from phalanx.master.job.rounds import Rounds
 from phalanx.master.job.stepchecks import StepChecks
 from phalanx.master.state import snapshot
 from phalanx.master.state.jobstate import JobState
+from phalanx.master.state.nodes import Node
 
 from .sim import Sim, failure_report, kinds
 from .test_hang_blame import stacks, two_nodes
@@ -217,3 +218,73 @@ def test_the_tracers_see_a_component_entered_twice_and_a_write_outside_the_write
 
 def _this() -> str:
     return "test_the_tracers_see_a_component_entered_twice_and_a_write_outside_the_writer"
+
+
+@contextmanager
+def record_writers(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[str]]:
+    """Every ``file:function`` that sets an attribute of the job's state or of a node's record while the
+    block runs."""
+    writers: set[str] = set()
+    for cls in (JobState, Node):
+        plain = cls.__setattr__
+
+        def recording(self: Any, name: str, value: Any, plain: Any = plain) -> None:
+            caller = inspect.currentframe()
+            assert caller is not None
+            assert caller.f_back is not None
+            code = caller.f_back.f_code
+            writers.add(f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}")
+            plain(self, name, value)
+
+        monkeypatch.setattr(cls, "__setattr__", recording)
+    yield writers
+
+
+def test_a_job_s_whole_life_writes_its_state_through_the_writer_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Registration, rounds, heartbeats with progress, checkpoints and a save at breakpoint, a probe round, a
+    failure, a hang and its stacks, a lost node, suspension and resumption, completion: every attribute of
+    the state and of the nodes' records is set by the writer (the records' own ``heard`` is the writer's
+    call; a constructor builds a record before the writer stores it)."""
+    sim = Sim(
+        rendezvous={"min_nodes": 1, "max_nodes": 3, "last_call_s": 1.0},
+        heartbeat={"timeout_s": 5.0},
+        restart={"max_restarts": 10, "max_evictions": 5},
+        probes={"enabled": True, "timeout_s": 3.0},
+    )
+    with record_writers(monkeypatch) as writers:
+        sim.form("a", "b", "c")
+        for step in range(3):
+            sim.at(sim.now + 0.5)
+            for n in ("a", "b", "c"):
+                sim.hb(n, step=step)
+        for i, n in enumerate(("a", "b", "c")):
+            sim.persisted(n, step=2, ranks=[2 * i, 2 * i + 1], world_size=6)
+        probe = sim.job.start_probe(now=sim.now, trigger="test")
+        for _ in range(4):  # the probe round times out, every node heartbeating
+            sim.at(sim.now + 1)
+            for n in ("a", "b", "c"):
+                sim.hb(n, step=3)
+        sim.fail("b", rank=2)
+        sim.in_memory("a", round=sim.job.round_number, held=[2, 3])
+        sim.form("a", "b", "c")
+        round_no = sim.job.round_number
+        stacks_req = pb.ReportStacksRequest(
+            node_id="a", incarnation=sim.inc["a"], round=round_no, ranks=[pb.RankStacks(rank=0, stacks="x")]
+        )
+        sim.job.report_stacks(stacks_req, now=sim.now)
+        sim.fail("a", kind=pb.FAILURE_KIND_HANG, cls=pb.FAILURE_CLASS_HANG)
+        sim.at(sim.now + 6)  # no heartbeat from anyone: lost, and the hang analysis times out
+        sim.register("d")
+        sim.job.follow_spec(suspend=True, generation=2, now=sim.now, scheduled_workers=1)
+        sim.job.follow_spec(suspend=False, generation=3, now=sim.now, scheduled_workers=1)
+        sim.form("d")
+        sim.hb("d", step=9)
+        sim.complete("d")
+    assert probe.result != "running"
+    assert sim.job.checkpoints.committed == 2
+    assert sim.job.phase == "Succeeded", sim.job.reason
+    allowed = {"core.py", "jobstate.py:is_member", "nodes.py:heard", "nodes.py:__init__", "<string>:__init__"}
+    strangers = {w for w in writers if w not in allowed and w.split(":")[0] not in allowed}
+    assert strangers == set(), f"the state was written outside its writer: {strangers}"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from phalanx.master.job.core import EVENT_SEQ_GAP
+from phalanx.master.state.snapshot import EVENT_SEQ_GAP
 
 from .procs import Agent, Master
 from .test_master_process import FAST, form_round

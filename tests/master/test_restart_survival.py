@@ -17,11 +17,11 @@ from phalanx.api.elasticjob import Phase
 from phalanx.api.errors import StateStoreError
 from phalanx.diagnostics import rootcause
 from phalanx.master.job import Job
-from phalanx.master.job.core import EVENT_SEQ_GAP
 from phalanx.master.serve.logstore import LogStore
 from phalanx.master.serve.metrics import MasterMetrics
 from phalanx.master.state.nodes import NodeStatus
 from phalanx.master.state.recovery import BUCKETS, RecoveryTracker
+from phalanx.master.state.snapshot import EVENT_SEQ_GAP
 
 from .sim import Sim, settings
 from .test_recovery_breakdown import TWO, _kill

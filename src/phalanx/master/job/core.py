@@ -1,19 +1,18 @@
-"""The job's writer, which every component of the job (:mod:`phalanx.master.job`) shares: versions, events,
-one-shot actions, opening a round, evictions, finishing the job, and the views of its state.
+"""The job's writer, the one place that changes the job's state (:mod:`phalanx.master.state`).
 
-A component that decides returns what to do as :mod:`phalanx.master.job.effects`, and :meth:`JobCore.apply`
-carries them out,
-in order: the one place where a decision changes the job's state.
+The components of the job (:mod:`phalanx.master.job`) read the state and decide; what they decided
+reaches the state as :mod:`~phalanx.master.job.effects`, which :meth:`JobCore.apply` carries out in order:
+events, one-shot actions, rounds opened and completed, evictions, the end of the job, and what requests
+tell of the nodes. ``tests/master/test_one_writer.py`` holds every component to it.
 
 A job can be *suspended* (the ElasticJob's ``spec.suspend``, see
 :meth:`phalanx.master.job.liveness.Liveness.suspend`): the operator then deletes the worker Pods, each of
-which
-persists its newest in-memory checkpoint first. While suspended, a node that goes away (lost, disconnected,
-or one the policy would evict) is forgotten, not evicted: its Pod was deleted on purpose, so it spends no
-budget; no round completes and the min-nodes timeout does not run. On resume, a round whose members are
-gone is opened again for the new Pods.
+which persists its newest in-memory checkpoint first. While suspended, a node that goes away (lost,
+disconnected, or one the policy would evict) is forgotten, not evicted: its Pod was deleted on purpose, so
+it spends no budget; no round completes and the min-nodes timeout does not run. On resume, a round whose
+members are gone is opened again for the new Pods.
 
-Pure: every method takes ``now`` and does no I/O (see :mod:`phalanx.master.job`).
+Every method takes ``now`` and does no I/O (see :mod:`phalanx.master.job`).
 """
 
 from __future__ import annotations
@@ -25,46 +24,22 @@ from typing import Any
 from phalanx.api.elasticjob import FINISHED_PHASES, Phase
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import Eviction
+from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.job import effects as fx
 from phalanx.master.job import restarts
+from phalanx.master.job.answers import action, exit_action
+from phalanx.master.state.breakpoints import Breakpoint
 from phalanx.master.state.events import EventKind
 from phalanx.master.state.jobstate import JobState
-from phalanx.master.state.nodes import ALIVE, EVICTED, LOST, Node, absent
+from phalanx.master.state.nodes import ALIVE, EVICTED, LOST, Node
 
-__all__ = ["EVENT_SEQ_GAP", "FINISHED", "JobCore", "action", "end_reason", "ending", "exit_action"]
+__all__ = ["FINISHED", "JobCore"]
 
 log = logging.getLogger("phalanx.master")
 rdzv_log = logging.getLogger("phalanx.rendezvous")
 failure_log = logging.getLogger("phalanx.failures")
 
 FINISHED = FINISHED_PHASES
-EVENT_SEQ_GAP = 1000
-
-
-def action(kind: int, **fields: Any) -> pb.Action:
-    """An Action for an agent (``kind`` is an ``ACTION_KIND_*`` value)."""
-    return pb.Action(kind=kind, **fields)  # type: ignore[arg-type]
-
-
-def ending(phase: Phase, reason: str) -> str:
-    """Why the job ended, as its agents are told."""
-    return f"job {phase.lower()}: {reason}" if reason else f"job {phase.lower()}"
-
-
-def end_reason(state: JobState) -> str:
-    return ending(state.phase, state.reason)
-
-
-def exit_action(state: JobState, node: Node, incarnation: str) -> pb.Action | None:
-    """EXIT for a finished job, an evicted or lost node, or a replaced incarnation; None otherwise."""
-    if state.finished:
-        code = 0 if state.phase == Phase.SUCCEEDED else 1
-        return action(pb.ACTION_KIND_EXIT, round=state.round_number, exit_code=code, reason=end_reason(state))
-    if incarnation != node.incarnation:
-        return action(pb.ACTION_KIND_EXIT, exit_code=1, reason="replaced by a newer incarnation of this node")
-    if node.status != ALIVE:
-        return action(pb.ACTION_KIND_EXIT, exit_code=1, reason=node.exit_reason or f"node {node.status}")
-    return None
 
 
 class JobCore:
@@ -90,10 +65,69 @@ class JobCore:
                         hang=e.hang,
                     )
                 case fx.Tally():
-                    counts = getattr(s.stats, e.counter)
-                    counts[e.label] = counts.get(e.label, 0) + 1
+                    self._tally(e)
                 case fx.SeeNode():
-                    s.nodes[e.node_id].last_seen = now
+                    node = s.nodes[e.node_id]
+                    node.last_seen = now
+                    if e.agent_version is not None:
+                        node.agent_version = e.agent_version
+                    if e.nproc is not None:
+                        node.nproc = e.nproc
+                case fx.Beat():
+                    self._beat(e.req, now=now)
+                case fx.Answered():
+                    node = s.nodes[e.node_id]
+                    node.last_seen = max(node.last_seen, now)  # connected all along while held
+                    if node.pending:
+                        node.sent_seq = max(node.sent_seq, node.pending[-1].seq)
+                case fx.Disconnected():
+                    s.nodes[e.node_id].disconnected_at = now
+                case fx.DropNodes():
+                    for node_id in e.node_ids:
+                        del s.nodes[node_id]
+                case fx.AddNode():
+                    s.nodes[e.node.node_id] = e.node
+                    if e.replaces:
+                        s.joiners.pop(e.node.node_id, None)
+                case fx.Join():
+                    s.joiners[e.joiner.node_id] = e.joiner
+                case fx.CompleteRound():
+                    self._complete_round(e.round, now=now)
+                case fx.Completed():
+                    s.completed.add(e.node_id)
+                case fx.Scheduled():
+                    s.scheduled_workers = e.workers
+                case fx.SpecGeneration():
+                    if e.generation != s.spec_generation:
+                        s.spec_generation = e.generation
+                        self.changed()  # published: the operator waits for the generation it acts on
+                case fx.Suspend():
+                    s.suspended = e.value
+                    s.action_version += 1
+                    self.changed(durable=True)
+                case fx.MinNodesClock():
+                    s.below_min_since = e.since
+                case fx.Forget():
+                    self.forget(s.nodes[e.node_id], now=now, why=e.why)
+                case fx.LeaveOut():
+                    node = s.nodes[e.node_id]
+                    node.absence_handled = node.disconnected_at
+                    s.joiners.pop(e.node_id, None)
+                case fx.SettleBreakpoint():
+                    self.settle_breakpoint(now=now, answered=e.answered)
+                case fx.Persisted():
+                    s.checkpoints.persisted(step=e.step, ranks=e.ranks, world_size=e.world_size)
+                case fx.HeldInMemory():
+                    node = s.nodes[e.node_id]
+                    node.memory_checkpoint_step = max(node.memory_checkpoint_step, e.step)
+                case fx.BreakpointReport():
+                    self._breakpoint_report(e)
+                case fx.NextProbe():
+                    s.next_probe += 1
+                case fx.Probed():
+                    s.nodes[e.node_id].probes[e.kind] = list(e.results)
+                case fx.DropProbeActions():
+                    self._drop_probe_actions(e)
                 case fx.NoteFailures():
                     s.round_failures.extend(e.records)
                 case fx.SetRootCause():
@@ -129,6 +163,79 @@ class JobCore:
                     s.hang_counts[e.node_id] = max(0, s.hang_counts.get(e.node_id, 0) + e.delta)
                 case fx.Saved():
                     self.changed(durable=e.durable)
+
+    def _tally(self, e: fx.Tally) -> None:
+        stats = self.state.stats
+        if e.label:
+            counts: dict[str, int] = getattr(stats, e.counter)
+            counts[e.label] = counts.get(e.label, 0) + 1
+        else:
+            setattr(stats, e.counter, getattr(stats, e.counter) + 1)
+
+    def _beat(self, req: pb.HeartbeatRequest, *, now: float) -> None:
+        """What a heartbeat tells the job: the node's own state (a node that must leave only counts), the
+        ranks' progress and activities, the job's newest step, the recovery's dates and the timeline."""
+        s = self.state
+        s.stats.heartbeats += 1
+        node = s.nodes[req.node_id]
+        if exit_action(s, node, req.incarnation) is not None:
+            return
+        s.stats.actions_repeated += node.heard(req, now=now)
+        ranks = node.ranks
+        if not req.ranks:
+            return
+        top = ranks[0].step
+        activities = s.activities
+        for r in ranks:
+            top = max(top, r.step)
+            if r.HasField("activity"):
+                activities[r.rank] = (req.node_id, req.round, r.activity)
+        if top > s.max_step:
+            s.max_step = top
+            self.changed()
+        if req.round == s.round_number and s.recovery.stepped(now=now, step=top):
+            self.changed(durable=True)  # a recovery resumed or caught up: its dates are durable
+        s.timeline.observe(req.node_id, ranks, now=now)
+
+    def _complete_round(self, new: rdzv.Round, *, now: float) -> None:
+        s = self.state
+        s.round = new
+        s.next_round = new.number + 1
+        s.round_open = False
+        s.joiners.clear()  # those left out get NOT_MEMBER and join the next round
+        if s.breakpoint is not None and s.breakpoint.step is None:
+            # Every node that saves at a breakpoint reports before it joins: whoever has not reported by now
+            # regrouped in place or is gone, and the old snapshots will not stay in memory for long.
+            s.breakpoint = None
+        s.completed = set()
+        s.round_failures = []
+        s.phase = Phase.RUNNING
+        self.event(
+            "round_complete",
+            now=now,
+            round=new.number,
+            message=f"world size {new.world_size}, members {', '.join(new.node_ids)}",
+            log=rdzv_log.info,
+        )
+        s.round_version += 1
+        self.changed(durable=True)
+
+    def _breakpoint_report(self, e: fx.BreakpointReport) -> None:
+        s = self.state
+        bp = s.breakpoint
+        if bp is None or bp.round < e.round:
+            bp = s.breakpoint = Breakpoint(round=e.round, members=frozenset(s.members))
+        bp.report(e.node_id, held=e.held, persisting=e.persisting)
+
+    def _drop_probe_actions(self, e: fx.DropProbeActions) -> None:
+        for node_id in e.node_ids:
+            node = self.state.nodes.get(node_id)
+            if node is not None:  # RUN_PROBE not yet delivered would start a probe nobody waits for
+                node.pending[:] = [
+                    a
+                    for a in node.pending
+                    if not (a.kind == pb.ACTION_KIND_RUN_PROBE and a.probe_round == e.probe_round)
+                ]
 
     def _amend_restart(self, e: fx.AmendRestart) -> None:
         pending, recovery = self.state.pending_restart, self.state.recovery.current
@@ -167,23 +274,6 @@ class JobCore:
 
     # ------------------------------------------------------------------------------------------------
     # Views
-
-    def absent(self, *, now: float) -> list[str]:
-        """Live nodes whose agent is most likely gone (see :func:`phalanx.master.state.nodes.absent`); the
-        grace is one heartbeat interval, within which a live agent whose connection broke heartbeats again."""
-        return absent(self.state.nodes.values(), now=now, grace_s=self.state.settings.heartbeat.interval_s)
-
-    def round_step(self) -> int:
-        """The newest step a rank of the running round reported (-1: none yet). Not ``max_step``: after
-        a restore from an older step, the job is behind it until the lost steps are trained again."""
-        s = self.state
-        top = -1
-        for node_id in s.members:
-            node = s.nodes.get(node_id)
-            if node is not None and node.hb_round == s.round_number:
-                for r in node.ranks:
-                    top = max(top, r.step)
-        return top
 
     # ------------------------------------------------------------------------------------------------
     # Bookkeeping
@@ -257,17 +347,7 @@ class JobCore:
             message=message,
         )
         s.timeline.note_event(event, hang=hang)
-        self.changed(durable=True)  # the event counter is durable (see EVENT_SEQ_GAP)
-
-    def node(self, node_id: str, incarnation: str) -> Node:
-        """The node's record; RequestError for an unknown node or incarnation."""
-        return self.state.node(node_id, incarnation)
-
-    def exitaction(self, node: Node, incarnation: str) -> pb.Action | None:
-        return exit_action(self.state, node, incarnation)
-
-    def end_reason(self) -> str:
-        return end_reason(self.state)
+        self.changed(durable=True)  # the event counter is durable (see snapshot.EVENT_SEQ_GAP)
 
     def settle_restart(self, *, now: float) -> None:
         """Emits the pending restart event once the round's root cause is settled."""
@@ -369,7 +449,7 @@ class JobCore:
         bp = s.breakpoint
         if bp is None or bp.step is not None:
             return
-        gone = set(self.absent(now=now))
+        gone = set(s.absent(now=now))
         reachable = [n.node_id for n in s.alive() if n.node_id not in gone]
         ask = bp.settle(reachable=reachable, committed=s.checkpoints.committed)
         if bp.step is None:

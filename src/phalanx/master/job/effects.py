@@ -1,10 +1,9 @@
-"""What the job's decisions ask for, as values: the job's one writer
-(:meth:`phalanx.master.job.core.JobCore.apply`) carries
-them out, in order.
+"""What the job's decisions ask of its state, as values: the job's one writer
+(:meth:`phalanx.master.job.core.JobCore.apply`) carries them out, in order.
 
-A component that decides (a failure report's handling, a hang's analysis) reads the state, calls pure
-functions, and returns a list of effects; it writes nothing. So a decision can be read, tested and logged
-as data, and every change of the job's state is made in one place, in the order the list gives.
+A component reads the state, calls pure functions, and hands the writer a list of effects; it writes
+nothing itself. So a decision can be read, tested and logged as data (:func:`.failures.plan_failure`
+returns one whole), and every change of the job's state is made in one place, in the order the list gives.
 """
 
 from __future__ import annotations
@@ -13,32 +12,56 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from phalanx.api import views
 from phalanx.api.elasticjob import Phase
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import HangAnalysis
+from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.decide.failure_policy import FailureRecord
 from phalanx.master.state.events import EventKind
 from phalanx.master.state.jobstate import HangInquiry, PendingRestart
+from phalanx.master.state.nodes import Node
 
 __all__ = [
+    "AddNode",
     "AmendRestart",
+    "Answered",
     "AskStacks",
+    "Beat",
+    "BreakpointReport",
     "ChargeHang",
+    "CompleteRound",
+    "Completed",
+    "Disconnected",
+    "DropNodes",
+    "DropProbeActions",
     "Effect",
     "Emit",
     "Evict",
     "Finish",
+    "Forget",
+    "HeldInMemory",
     "HoldRestart",
+    "Join",
     "KeepStacks",
+    "LeaveOut",
+    "MinNodesClock",
+    "NextProbe",
     "NoteFailures",
     "OpenRound",
+    "Persisted",
+    "Probed",
     "Push",
     "RecordHangAnalysis",
     "Restart",
     "Saved",
+    "Scheduled",
     "SeeNode",
     "SetRootCause",
+    "SettleBreakpoint",
     "SettleRestart",
+    "SpecGeneration",
+    "Suspend",
     "Tally",
 ]
 
@@ -59,17 +82,185 @@ class Emit:
 
 @dataclass(frozen=True)
 class Tally:
-    """One more of ``label`` in one of the job's counters for ``/metrics``."""
+    """One more in one of the job's counters for ``/metrics``: of ``label``, for a counter by label."""
 
-    counter: Literal["failures", "hang_verdicts"]
-    label: str
+    counter: Literal[
+        "failures",
+        "hang_verdicts",
+        "probe_rounds",
+        "probe_reports_stale",
+        "slow_step_verdicts",
+        "checkpoint_failures",
+    ]
+    label: str = ""
 
 
 @dataclass(frozen=True)
 class SeeNode:
-    """The node was heard from now."""
+    """The node was heard from now; with what it said of itself (None: unchanged)."""
 
     node_id: str
+    agent_version: str | None = None
+    nproc: int | None = None
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A heartbeat: what the node says of itself and its ranks' progress (see :meth:`Node.heard`), the
+    actions it acknowledged, the job's newest step, the recovery's dates and the timeline."""
+
+    req: pb.HeartbeatRequest
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A heartbeat answer carried the node's pending actions (a held heartbeat: connected all along)."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    """The connection of the node's held heartbeat closed before its answer."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class DropNodes:
+    """Records of nodes lost long ago, dropped to make room for new ones."""
+
+    node_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AddNode:
+    """A node registered, or a new incarnation of one (which then leaves the round's joiners)."""
+
+    node: Node
+    replaces: bool
+
+
+@dataclass(frozen=True)
+class Join:
+    """A node joined the open round (its nproc as it said)."""
+
+    joiner: rdzv.Joiner
+
+
+@dataclass(frozen=True)
+class CompleteRound:
+    """The open round completed: the job runs ``round``."""
+
+    round: rdzv.Round
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The node completed its work in the running round."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """How many worker Pods the scheduler placed, as the operator last said (None: not known)."""
+
+    workers: int | None
+
+
+@dataclass(frozen=True)
+class SpecGeneration:
+    """The generation of the ElasticJob spec the job follows (published: the operator waits for it)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Suspend:
+    """The job is suspended (or resumed): held heartbeats wake to learn it."""
+
+    value: bool
+
+
+@dataclass(frozen=True)
+class MinNodesClock:
+    """Since when fewer than ``min_nodes`` nodes are alive (None: enough, or their time has not started)."""
+
+    since: float | None
+
+
+@dataclass(frozen=True)
+class Forget:
+    """A node that left a suspended job is dropped."""
+
+    node_id: str
+    why: str
+
+
+@dataclass(frozen=True)
+class LeaveOut:
+    """The rounds stop waiting for an absent node, once per disconnection."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class SettleBreakpoint:
+    """The breakpoint's step is agreed once every reachable member reported (``answered`` learns it from
+    its own response)."""
+
+    answered: str = ""
+
+
+@dataclass(frozen=True)
+class Persisted:
+    """A node persisted its shards of a step (a step is committed once every shard is)."""
+
+    step: int
+    ranks: tuple[int, ...]
+    world_size: int
+
+
+@dataclass(frozen=True)
+class HeldInMemory:
+    """The node holds ``step`` in memory."""
+
+    node_id: str
+    step: int
+
+
+@dataclass(frozen=True)
+class BreakpointReport:
+    """What a node of broken round ``round`` holds in memory and would persist (the breakpoint of that
+    round is opened with the running round's members if it is not yet)."""
+
+    node_id: str
+    round: int
+    held: tuple[int, ...]
+    persisting: int
+
+
+@dataclass(frozen=True)
+class NextProbe:
+    """A probe round took the next probe id."""
+
+
+@dataclass(frozen=True)
+class Probed:
+    """A node's probe results of one kind, kept on the node."""
+
+    node_id: str
+    kind: str
+    results: tuple[views.PeerProbe, ...]
+
+
+@dataclass(frozen=True)
+class DropProbeActions:
+    """A probe round ended: its RUN_PROBE actions not yet delivered are dropped."""
+
+    probe_round: int
+    node_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -197,6 +388,27 @@ Effect = (
     Emit
     | Tally
     | SeeNode
+    | Beat
+    | Answered
+    | Disconnected
+    | DropNodes
+    | AddNode
+    | Join
+    | CompleteRound
+    | Completed
+    | Scheduled
+    | SpecGeneration
+    | Suspend
+    | MinNodesClock
+    | Forget
+    | LeaveOut
+    | SettleBreakpoint
+    | Persisted
+    | HeldInMemory
+    | BreakpointReport
+    | NextProbe
+    | Probed
+    | DropProbeActions
     | NoteFailures
     | SetRootCause
     | AmendRestart

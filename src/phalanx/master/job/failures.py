@@ -27,7 +27,8 @@ from phalanx.master.decide.failure_policy import (
 )
 from phalanx.master.job import effects as fx
 from phalanx.master.job import hangs
-from phalanx.master.job.core import JobCore, action, ending, exit_action, failure_log
+from phalanx.master.job.answers import action, ending, exit_action
+from phalanx.master.job.core import JobCore, failure_log
 from phalanx.master.state.jobstate import JobState, PendingRestart
 from phalanx.master.state.nodes import ALIVE, Node
 

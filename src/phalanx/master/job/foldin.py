@@ -13,8 +13,8 @@ from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.decide import foldin
 from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.errors import RequestError
+from phalanx.master.job import effects as fx
 from phalanx.master.job.core import JobCore, failure_log, log, rdzv_log
-from phalanx.master.state.breakpoints import Breakpoint
 from phalanx.master.state.nodes import ALIVE
 
 __all__ = ["FoldIn"]
@@ -52,7 +52,7 @@ class FoldIn:
         ):
             self.fold_in_wait = None
             return
-        step = self.core.round_step()
+        step = self.state.round_step()
         wait = self.fold_in_wait
         fresh = wait is None or wait.round != s.round_number
         if wait is None or wait.round != s.round_number:
@@ -82,32 +82,31 @@ class FoldIn:
             )
         if decision.now:
             self.fold_in_wait = None
-            self.core.open_round(f"scale up: {waiting} node(s) waiting; {decision.reason}", now=now)
+            self.core.apply(
+                [fx.OpenRound(f"scale up: {waiting} node(s) waiting; {decision.reason}")], now=now
+            )
 
     def report_checkpoint(
         self, req: pb.ReportCheckpointRequest, *, now: float
     ) -> pb.ReportCheckpointResponse:
         s, core = self.state, self.core
-        node = core.node(req.node_id, req.incarnation)
+        node = s.node(req.node_id, req.incarnation)
         persist_step = -1
         if req.state == pb.CHECKPOINT_STATE_PERSISTED:
-            if s.checkpoints.persisted(step=req.step, ranks=req.ranks, world_size=req.world_size):
-                core.event(
-                    "checkpoint_committed",
+            committed = s.checkpoints.committed
+            core.apply([fx.Persisted(req.step, tuple(req.ranks), req.world_size)], now=now)
+            if s.checkpoints.committed > committed:
+                message = f"step {req.step} at {req.path}"
+                core.apply(
+                    [fx.Emit("checkpoint_committed", message, node=req.node_id, log=log.info), fx.Saved()],
                     now=now,
-                    node=req.node_id,
-                    message=f"step {req.step} at {req.path}",
-                    log=log.info,
                 )
-                core.changed(durable=True)
                 self.commit_times = (self.commit_times[1], now)
                 if self.fold_in_wait is not None:
                     self.maybe_fold_in(now=now)  # a checkpoint was just taken: a boundary
         elif req.state == pb.CHECKPOINT_STATE_FAILED:
-            s.stats.checkpoint_failures += 1
-            core.event(
-                "checkpoint_failed", now=now, node=req.node_id, message=f"step {req.step}: {req.error}"
-            )
+            failed = fx.Emit("checkpoint_failed", f"step {req.step}: {req.error}", node=req.node_id)
+            core.apply([fx.Tally("checkpoint_failures"), failed], now=now)
             failure_log.warning(
                 "persisting checkpoint step %d failed: %s",
                 req.step,
@@ -122,9 +121,8 @@ class FoldIn:
                     f"{req.node_id} is {node.status}: it leaves the job's state to the survivors",
                     code="failed_precondition",
                 )
-            node.memory_checkpoint_step = max(node.memory_checkpoint_step, req.step)
+            core.apply([fx.HeldInMemory(req.node_id, req.step), fx.Saved(durable=False)], now=now)
             self.snapshots = foldin.cadence([req.held_steps]) or self.snapshots
-            core.changed()
             if req.round > 0:
                 persist_step = self._breakpoint_report(req, now=now)
         return pb.ReportCheckpointResponse(
@@ -140,11 +138,11 @@ class FoldIn:
         if bp is None or bp.round < req.round:
             if req.round != s.round_number:
                 return -1  # a round that is not the running one: its members are not known any more
-            bp = s.breakpoint = Breakpoint(round=req.round, members=frozenset(s.members))
         elif bp.round > req.round:
             return -1  # a late report of an older breakpoint
-        if bp.step is not None:  # agreed already (a node reporting twice, or a straggler)
+        elif bp.step is not None:  # agreed already (a node reporting twice, or a straggler)
             return bp.step if bp.step in req.held_steps else -1
-        bp.report(req.node_id, held=req.held_steps, persisting=req.step)
-        self.core.settle_breakpoint(now=now, answered=req.node_id)
-        return -1 if bp.step is None else bp.step
+        report = fx.BreakpointReport(req.node_id, req.round, tuple(req.held_steps), persisting=req.step)
+        self.core.apply([report, fx.SettleBreakpoint(answered=req.node_id)], now=now)
+        bp = s.breakpoint
+        return -1 if bp is None or bp.step is None else bp.step

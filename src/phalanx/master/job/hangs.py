@@ -17,7 +17,8 @@ from phalanx.api.verdicts import HangAnalysis
 from phalanx.diagnostics import hang
 from phalanx.diagnostics.stacks import compare_stacks
 from phalanx.master.job import effects as fx
-from phalanx.master.job.core import JobCore, action, failure_log
+from phalanx.master.job.answers import action
+from phalanx.master.job.core import JobCore, failure_log
 from phalanx.master.state.jobstate import HangInquiry, JobState
 from phalanx.master.state.nodes import ALIVE
 

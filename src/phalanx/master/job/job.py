@@ -38,7 +38,7 @@ from phalanx.api.verdicts import Eviction, HangAnalysis
 from phalanx.diagnostics.stragglers import NodeScore
 from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.decide.failure_policy import FailureRecord
-from phalanx.master.job.core import EVENT_SEQ_GAP, FINISHED, JobCore
+from phalanx.master.job.core import FINISHED, JobCore
 from phalanx.master.job.failures import Failures
 from phalanx.master.job.foldin import FoldIn
 from phalanx.master.job.hangs import Hangs
@@ -130,13 +130,8 @@ class Job:
         self.liveness = Liveness(core, hangs=self.hangs, rounds=self.rounds)
         if saved is not None:
             snapshot.restore(state, saved, now=now)
-            # Events after the last save died with the old master; skipping ahead keeps every seq a poller
-            # saw below the new ones, so `since=<last seen>` never hides a new event.
-            state.events = EventLog(first_seq=int(saved.get("event_seq", 1)) + EVENT_SEQ_GAP)
-            # Likewise an action pushed after the last save must not reuse a seq an agent already acked.
-            state.action_seq = int(saved.get("action_seq", 0)) + EVENT_SEQ_GAP
-            # Restored only now, into the new log: master_resumed (a non-holding event) emits it first, once.
-            state.pending_restart = snapshot.pending_restart(saved)
+            # The restored restart event waiting for its root cause goes into the new log first, once:
+            # master_resumed does not hold it.
             core.event(
                 "master_resumed", now=now, round=state.round_number, message=f"resumed in phase {state.phase}"
             )
@@ -170,7 +165,7 @@ class Job:
         return self.state.alive()
 
     def absent(self, *, now: float) -> list[str]:
-        return self.core.absent(now=now)
+        return self.state.absent(now=now)
 
     @property
     def probe(self) -> ProbeRound | None:
@@ -248,7 +243,7 @@ class Job:
 
     def check_node(self, node_id: str, incarnation: str) -> Node:
         """The node's record; RequestError for an unknown node or incarnation."""
-        return self.core.node(node_id, incarnation)
+        return self.state.node(node_id, incarnation)
 
     def register(self, req: pb.RegisterNodeRequest, *, now: float) -> pb.RegisterNodeResponse:
         return self.rounds.register(req, now=now)

@@ -8,6 +8,7 @@ Pure: every method takes ``now`` and does no I/O.
 from __future__ import annotations
 
 from phalanx.api.elasticjob import Phase
+from phalanx.master.job import effects as fx
 from phalanx.master.job.core import JobCore, failure_log, log
 from phalanx.master.job.hangs import Hangs
 from phalanx.master.job.rounds import Rounds
@@ -31,16 +32,14 @@ class Liveness:
         """Follows the ElasticJob's spec as the master last read it (generation ``generation``), and the
         operator's count of worker Pods the scheduler placed (None: not known)."""
         s = self.state
-        s.scheduled_workers = scheduled_workers
+        self.core.apply([fx.Scheduled(scheduled_workers)], now=now)
         self.suspend(suspend, now=now)
         min_nodes = s.settings.rendezvous.min_nodes
         if scheduled_workers is not None and scheduled_workers < min_nodes:
-            s.below_min_since = None
+            self.core.apply([fx.MinNodesClock(None)], now=now)
         elif s.below_min_since is None and not s.suspended and len(s.alive()) < min_nodes:
-            s.below_min_since = now  # placed now: the nodes' time to join starts
-        if generation != s.spec_generation:
-            s.spec_generation = generation
-            self.core.changed()  # published: the operator waits for the generation it acts on
+            self.core.apply([fx.MinNodesClock(now)], now=now)  # placed now: the nodes' time to join starts
+        self.core.apply([fx.SpecGeneration(generation)], now=now)
 
     def suspend(self, value: bool, *, now: float) -> None:
         """Follows the job's ``spec.suspend`` (see :mod:`phalanx.master.job.core`); a finished job ignores
@@ -48,24 +47,19 @@ class Liveness:
         s = self.state
         if value == s.suspended or s.finished:
             return
-        s.suspended = value
         if value:
-            self.core.event(
-                "job_suspended",
-                now=now,
-                message="nodes that leave now are forgotten, not evicted",
-                log=log.info,
-            )
-        else:
-            self.core.event(
-                "job_resumed", now=now, message="waiting for the nodes of the resumed job", log=log.info
-            )
-            if any(m not in s.nodes for m in s.members):
-                self.core.open_round("resumed after a suspension", now=now)
-            alive = len(s.alive())
-            s.below_min_since = now if alive < s.settings.rendezvous.min_nodes else None
-        s.action_version += 1
-        self.core.changed(durable=True)
+            message = "nodes that leave now are forgotten, not evicted"
+            self.core.apply([fx.Suspend(True), fx.Emit("job_suspended", message, log=log.info)], now=now)
+            return
+        effects: list[fx.Effect] = [
+            fx.Suspend(False),
+            fx.Emit("job_resumed", "waiting for the nodes of the resumed job", log=log.info),
+        ]
+        if any(m not in s.nodes for m in s.members):
+            effects.append(fx.OpenRound("resumed after a suspension"))
+        alive = len(s.alive())
+        effects.append(fx.MinNodesClock(now if alive < s.settings.rendezvous.min_nodes else None))
+        self.core.apply(effects, now=now)
 
     def tick(self, *, now: float) -> None:
         """Applies everything that happens with time: lost nodes, last calls, hang and min-nodes timeouts."""
@@ -74,53 +68,51 @@ class Liveness:
             return
         hb = s.settings.heartbeat
         if s.suspended:
-            for node_id in expired(s.nodes.values(), now=now, timeout_s=hb.timeout_s):
-                core.forget(s.nodes[node_id], now=now, why=f"no heartbeat for {hb.timeout_s:g}s")
-            for node_id in core.absent(now=now):
-                node = s.nodes[node_id]
-                core.forget(node, now=now, why="its agent left" if node.leaving else "its connection closed")
-            core.settle_breakpoint(now=now)
-            s.below_min_since = None  # the min-nodes timeout starts again when the job resumes
+            silent = f"no heartbeat for {hb.timeout_s:g}s"
+            core.apply(
+                [fx.Forget(n, silent) for n in expired(s.nodes.values(), now=now, timeout_s=hb.timeout_s)],
+                now=now,
+            )
+            core.apply(
+                [
+                    fx.Forget(n, "its agent left" if s.nodes[n].leaving else "its connection closed")
+                    for n in s.absent(now=now)
+                ],
+                now=now,
+            )
+            # The min-nodes timeout starts again when the job resumes.
+            core.apply([fx.SettleBreakpoint(), fx.MinNodesClock(None)], now=now)
             return
         for node_id in expired(s.nodes.values(), now=now, timeout_s=hb.timeout_s):
             self._lose(s.nodes[node_id], now=now)
             if s.finished:
                 return
-        for node_id in core.absent(now=now):
+        for node_id in s.absent(now=now):
             self._leave_out(s.nodes[node_id], now=now)
         inquiry = s.hang
         if inquiry is not None and now - inquiry.requested_at > hb.timeout_s:
             self.hangs.conclude(now=now)
-        core.settle_breakpoint(now=now)  # a member that went away is no longer waited for
+        core.apply([fx.SettleBreakpoint()], now=now)  # a member that went away is no longer waited for
         self.rounds.maybe_complete(now=now)
         rs = s.settings.rendezvous
         alive = len(s.alive())
         unplaced = s.scheduled_workers is not None and s.scheduled_workers < rs.min_nodes
         if alive >= rs.min_nodes or unplaced:
-            s.below_min_since = None
+            core.apply([fx.MinNodesClock(None)], now=now)
         elif s.below_min_since is None:
-            s.below_min_since = now
+            core.apply([fx.MinNodesClock(now)], now=now)
         elif now - s.below_min_since > rs.min_nodes_timeout_s:
-            core.finish(
-                Phase.FAILED,
-                f"only {alive} of the {rs.min_nodes} required nodes for over {rs.min_nodes_timeout_s:g}s",
-                now=now,
-            )
+            why = f"only {alive} of the {rs.min_nodes} required nodes for over {rs.min_nodes_timeout_s:g}s"
+            core.apply([fx.Finish(Phase.FAILED, why)], now=now)
 
     def _lose(self, node: Node, *, now: float) -> None:
-        s = self.state
-        timeout = s.settings.heartbeat.timeout_s
-        self.core.event(
-            "node_lost",
-            now=now,
-            node=node.node_id,
-            message=f"no heartbeat for {timeout:g}s",
-            log=failure_log.error,
-        )
+        timeout = self.state.settings.heartbeat.timeout_s
         reason = f"{node.node_id} sent no heartbeat for {timeout:g}s"
-        self.core.evict_and_reopen(
-            node, kind="heartbeat_timeout", reason=reason, why=f"{node.node_id} lost", now=now
+        lost = fx.Emit(
+            "node_lost", f"no heartbeat for {timeout:g}s", node=node.node_id, log=failure_log.error
         )
+        evict = fx.Evict(node.node_id, "heartbeat_timeout", reason, reopen_why=f"{node.node_id} lost")
+        self.core.apply([lost, evict], now=now)
 
     def _leave_out(self, node: Node, *, now: float) -> None:
         """Stops waiting for an absent node, once per disconnection: a member's absence opens a new round at
@@ -128,17 +120,16 @@ class Liveness:
         back within the heartbeat timeout, it joins again; silent until then, it is lost as usual."""
         if node.absence_handled == node.disconnected_at:
             return
-        node.absence_handled = node.disconnected_at
         s = self.state
-        self.core.event(
-            "node_disconnected",
-            now=now,
-            node=node.node_id,
-            message="its agent is leaving"
+        why = (
+            "its agent is leaving"
             if node.leaving
-            else "its connection closed and it was not heard from since",
-            log=failure_log.warning,
+            else "its connection closed and it was not heard from since"
         )
-        s.joiners.pop(node.node_id, None)
+        effects: list[fx.Effect] = [
+            fx.LeaveOut(node.node_id),
+            fx.Emit("node_disconnected", why, node=node.node_id, log=failure_log.warning),
+        ]
         if node.node_id in s.members and not s.finished:
-            self.core.open_round(f"{node.node_id} disconnected", now=now)
+            effects.append(fx.OpenRound(f"{node.node_id} disconnected"))
+        self.core.apply(effects, now=now)

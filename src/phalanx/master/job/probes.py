@@ -55,7 +55,9 @@ from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics.stragglers import NodeVerdict, compute_verdicts, link_verdicts
 from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.errors import RequestError
-from phalanx.master.job.core import JobCore, action, failure_log, log
+from phalanx.master.job import effects as fx
+from phalanx.master.job.answers import action
+from phalanx.master.job.core import JobCore, failure_log, log
 from phalanx.master.state.events import EventKind
 from phalanx.master.state.nodes import ALIVE
 
@@ -217,22 +219,22 @@ class ProbeRounds:
             kinds=kinds,
         )
         self.probe = probe
-        s.next_probe += 1
         self.probed_round = r.number
         self.last_probe_at = now
         reason = f"probe round {probe.id} ({trigger})"
-        for node_id in members:
-            self.core.push(s.nodes[node_id], run_probe_actions(probe, store=r, reason=reason))
-        self.core.event("probe_started", now=now, message=f"{reason}: {', '.join(members)}", log=log.info)
+        effects: list[fx.Effect] = [fx.NextProbe()]
+        effects += [fx.Push(n, tuple(run_probe_actions(probe, store=r, reason=reason))) for n in members]
+        effects.append(fx.Emit("probe_started", f"{reason}: {', '.join(members)}", log=log.info))
+        self.core.apply(effects, now=now)
         return probe
 
     def report_probe(self, req: pb.ReportProbeRequest, *, now: float) -> None:
         """A node's probe results: kept on the node (``/v1/nodes``) and counted toward the running round."""
-        node = self.core.node(req.node_id, req.incarnation)
+        node = self.state.node(req.node_id, req.incarnation)
         if req.incarnation != node.incarnation:
             return  # a replaced agent's results say nothing about the node now
         kind = pb.ProbeKind.Name(req.probe).removeprefix("PROBE_KIND_").lower()
-        node.probes[kind] = [
+        results = tuple(
             views.PeerProbe(
                 peer_node_id=m.peer_node_id,
                 ok=m.ok,
@@ -243,9 +245,10 @@ class ProbeRounds:
                 probe_round=req.probe_round,
             )
             for m in req.measurements
-        ]
+        )
+        self.core.apply([fx.Probed(req.node_id, kind, results)], now=now)
         self.probe_report(req, now=now)
-        self.core.changed()
+        self.core.apply([fx.Saved(durable=False)], now=now)
 
     def probe_report(self, req: pb.ReportProbeRequest, *, now: float) -> bool:
         """Counts a ReportProbe toward the running round; False when it is stale (and ignored)."""
@@ -261,7 +264,7 @@ class ProbeRounds:
         ):
             if probe is not None:
                 probe.stale_reports += 1
-            self.state.stats.probe_reports_stale += 1
+            self.core.apply([fx.Tally("probe_reports_stale")], now=now)
             log.info(
                 "ignored a stale %s probe report (probe round %d)",
                 kind or "unknown",
@@ -281,7 +284,7 @@ class ProbeRounds:
     def tick(self, *, now: float) -> None:
         """Probe-round timeouts, aborts and scheduling."""
         s = self.state
-        if self.first_step[0] != s.round_number and self.core.round_step() >= 0:
+        if self.first_step[0] != s.round_number and self.state.round_step() >= 0:
             self.first_step = (s.round_number, now)
         probe = self.probe
         if probe is not None and probe.result == "running":
@@ -348,19 +351,13 @@ class ProbeRounds:
     def _end_probe(self, probe: ProbeRound, result: views.ProbeResult, *, now: float, why: str) -> None:
         probe.result = result
         probe.finished_at = now
-        for node_id in probe.members:
-            node = self.state.nodes.get(node_id)
-            if node is not None:  # RUN_PROBE not yet delivered would start a probe nobody waits for
-                node.pending[:] = [
-                    a
-                    for a in node.pending
-                    if not (a.kind == pb.ACTION_KIND_RUN_PROBE and a.probe_round == probe.id)
-                ]
-        stats = self.state.stats
-        stats.probe_rounds[result] = stats.probe_rounds.get(result, 0) + 1
-        self.core.event(
-            "probe_finished", now=now, round=probe.rendezvous_round, message=f"{result}: {why}", log=log.info
-        )
+        finished = fx.Emit("probe_finished", f"{result}: {why}", round=probe.rendezvous_round, log=log.info)
+        effects: list[fx.Effect] = [
+            fx.DropProbeActions(probe.id, tuple(probe.members)),
+            fx.Tally("probe_rounds", result),
+            finished,
+        ]
+        self.core.apply(effects, now=now)
 
     def _finish_probe(self, *, now: float) -> None:
         probe = self.probe

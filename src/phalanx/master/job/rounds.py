@@ -15,7 +15,9 @@ from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.decide.failure_policy import FailureRecord
 from phalanx.master.errors import RequestError
-from phalanx.master.job.core import JobCore, action, log, rdzv_log
+from phalanx.master.job import effects as fx
+from phalanx.master.job.answers import action, end_reason, exit_action
+from phalanx.master.job.core import JobCore, log
 from phalanx.master.job.failures import Failures
 from phalanx.master.job.foldin import FoldIn
 from phalanx.master.state.nodes import (
@@ -59,16 +61,17 @@ class Rounds:
             raise RequestError(f"the node belongs to job {req.job_id!r}; this master serves {s.job_id!r}")
         node = s.nodes.get(req.node_id)
         if node is None:
-            for gone in lost_records_to_drop(s.nodes.values(), members=s.members):
-                del s.nodes[gone]
+            core.apply(
+                [fx.DropNodes(tuple(lost_records_to_drop(s.nodes.values(), members=s.members)))], now=now
+            )
             refusal = registration_refusal(
                 s.nodes.values(), node_id=req.node_id, max_nodes=s.settings.rendezvous.max_nodes
             )
             if refusal:
                 raise RequestError(refusal, code="failed_precondition")
         if node is not None and node.incarnation == req.incarnation:
-            node.last_seen = now  # the same agent again, e.g. reconnecting after a master restart
-            node.agent_version = req.agent_version
+            # The same agent again, e.g. reconnecting after a master restart.
+            core.apply([fx.SeeNode(req.node_id, agent_version=req.agent_version)], now=now)
         else:
             new = Node(
                 node_id=req.node_id,
@@ -79,16 +82,19 @@ class Rounds:
                 agent_version=req.agent_version,
                 registered_unix=now,
                 last_seen=now,
+                old_incarnations=[] if node is None else [*node.old_incarnations, node.incarnation][-8:],
             )
-            s.nodes[req.node_id] = new
             if node is None:
-                core.event("node_registered", now=now, node=req.node_id, message=f"host {req.host}")
-            else:
-                new.old_incarnations = [*node.old_incarnations, node.incarnation][-8:]
-                s.joiners.pop(req.node_id, None)
-                core.event(
-                    "node_replaced", now=now, node=req.node_id, message=f"new incarnation {req.incarnation}"
+                core.apply(
+                    [
+                        fx.AddNode(new, replaces=False),
+                        fx.Emit("node_registered", f"host {req.host}", node=req.node_id),
+                    ],
+                    now=now,
                 )
+            else:
+                replaced = fx.Emit("node_replaced", f"new incarnation {req.incarnation}", node=req.node_id)
+                core.apply([fx.AddNode(new, replaces=True), replaced], now=now)
                 if node.status == ALIVE and req.node_id in s.members and not s.round_open and not s.finished:
                     # The old agent is gone with its workers: a failure of the round like any other.
                     record = FailureRecord(
@@ -105,7 +111,7 @@ class Rounds:
                 req.incarnation,
                 extra={"node": req.node_id, "round": s.round_number},
             )
-            core.changed(durable=True)
+            core.apply([fx.Saved()], now=now)
         return pb.RegisterNodeResponse(
             heartbeat_interval_s=s.settings.heartbeat.interval_s,
             heartbeat_timeout_s=s.settings.heartbeat.timeout_s,
@@ -115,7 +121,7 @@ class Rounds:
 
     def join(self, req: pb.JoinRendezvousRequest, *, now: float) -> pb.JoinRendezvousResponse:
         s = self.state
-        node = self.core.node(req.node_id, req.incarnation)
+        node = self.state.node(req.node_id, req.incarnation)
         if s.finished:
             return pb.JoinRendezvousResponse(round=s.next_round)  # GetRendezvous then answers CLOSED
         if node.status != ALIVE or req.incarnation != node.incarnation:
@@ -123,10 +129,7 @@ class Rounds:
                 f"node {req.node_id} may not join: {node.exit_reason or 'replaced'}",
                 code="failed_precondition",
             )
-        node.last_seen = now
-        node.nproc = req.nproc_per_node
-        fresh = req.node_id not in s.joiners
-        s.joiners[req.node_id] = rdzv.Joiner(
+        joiner = rdzv.Joiner(
             node_id=req.node_id,
             nproc=req.nproc_per_node,
             store_host=req.store_host,
@@ -134,11 +137,13 @@ class Rounds:
             last_round=req.last_round,
             joined_at=now,
         )
-        if fresh:
-            self.core.event("node_joined", now=now, node=req.node_id, round=s.next_round)
+        effects: list[fx.Effect] = [fx.SeeNode(req.node_id, nproc=req.nproc_per_node), fx.Join(joiner)]
+        if req.node_id not in s.joiners:
+            effects.append(fx.Emit("node_joined", "", node=req.node_id, round=s.next_round))
+        self.core.apply(effects, now=now)
         if not s.round_open:
             if s.is_member(req.node_id):
-                self.core.open_round(f"{req.node_id} rejoined", now=now)
+                self.core.apply([fx.OpenRound(f"{req.node_id} rejoined")], now=now)
             else:
                 self.fold_in.maybe_fold_in(now=now)
         joined = s.next_round  # the round may complete right now; the node joined this one
@@ -147,7 +152,7 @@ class Rounds:
 
     def get_rendezvous(self, req: pb.GetRendezvousRequest, *, now: float) -> RendezvousAnswer:
         s = self.state
-        node = self.core.node(req.node_id, req.incarnation)
+        node = self.state.node(req.node_id, req.incarnation)
         resp = pb.GetRendezvousResponse(
             round=req.round,
             restart_count=s.restart_count,
@@ -198,7 +203,7 @@ class Rounds:
         s = self.state
         grace = RESTORE_GRACE_INTERVALS * s.settings.heartbeat.interval_s
         left_out = set(unheard_since_restore(s.nodes.values(), now=now, grace_s=grace))
-        left_out.update(self.core.absent(now=now))
+        left_out.update(self.state.absent(now=now))
         # One set, built once: this runs at every join; a union per node is quadratic at thousands of nodes.
         return [n.node_id for n in s.nodes.values() if n.status == ALIVE and n.node_id not in left_out]
 
@@ -228,44 +233,26 @@ class Rounds:
             settings=s.settings.rendezvous,
             now=now,
         )
-        s.round = new
-        s.next_round = new.number + 1
-        s.round_open = False
-        s.joiners.clear()  # those left out get NOT_MEMBER and join the next round
-        if s.breakpoint is not None and s.breakpoint.step is None:
-            # Every node that saves at a breakpoint reports before it joins: whoever has not reported by now
-            # regrouped in place or is gone, and the old snapshots will not stay in memory for long.
-            s.breakpoint = None
-        s.completed = set()
-        s.round_failures = []
-        s.phase = Phase.RUNNING
-        self.core.event(
-            "round_complete",
-            now=now,
-            round=new.number,
-            message=f"world size {new.world_size}, members {', '.join(new.node_ids)}",
-            log=rdzv_log.info,
-        )
-        s.round_version += 1
-        self.core.changed(durable=True)
+        self.core.apply([fx.CompleteRound(new)], now=now)
 
     def report_completion(self, req: pb.ReportCompletionRequest, *, now: float) -> pb.Action:
         s, core = self.state, self.core
-        node = core.node(req.node_id, req.incarnation)
-        leave = core.exitaction(node, req.incarnation)
+        node = s.node(req.node_id, req.incarnation)
+        leave = exit_action(s, node, req.incarnation)
         if leave is not None:
             return leave
-        node.last_seen = now
+        core.apply([fx.SeeNode(req.node_id)], now=now)
         if req.round != s.round_number or req.node_id not in s.members:
             return action(pb.ACTION_KIND_REJOIN, round=s.next_round, reason="a newer round exists")
         if s.round_open:
             return action(pb.ACTION_KIND_REJOIN, round=s.next_round, reason="a new round is open")
         if req.node_id not in s.completed:
-            s.completed.add(req.node_id)
-            core.event("node_completed", now=now, node=req.node_id)
-            core.changed(durable=True)
+            core.apply(
+                [fx.Completed(req.node_id), fx.Emit("node_completed", "", node=req.node_id), fx.Saved()],
+                now=now,
+            )
         if self.maybe_succeed(now=now):
-            return action(pb.ACTION_KIND_EXIT, round=s.round_number, exit_code=0, reason=core.end_reason())
+            return action(pb.ACTION_KIND_EXIT, round=s.round_number, exit_code=0, reason=end_reason(s))
         return action(pb.ACTION_KIND_NONE)
 
     def maybe_succeed(self, *, now: float) -> bool:

@@ -27,6 +27,7 @@ from phalanx.diagnostics.stragglers import (
     straggler_reason,
     straggler_state,
 )
+from phalanx.master.job import effects as fx
 from phalanx.master.job.core import JobCore, failure_log
 from phalanx.master.job.probes import ProbeRounds
 from phalanx.master.state.nodes import ALIVE
@@ -170,10 +171,8 @@ class StepChecks:
         }
         for v in new:
             node = self.step_times.node_of.get(v.rank, "")
-            s.stats.slow_step_verdicts += 1
-            self.core.event(
-                "slow_steps", now=now, node=node, rank=v.rank, message=v.reason, log=failure_log.warning
-            )
+            slow = fx.Emit("slow_steps", v.reason, node=node, rank=v.rank, log=failure_log.warning)
+            self.core.apply([fx.Tally("slow_step_verdicts"), slow], now=now)
         if verdicts or new:
             self.core.changed()
         self._score_nodes(now=now)

@@ -24,7 +24,7 @@ from phalanx.master.state.breakpoints import Breakpoint
 from phalanx.master.state.checkpoints import CheckpointTracker
 from phalanx.master.state.counters import JobStats
 from phalanx.master.state.events import EventLog
-from phalanx.master.state.nodes import ALIVE, Node
+from phalanx.master.state.nodes import ALIVE, Node, absent
 from phalanx.master.state.recovery import RecoveryTracker
 from phalanx.master.state.timeline import Timeline
 
@@ -203,6 +203,22 @@ class JobState:
 
     def alive(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.status == ALIVE]
+
+    def absent(self, *, now: float) -> list[str]:
+        """Live nodes whose agent is most likely gone (see :func:`phalanx.master.state.nodes.absent`); the
+        grace is one heartbeat interval, within which a live agent whose connection broke heartbeats again."""
+        return absent(self.nodes.values(), now=now, grace_s=self.settings.heartbeat.interval_s)
+
+    def round_step(self) -> int:
+        """The newest step a rank of the running round reported (-1: none yet). Not ``max_step``: after a
+        restore from an older step, the job is behind it until the lost steps are trained again."""
+        top = -1
+        for node_id in self.members:
+            node = self.nodes.get(node_id)
+            if node is not None and node.hb_round == self.round_number:
+                for r in node.ranks:
+                    top = max(top, r.step)
+        return top
 
     def node(self, node_id: str, incarnation: str) -> Node:
         """The node's record; RequestError for an unknown node or incarnation."""

@@ -91,6 +91,25 @@ class Node:
     restored_at: float = 0.0
     """When a restarted master restored it from its state (0: it registered with this master)."""
 
+    def heard(self, req: pb.HeartbeatRequest, *, now: float) -> int:
+        """What the node's heartbeat says of it (the job's writer applies it); the number of acknowledged
+        one-shot actions that had been sent before (answers lost on the way)."""
+        repeated = 0
+        if self.pending:
+            self.pending[:] = [a for a in self.pending if a.seq > req.acked_seq]
+            repeated = sum(1 for a in self.pending if a.seq <= self.sent_seq)
+        self.last_seen = now
+        self.state = req.state
+        leaving = req.state == pb.NODE_STATE_LEAVING
+        if leaving and not self.leaving:
+            self.disconnected_at = now  # the absence is handled once, as a disconnection's is
+        self.leaving = leaving
+        self.hb_round = req.round
+        self.agent_restarts = req.restart_count
+        if req.ranks:
+            self.ranks = list(req.ranks)  # read the repeated field once: every beat passes here
+        return repeated
+
     def durable(self) -> dict[str, Any]:
         return {
             "incarnation": self.incarnation,

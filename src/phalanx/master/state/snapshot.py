@@ -27,13 +27,18 @@ from phalanx.api.errors import StateStoreError
 from phalanx.api.verdicts import Eviction
 from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.state.checkpoints import CheckpointTracker
+from phalanx.master.state.events import EventLog
 from phalanx.master.state.jobstate import JobState, PendingRestart
 from phalanx.master.state.nodes import Node
 from phalanx.master.state.recovery import RecoveryTracker
 
-__all__ = ["STATE_VERSION", "durable", "pending_restart", "restore"]
+__all__ = ["EVENT_SEQ_GAP", "STATE_VERSION", "durable", "pending_restart", "restore"]
 
 STATE_VERSION = 1
+EVENT_SEQ_GAP = 1000
+"""How far a restarted master's event and action seqs skip past the saved counters: events and actions
+after the last save died with the old master, and a seq a poller or an agent saw must stay below the new
+ones."""
 
 
 def durable(job: JobState) -> dict[str, Any]:
@@ -129,6 +134,11 @@ def restore(job: JobState, saved: Mapping[str, Any], *, now: float) -> None:
     job.next_probe = int(saved.get("next_probe", 1))
     job.opened_at = now
     job.below_min_since = now if len(job.alive()) < job.settings.rendezvous.min_nodes else None
+    # A new log, past the gap: ``since=<last seen>`` never hides a new event; likewise an action pushed
+    # after the last save must not reuse a seq an agent already acknowledged.
+    job.events = EventLog(first_seq=int(saved.get("event_seq", 1)) + EVENT_SEQ_GAP)
+    job.action_seq = int(saved.get("action_seq", 0)) + EVENT_SEQ_GAP
+    job.pending_restart = pending_restart(saved)
 
 
 def pending_restart(saved: Mapping[str, Any]) -> PendingRestart | None:
