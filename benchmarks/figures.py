@@ -504,6 +504,7 @@ FAMILIES: tuple[Family, ...] = (
                 runs=(
                     *(Run(f"rendezvous_core.{n}", "{key} nodes, the core's CPU time") for n in (1000, 4096)),
                     Run("rendezvous_grpc", "{nodes} nodes over gRPC"),
+                    Run("rendezvous_grpc.baseline", "the same, before the change ({source})"),
                 ),
                 rows=rows(
                     "{run}.{key}",

@@ -22,6 +22,9 @@ decision, so the simulation marks every live node heard at each simulated instan
 millions of them (``_heard``); around a failure every request the agents make goes through the real code.
 
     .venv/bin/python -m benchmarks.fleet_sim --days 7 --grpc-nodes 1000
+
+``--grpc-baseline-src`` runs the real-master rendezvous against another source tree's master too (the code
+before a change, its sources unpacked from git), alternating with this tree's, and reports the ratio.
 """
 
 from __future__ import annotations
@@ -625,16 +628,17 @@ def decision_report(outcomes: Sequence[Outcome]) -> dict[str, Any]:
 # -- the real master over real gRPC ----------------------------------------------------------------------
 
 
-def rendezvous_grpc(nodes: int, *, channels: int = 8) -> dict[str, Any]:
+def rendezvous_grpc(nodes: int, *, channels: int = 8, source: str = "") -> dict[str, Any]:
     """``nodes`` light agents (one asyncio process, ``channels`` connections) register, join and long-poll
-    GetRendezvous on the real ``phalanx master``; wall time until each holds the formed round."""
+    GetRendezvous on the real ``phalanx master`` (from ``source``, another tree's ``src``, when given);
+    wall time until each holds the formed round."""
     import grpc
 
     from benchmarks.master_capacity import AUTH, cpu_seconds, start_master
     from phalanx.api.v1 import master_pb2_grpc as pb_grpc
 
     with tempfile.TemporaryDirectory() as tmp:
-        proc, addr, _http = start_master(Path(tmp), nodes, cpu=0)
+        proc, addr, _http = start_master(Path(tmp), nodes, cpu=0, source=source)
         try:
 
             async def run() -> dict[str, Any]:
@@ -703,6 +707,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rendezvous-runs", type=int, default=3)
     parser.add_argument("--grpc-nodes", type=int, default=1000, help="0: skip the real master")
     parser.add_argument("--grpc-runs", type=int, default=3)
+    parser.add_argument(
+        "--grpc-baseline-src",
+        default="",
+        help="another source tree's src (the code before a change): its master's rendezvous runs alternate",
+    )
+    parser.add_argument("--grpc-baseline-label", default="", help="what the baseline is, for the JSON")
     parser.add_argument("--answers-every", type=int, default=10, help="measure the answers every Nth failure")
     parser.add_argument("--echo-nodes", type=int, default=1024, help="0: skip the echo worst case")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile")
@@ -747,23 +757,38 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     grpc_result: dict[str, Any] = {}
     if args.grpc_nodes:
-        samples = []
+        # With a baseline, its runs alternate with this tree's, so both see the same drift of the machine.
+        arms = {"": "this tree", **({args.grpc_baseline_src: "baseline"} if args.grpc_baseline_src else {})}
+        samples: dict[str, list[dict[str, Any]]] = {source: [] for source in arms}
         for i in range(args.grpc_runs):
-            say(f"real master: {args.grpc_nodes} agents over gRPC, run {i + 1}")
-            try:
-                samples.append(rendezvous_grpc(args.grpc_nodes))
-            except Exception as exc:  # a failed run is reported; the simulation stands
-                samples.append(
-                    {"error": repr(exc), "all_hold_formed_round_s": math.nan, "master_cpu_s": math.nan}
-                )
-        grpc_result = {
-            "nodes": args.grpc_nodes,
-            "median_all_hold_formed_round_s": statistics.median(
-                s["all_hold_formed_round_s"] for s in samples
-            ),
-            "median_master_cpu_s": statistics.median(s["master_cpu_s"] for s in samples),
-            "runs": samples,
-        }
+            for source, arm in arms.items():
+                say(f"real master ({arm}): {args.grpc_nodes} agents over gRPC, run {i + 1}")
+                try:
+                    samples[source].append(rendezvous_grpc(args.grpc_nodes, source=source))
+                except Exception as exc:  # a failed run is reported; the simulation stands
+                    failed = {
+                        "error": repr(exc),
+                        "all_hold_formed_round_s": math.nan,
+                        "master_cpu_s": math.nan,
+                    }
+                    samples[source].append(failed)
+
+        def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+            return {
+                "median_all_hold_formed_round_s": statistics.median(
+                    s["all_hold_formed_round_s"] for s in runs
+                ),
+                "median_master_cpu_s": statistics.median(s["master_cpu_s"] for s in runs),
+                "runs": runs,
+            }
+
+        grpc_result = {"nodes": args.grpc_nodes, **summary(samples[""])}
+        if args.grpc_baseline_src:
+            before = summary(samples[args.grpc_baseline_src])
+            grpc_result["baseline"] = {"source": args.grpc_baseline_label or args.grpc_baseline_src, **before}
+            grpc_result["vs_baseline"] = round(
+                grpc_result["median_all_hold_formed_round_s"] / before["median_all_hold_formed_round_s"], 3
+            )
 
     gpus = args.nodes * 8
     result = {

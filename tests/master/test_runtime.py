@@ -67,6 +67,39 @@ def test_saves_and_publishes_are_coalesced() -> None:
 
 
 @pytest.mark.timeout(20)
+def test_changes_spread_over_time_are_saved_a_few_times_and_a_waiter_is_saved_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nodes registering one by one, the loop turning between them, as a thousand agents' calls arrive: the
+    saver writes after the first and then waits out its gap (made longer than the test here, so the count
+    does not depend on the machine's speed), while a save someone waits for (a round before its COMPLETE
+    answer) goes at once."""
+    monkeypatch.setattr(runtime, "SAVE_GAP_S", 60.0)
+
+    async def scenario() -> tuple[MemoryStateStore, int]:
+        job = Job(settings=settings(rendezvous={"min_nodes": 1, "max_nodes": 200}), now=0.0)
+        store = MemoryStateStore()
+        rt = Runtime(job=job, logs=LogStore(ring_lines=10, max_line_bytes=100, path=None), store=store,
+                     sink=ListSink())  # fmt: skip
+        saver = asyncio.create_task(rt.saver())
+        sim = Sim(job)
+        for i in range(200):
+            sim.register(f"n{i}")
+            rt.after()
+            await asyncio.sleep(0.001)
+        during_burst = store.saves
+        await rt.wait_saved(job.durable_version)  # returns long before the gap: the waiter goes first
+        saver.cancel()
+        await asyncio.gather(saver, return_exceptions=True)
+        return store, during_burst
+
+    store, during_burst = asyncio.run(scenario())
+    assert during_burst <= 2, f"{during_burst} saves for 200 changes: the gap did not hold them"
+    assert store.state is not None
+    assert len(store.state["nodes"]) == 200
+
+
+@pytest.mark.timeout(20)
 def test_the_job_follows_the_spec_the_sink_reads_and_publishes_its_generation() -> None:
     async def scenario() -> tuple[ListSink, list[bool]]:
         job = Job(settings=settings(rendezvous={"min_nodes": 1, "max_nodes": 2}), now=0.0)

@@ -7,7 +7,8 @@ version counters and
 * wakes GetRendezvous long-polls when a round completed (``round_version``) and held heartbeats when
   some node may have a new action (``action_version``),
 * hands the durable state to the saver task when it changed (``durable_version``): the saver writes the
-  newest snapshot in a worker thread, so a burst of changes costs one write, never one per heartbeat,
+  newest snapshot in a worker thread, at most every :data:`SAVE_GAP_S` unless someone waits for it, so a
+  burst of changes costs a few writes, never one per change,
 * and the publisher task sends the status to the :class:`~phalanx.master.store.stores.StatusSink` at most
   twice a second when it changed (``status_version``), and has the job follow the spec as the sink reads
   it (:meth:`~phalanx.master.job.liveness.Liveness.follow_spec`).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 
@@ -34,6 +36,10 @@ PUBLISH_INTERVAL_S = 0.5
 # How long a COMPLETE answer waits for the round to be durable before going out anyway: a broken state
 # store must not stop training, it only weakens what a master restart can recover.
 SAVE_WAIT_S = 5.0
+SAVE_GAP_S = 0.05
+"""The least time between two saves nobody waits for: a burst of changes (a thousand nodes registering) is
+written a few times, not once per change; a save someone waits for (a round before its COMPLETE answer)
+goes at once."""
 LAG_WINDOW_S = 10.0
 FENCE_CHECK_S = 2.0
 """How often a master asks whether it still holds the job's state: a replaced master (its node stopped
@@ -89,6 +95,8 @@ class Runtime:
         self._action_wakeup = Wakeup()
         self._seen_actions = job.action_version
         self._dirty = asyncio.Event()
+        self._urgent = asyncio.Event()
+        """Someone waits for a save (:meth:`wait_saved`): the saver skips its gap."""
         # Saved at once, a resumed job too: resuming moved the event counter (and may have emitted a restored
         # restart), and a master killed again before its next change must not reuse those seqs or repeat it.
         self._saved_version = -1
@@ -126,6 +134,8 @@ class Runtime:
         await self._action_wakeup.wait(limit_s)
 
     async def wait_saved(self, version: int) -> None:
+        if self._saved_version < version:
+            self._urgent.set()
         async with self._saved:
             try:
                 await asyncio.wait_for(
@@ -151,6 +161,10 @@ class Runtime:
                 continue
             try:
                 await self.save_now()
+                if not self._urgent.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._urgent.wait(), SAVE_GAP_S)
+                self._urgent.clear()
             except MasterFenced as exc:
                 self.step_down(str(exc))
                 return
