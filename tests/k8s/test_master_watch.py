@@ -1,6 +1,5 @@
 """The master follows its ElasticJob by a watch and coalesces its status patches (phalanx.master.store.kube),
-on the
-real control plane, as the master's own service account with the Role the operator builds for it:
+on the real control plane, as the master's own service account with the Role the operator builds for it:
 
 * the Role lets the master list and watch its own job (a field selector on its name) and nothing else;
 * a suspend written to the spec reaches the master's sink within a second, with no GET and no PATCH;

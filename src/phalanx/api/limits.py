@@ -1,7 +1,7 @@
-"""Size limits of what agents send the master, shared by both sides: the master refuses or cuts what is
-above them (``phalanx.master.serve.validate``, ``phalanx.master.decide.failure_policy``), and the agent cuts
-its reports to them
-before sending (``phalanx.agent.failures``), so the part that matters arrives instead of a refusal."""
+"""Size limits of what agents send the master, shared by both sides: the master refuses or cuts what is above
+them (``phalanx.master.serve.validate``, ``phalanx.master.decide.failure_policy``), and the agent cuts its
+reports to them before sending (``phalanx.agent.failures``), so the part that matters arrives instead of a
+refusal."""
 
 from __future__ import annotations
 

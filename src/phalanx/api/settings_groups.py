@@ -256,9 +256,8 @@ class StragglerSettings:
 @dataclass(frozen=True, kw_only=True)
 class ProbeSettings:
     """Probe rounds the master runs (:mod:`phalanx.master.job.probes`): every member runs the configured
-    probes
-    (the matmul probe, the pairwise all-gather probe), and the master evicts the nodes the results single
-    out."""
+    probes (the matmul probe, the pairwise all-gather probe), and the master evicts the nodes the results
+    single out."""
 
     enabled: bool = setting(False, doc="Run probe rounds (on demand via POST /v1/probe, and as set below).")
     on_round_complete: bool = setting(

@@ -307,9 +307,9 @@ class JobCore:
     ) -> None:
         """Records an event. A restart event still waiting for the round's root cause goes first unless this
         one may come before it, and the event dates the recoveries (see :mod:`phalanx.master.job.restarts`).
-        With ``log``
-        (a logger's method, such as ``failure_log.warning``) the master's log says it too, in the event's
-        words. ``hang``: a hang report's evidence per rank, which the timeline keeps with the failure (not
+        With ``log`` (a logger's method, such as ``failure_log.warning``) the master's log says it too, in the
+        event's words. ``hang``: a hang report's evidence per rank, which the timeline keeps with the failure
+        (not
         durable)."""
         s = self.state
         if kind not in restarts.HOLDS_RESTART_EVENT:

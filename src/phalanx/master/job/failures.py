@@ -1,6 +1,5 @@
 """Failure reports: what the failure policy (:func:`phalanx.master.decide.failure_policy.decide_failure`)
-makes of them
-(restart, evict, fail), the round's root cause, and the reporter's answer.
+makes of them (restart, evict, fail), the round's root cause, and the reporter's answer.
 
 :func:`plan_failure` is a pure function of the job's state and the report: it returns what to do as
 :mod:`phalanx.master.job.effects` and what to answer; :class:`Failures` has the job's writer apply it, once

@@ -130,9 +130,8 @@ class FoldIn:
         )
 
     def _breakpoint_report(self, req: pb.ReportCheckpointRequest, *, now: float) -> int:
-        """Records what a node of a broken round holds (see :mod:`phalanx.master.state.breakpoints`); the
-        step it
-        must persist, or -1 while some member has not reported."""
+        """Records what a node of a broken round holds (see :mod:`phalanx.master.state.breakpoints`); the step
+        it must persist, or -1 while some member has not reported."""
         s = self.state
         bp = s.breakpoint
         if bp is None or bp.round < req.round:

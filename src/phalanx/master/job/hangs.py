@@ -1,11 +1,10 @@
 """Hangs: who a reported hang counts against, the members' stacks it asks for, and the analysis of those
 stacks (:func:`phalanx.diagnostics.stacks.compare_stacks`, :func:`.hang.blame`).
 
-A hang counts against the node the evidence singles out (a stopped rank, the interval recorder's suspects,
-odd stacks), never merely the node that noticed it; a node's second hang evicts it. The decisions are pure
+A hang counts against the node the evidence singles out (a stopped rank, the interval recorder's suspects, odd
+stacks), never merely the node that noticed it; a node's second hang evicts it. The decisions are pure
 functions of the job's state that return :mod:`phalanx.master.job.effects`; :class:`Hangs` takes the stacks
-the members send
-and has the job's writer apply what the analysis decides.
+the members send and has the job's writer apply what the analysis decides.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The job's component for rendezvous rounds: nodes register, join the open round, learn the completed round,
-and
-report that they completed their work (which succeeds the job).
+and report that they completed their work (which succeeds the job).
 
 The decisions (when a round completes, who is in it) are :mod:`phalanx.master.decide.rendezvous`'s; this
-component
-carries them out. Pure: every method takes ``now`` and does no I/O.
+component carries them out. Pure: every method takes ``now`` and does no I/O.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 (:class:`~phalanx.master.job.core.JobCore`) writes.
 
 The fields marked *durable* are what :mod:`phalanx.master.state.snapshot` saves and restores; the others live
-and
-die with the master process. What only one component needs (a probe round, a fold-in wait) is kept by that
+and die with the master process. What only one component needs (a probe round, a fold-in wait) is kept by that
 component, not here.
 """
 

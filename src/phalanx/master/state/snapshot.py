@@ -2,15 +2,13 @@
 
 Fields: ``version``, ``job_id``, ``phase``, ``reason``, ``started_unix``, ``round`` (number, members with
 group ranks, world size, store address) or null, ``next_round``, ``round_open``, ``restart_count``,
-``evictions``, ``committed_checkpoint_step``, ``nodes`` (node id -> incarnation, host, machine, nproc,
-status, old incarnations), ``hang_counts``, ``completed``, ``root_cause``, ``event_seq``, ``action_seq``,
+``evictions``, ``committed_checkpoint_step``, ``nodes`` (node id -> incarnation, host, machine, nproc, status,
+old incarnations), ``hang_counts``, ``completed``, ``root_cause``, ``event_seq``, ``action_seq``,
 ``suspended``, ``next_probe`` and ``recovery`` (the recovery in progress and the finished ones' totals,
 :meth:`~phalanx.master.state.recovery.RecoveryTracker.to_json`): the durable fields of
-:class:`~phalanx.master.state.jobstate.JobState`; and ``pending_restart``, the restart event still waiting
-for the
-round's root cause (:class:`~phalanx.master.state.jobstate.PendingRestart`) or null. A state saved before a
-key
-was added loads without it (``recovery`` and ``pending_restart`` then start empty).
+:class:`~phalanx.master.state.jobstate.JobState`; and ``pending_restart``, the restart event still waiting for
+the round's root cause (:class:`~phalanx.master.state.jobstate.PendingRestart`) or null. A state saved before
+a key was added loads without it (``recovery`` and ``pending_restart`` then start empty).
 
 Not durable, by design: heartbeat times (a restarted master gives every node one heartbeat timeout to
 reappear), the joiners of a round still gathering (their GetRendezvous then answers NOT_MEMBER and they
