@@ -87,7 +87,7 @@ def test_recovery_counts_from_the_new_round_seen_running_or_from_a_master_kill()
     master = record("kill-master")
     assert since(master) is None  # the master does not answer yet
     master.detected_at = 2.5
-    assert since(master, round_now=0, phase="") == 10**9 + 2 * 10**9  # from the kill, whatever the round
+    assert since(master, round_now=0, phase=None) == 10**9 + 2 * 10**9  # from the kill, whatever the round
     # A slow node the job never noticed has nothing to recover from.
     assert since(record("slow-cpu", round_at_injection=0)) is None
     assert since(record("slow-cpu", round_at_injection=0, detected_at=3.0)) == 5 * 10**9

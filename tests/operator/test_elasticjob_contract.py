@@ -77,3 +77,14 @@ def test_the_operator_names_a_jobs_objects_as_the_master_and_the_cli_derive_them
     pod = builders.worker_pod(job, spec, slot=2, incarnation=5, settings=OperatorSettings())
     assert ej.parse_worker(pod["metadata"]["name"]) == (2, 5)
     assert ej.parse_worker(ej.master("j")) is None
+
+
+def test_a_status_phase_is_read_as_a_phase_or_as_none() -> None:
+    """The phase the API server returns is held as a :class:`Phase` everywhere it is compared: a word that
+    is no phase, or none yet, is None, never a string that compares unequal to every phase."""
+    assert ej.phase_of("Running") is ej.Phase.RUNNING
+    assert ej.phase_of(None) is None
+    assert ej.phase_of("") is None
+    assert ej.phase_of("running") is None  # the ElasticJob's own phase is written by the operator, exactly
+    assert ej.phase_of("running", any_case=True) is ej.Phase.RUNNING  # the master's verdict, in any case
+    assert ej.phase_of("Paused", any_case=True) is None

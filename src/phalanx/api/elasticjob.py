@@ -110,6 +110,21 @@ class Phase(StrEnum):
 
 
 FINISHED_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
+def phase_of(said: object, *, any_case: bool = False) -> Phase | None:
+    """The phase a status names (``status.phase``, ``status.master.phase``); None for none, or for a word
+    that is no phase. ``any_case``: as the master's verdict is compared, whatever its case."""
+    word = str(said or "")
+    if any_case:
+        word = word.lower()
+        return next((phase for phase in Phase if phase.lower() == word), None)
+    try:
+        return Phase(word)
+    except ValueError:
+        return None
+
+
 MASTER_PHASES = (
     Phase.PENDING,
     Phase.RUNNING,

@@ -77,7 +77,7 @@ def track_recovery(
     lines = []
     for f in failures:
         since_ns = recovery_since_ns(
-            f, round_now=round_now, phase=job.phase if job else "", t0_unix_ns=t0_unix_ns, now_ns=now_ns
+            f, round_now=round_now, phase=job.phase if job else None, t0_unix_ns=t0_unix_ns, now_ns=now_ns
         )
         if since_ns is None:
             continue

@@ -180,7 +180,7 @@ class LocalCluster:
             job = self.watch.job
             state, end = run_end(
                 state,
-                phase=job.phase if job else "",
+                phase=job.phase if job else None,
                 reason=job.reason if job else "",
                 any_alive=self.fleet.any_alive(),
                 work_left=bool(self.faults.pending or self.due_replacements),

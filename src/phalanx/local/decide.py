@@ -79,7 +79,7 @@ def failure_record(
 
 
 def recovery_since_ns(
-    f: FailureRecord, *, round_now: int, phase: str, t0_unix_ns: int, now_ns: int
+    f: FailureRecord, *, round_now: int, phase: Phase | None, t0_unix_ns: int, now_ns: int
 ) -> int | None:
     """Since when (unix ns) a completed step proves the job recovered from ``f``; None: not yet, or nothing
     to recover from. Recovery means a step completed by the recovered job: after a new round formed (workers
@@ -171,7 +171,7 @@ class RunEnd:
 def run_end(
     state: RunState,
     *,
-    phase: str,
+    phase: Phase | None,
     reason: str,
     any_alive: bool,
     work_left: bool,

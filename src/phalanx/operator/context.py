@@ -41,8 +41,9 @@ class Pass:
         return self.job.get("status") or {}
 
     @property
-    def phase(self) -> str:
-        return str(self.status.get("phase", ""))
+    def phase(self) -> elasticjob.Phase | None:
+        """The job's phase (``status.phase``); None before the first pass wrote one."""
+        return elasticjob.phase_of(self.status.get("phase"))
 
     @property
     def generation(self) -> int:
@@ -69,8 +70,7 @@ class Pass:
     def verdict(self) -> elasticjob.Phase | None:
         """The master's phase (``status.master.phase``, in any case); None before it spoke, or for a word that
         is no phase."""
-        said = str(self.master_status.get(elasticjob.MASTER_PHASE, "")).lower()
-        return next((phase for phase in elasticjob.Phase if phase.lower() == said), None)
+        return elasticjob.phase_of(self.master_status.get(elasticjob.MASTER_PHASE), any_case=True)
 
     @property
     def refused(self) -> frozenset[str]:

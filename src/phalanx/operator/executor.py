@@ -168,9 +168,8 @@ class Executor:
             self.metrics.duration.observe(time.perf_counter() - started)
         self.metrics.passes.labels(result="ok").inc()
         phases = [a.status["phase"] for a in actions if isinstance(a, PatchStatus) and "phase" in a.status]
-        self.metrics.job_phase(
-            namespace, name, phases[-1] if phases else (observed.job.get("status") or {}).get("phase")
-        )
+        said = phases[-1] if phases else (observed.job.get("status") or {}).get("phase")
+        self.metrics.job_phase(namespace, name, elasticjob.phase_of(said))
         return actions
 
     def _publish_scheduled(self, observed: Observed) -> None:

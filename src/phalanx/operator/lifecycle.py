@@ -99,7 +99,7 @@ def finished_for(status: Mapping[str, Any], now: float) -> float:
     return 0.0 if at is None else max(0.0, now - at)
 
 
-def ttl_expired(job: Mapping[str, Any], status: Mapping[str, Any], *, phase: str, now: float) -> str:
+def ttl_expired(job: Mapping[str, Any], status: Mapping[str, Any], *, phase: Phase | None, now: float) -> str:
     """Why the finished job is to be deleted now per spec.ttlAfterFinished; "" while it is kept.
 
     The field is read on its own, not through :func:`parse_spec`: a job that failed for an invalid spec

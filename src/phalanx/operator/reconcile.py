@@ -390,13 +390,13 @@ def _running_phase(
     # heartbeat, then the master's verdict): it is neither lost nor replaced.
     finished = finished_slots(workers, spec.max_nodes)
     restarting = replaced.any or (was_up and running + finished < spec.min_nodes)
-    new_phase: str  # a Phase, or the one the job had
+    new_phase: Phase
     if restarting:
         new_phase = Phase.RESTARTING
     elif master_ready and running >= spec.min_nodes:
         new_phase = Phase.RUNNING
     else:  # still starting, or a master being replaced: keep what the job was
-        new_phase = phase if was_up else Phase.CREATED
+        new_phase = phase if was_up and phase is not None else Phase.CREATED
     if new_phase not in (phase, Phase.CREATED):  # CREATED has its own Event
         ctx.actions.append(Event("Normal" if new_phase != Phase.RESTARTING else "Warning", new_phase,
                                  f"job is {new_phase} with {running} of {spec.max_nodes} nodes"))  # fmt: skip

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from phalanx.api.elasticjob import Phase
 from phalanx.api.httpguard import GuardedH11Protocol
 
-PHASES = tuple(phase.value for phase in Phase if phase is not Phase.PENDING)
+PHASES = tuple(phase for phase in Phase if phase is not Phase.PENDING)
 
 
 class OperatorMetrics:
@@ -57,12 +57,12 @@ class OperatorMetrics:
             labelnames=["action"],
             registry=self.registry,
         )
-        self._phases: dict[tuple[str, str], str] = {}
+        self._phases: dict[tuple[str, str], Phase] = {}
         self._lock = threading.Lock()
         self.registry.register(_Phases(self))
 
-    def job_phase(self, namespace: str, name: str, phase: str | None) -> None:
-        """Records a job's phase after a pass; None: the job is gone."""
+    def job_phase(self, namespace: str, name: str, phase: Phase | None) -> None:
+        """Records a job's phase after a pass; None: the job is gone (or has no phase yet)."""
         with self._lock:
             if phase is None:
                 self._phases.pop((namespace, name), None)
@@ -72,7 +72,7 @@ class OperatorMetrics:
     def phase_counts(self) -> dict[str, int]:
         with self._lock:
             phases = list(self._phases.values())
-        return {p: phases.count(p) for p in PHASES}
+        return {p.value: phases.count(p) for p in PHASES}
 
 
 class _Phases(Collector):
