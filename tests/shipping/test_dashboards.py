@@ -17,7 +17,7 @@ from tests.shipping.promql import label_names, metric_names
 from tests.shipping.realmaster import TOKEN, exported_series, node_reports, running_master
 
 ROOT = Path(__file__).resolve().parents[2]
-METRICS_PY = ROOT / "src" / "phalanx" / "master" / "metrics.py"
+METRICS_PY = ROOT / "src" / "phalanx" / "master" / "serve" / "metrics.py"
 CHART_DASHBOARDS = ROOT / "charts" / "phalanx" / "dashboards"
 # Series Prometheus itself adds to every target, and the labels it (or prometheus-operator) attaches;
 # `elasticjob` is the scrape configurations' relabeling (the chart's PodMonitor and
