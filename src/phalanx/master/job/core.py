@@ -27,7 +27,7 @@ from phalanx.api.verdicts import Eviction
 from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.job import effects as fx
 from phalanx.master.job import restarts
-from phalanx.master.job.answers import action, exit_action
+from phalanx.master.job.answers import action
 from phalanx.master.state.breakpoints import Breakpoint
 from phalanx.master.state.events import EventKind
 from phalanx.master.state.jobstate import JobState
@@ -74,7 +74,7 @@ class JobCore:
                     if e.nproc is not None:
                         node.nproc = e.nproc
                 case fx.Beat():
-                    self._beat(e.req, now=now)
+                    self._beat(e.req, heard=e.heard, now=now)
                 case fx.Answered():
                     node = s.nodes[e.node_id]
                     node.last_seen = max(node.last_seen, now)  # connected all along while held
@@ -172,14 +172,14 @@ class JobCore:
         else:
             setattr(stats, e.counter, getattr(stats, e.counter) + 1)
 
-    def _beat(self, req: pb.HeartbeatRequest, *, now: float) -> None:
-        """What a heartbeat tells the job: the node's own state (a node that must leave only counts), the
-        ranks' progress and activities, the job's newest step, the recovery's dates and the timeline."""
+    def _beat(self, req: pb.HeartbeatRequest, *, heard: bool, now: float) -> None:
+        """What a heartbeat tells the job: the node's own state, the ranks' progress and activities, the
+        job's newest step, the recovery's dates and the timeline; a node that must leave only counts."""
         s = self.state
         s.stats.heartbeats += 1
-        node = s.nodes[req.node_id]
-        if exit_action(s, node, req.incarnation) is not None:
+        if not heard:
             return
+        node = s.nodes[req.node_id]
         s.stats.actions_repeated += node.heard(req, now=now)
         ranks = node.ranks
         if not req.ranks:

@@ -107,9 +107,11 @@ class SeeNode:
 @dataclass(frozen=True)
 class Beat:
     """A heartbeat: what the node says of itself and its ranks' progress (see :meth:`Node.heard`), the
-    actions it acknowledged, the job's newest step, the recovery's dates and the timeline."""
+    actions it acknowledged, the job's newest step, the recovery's dates and the timeline; of a node that
+    must leave (``heard`` False: its answer is EXIT), only that it beat."""
 
     req: pb.HeartbeatRequest
+    heard: bool
 
 
 @dataclass(frozen=True)

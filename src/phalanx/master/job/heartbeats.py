@@ -29,8 +29,9 @@ class Heartbeats:
     def heartbeat(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:
         s = self.state
         node = s.node(req.node_id, req.incarnation)
-        self.core.apply([fx.Beat(req)], now=now)
-        if req.ranks and exit_action(s, node, req.incarnation) is None:
+        heard = exit_action(s, node, req.incarnation) is None
+        self.core.apply([fx.Beat(req, heard=heard)], now=now)
+        if heard and req.ranks:
             self.steps.observe_steps(req.node_id, node.ranks, round=req.round)
             self.rounds.maybe_succeed(now=now)
         return self.heartbeat_answer(req, now=now)
