@@ -899,6 +899,8 @@ FAMILIES: tuple[Family, ...] = (
                     ("step", "ms", "step_ms"),
                     ("overhead, CPU", "%", "overhead_pct"),
                     ("overhead, wall", "%", "wall_overhead_pct"),
+                    ("c10d hooks every step (before the lookout), CPU", "%", "every_step_overhead_pct"),
+                    ("c10d hooks every step (before the lookout), wall", "%", "every_step_wall_overhead_pct"),
                 ),
             ),
         ),

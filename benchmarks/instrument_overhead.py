@@ -4,16 +4,21 @@
 
 One process, a gloo group of one rank, a script's loop as it would be written without phalanx: an MLP's
 forward and backward, its two weight gradients all-reduced with ``dist.all_reduce`` (real c10d collectives,
-through gloo), an optimizer step (SGD, or Adam with ``--optimizer adam``). Two arms take turns every
-``--segment`` steps, ``--rounds`` times, in alternating order:
+through gloo), an optimizer step (SGD, or Adam with ``--optimizer adam``). torch keeps its flight recorder, as
+phalanx-run sets it (``TORCH_FR_BUFFER_SIZE``), in every arm. Three arms take turns every ``--segment``
+steps, ``--rounds`` times, in an order that rotates:
 
-- ``off``: nothing of phalanx runs (what ``--no-instrument`` leaves);
+- ``off``: nothing of phalanx runs on the training thread (what ``--no-instrument`` leaves);
 - ``on``: what the bootstrap installs: the optimizer-step hook (a step published to the beacon and the
-  interval ring through the C write path) and c10d's pre/post hooks on the group (each all-reduce's start, and
-  its end when its future completes).
+  interval ring through the C write path), c10d's pre/post hooks on the group for one step each
+  ``instrument.SAMPLE_GAP_S``, and the flight-recorder lookout on the recorder's watcher thread
+  (phalanx.flight), which reads nothing while the steps go on;
+- ``every``: the same with c10d's hooks on for every step (each all-reduce's start, and its end when its
+  work completes): what the instrumentation did before the lookout, and still does on a GPU or where torch
+  keeps no flight recorder.
 
 Each segment is timed by this thread's CPU time (which time spent preempted on a busy machine does not
-inflate) and by the wall clock; the overhead is the median over rounds of the ``on`` segment against the
+inflate) and by the wall clock; an arm's overhead is the median over rounds of its segment against the
 round's ``off`` segment. Goal: <= 1 % (the recorder's own goal, docs/hangs.md).
 """
 
@@ -36,11 +41,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import phalanx
 from phalanx import instrument
 from phalanx import intervals as iv
+from phalanx.agent.env import FR_ENTRIES, FR_ENV
 from phalanx.api import beacon
 from phalanx.api import intervals as ring
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("off", "on")
+ARMS = ("off", "on", "every")
 
 
 class _Arms:
@@ -48,20 +54,22 @@ class _Arms:
 
     def __init__(self) -> None:
         self.handle: Any = None
-        self.rec: iv.Recorder | None = None
 
     def switch(self, arm: str) -> None:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
-        instrument._steps.groups.unhook_all()
-        instrument._steps.groups.seen = 0
+        groups = instrument._steps.groups
+        groups.unhook_all()
+        groups.sampling = False
         phalanx._step_recorder = None
-        if arm == "on":
-            self.handle = register_optimizer_step_post_hook(instrument._steps.on_step)
-            rec = iv.recorder()
-            if rec is not None:  # enabled by the first step of the first "on" segment
-                phalanx._step_recorder = rec.writer
+        if arm == "off":
+            return
+        self.handle = register_optimizer_step_post_hook(instrument._steps.on_step)
+        rec = iv.recorder()
+        if rec is not None:  # enabled, and the lookout asked for, by the first step of the first segment on
+            phalanx._step_recorder = rec.writer
+            groups.every_step = arm == "every" or rec._lookout is None
 
 
 class _Loop:
@@ -89,8 +97,8 @@ class _Loop:
         return time.perf_counter() - wall, time.thread_time() - cpu
 
 
-def _slowdown(times: dict[str, list[float]]) -> float:
-    return statistics.median(100 * (a / o - 1) for a, o in zip(times["on"], times["off"], strict=True))
+def _slowdown(times: dict[str, list[float]], arm: str) -> float:
+    return statistics.median(100 * (a / o - 1) for a, o in zip(times[arm], times["off"], strict=True))
 
 
 def measure(hidden: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -98,10 +106,12 @@ def measure(hidden: int, args: argparse.Namespace) -> dict[str, Any]:
     for arm in ARMS * 3:  # warm up (and enable the recorder once)
         arms.switch(arm)
         loop.run(args.segment * 5)
+    rec = iv.recorder()
     wall: dict[str, list[float]] = {arm: [] for arm in ARMS}
     cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for r in range(args.rounds):
-        for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
+        k = r % len(ARMS)
+        for arm in ARMS[k:] + ARMS[:k]:
             arms.switch(arm)
             w, c = loop.run(args.segment)
             wall[arm].append(w)
@@ -112,9 +122,13 @@ def measure(hidden: int, args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": args.optimizer,
         "rounds": args.rounds,
         "segment_steps": args.segment,
+        "lookout": rec is not None and rec._lookout is not None,
+        "lookout_reads": rec._lookout.reads if rec is not None and rec._lookout is not None else None,
         "step_ms": 1000 * statistics.median(cpu["off"]) / args.segment,
-        "overhead_pct": _slowdown(cpu),
-        "wall_overhead_pct": _slowdown(wall),
+        "overhead_pct": _slowdown(cpu, "on"),
+        "wall_overhead_pct": _slowdown(wall, "on"),
+        "every_step_overhead_pct": _slowdown(cpu, "every"),
+        "every_step_wall_overhead_pct": _slowdown(wall, "every"),
     }
 
 
@@ -128,6 +142,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "instrument_overhead.json"))
     args = p.parse_args()
     torch.set_num_threads(1)
+    os.environ.setdefault(FR_ENV, FR_ENTRIES)  # as phalanx-run sets it for its workers
     with tempfile.TemporaryDirectory(prefix="phalanx-instrument-") as tmp:
         rings, beacon_file = Path(tmp) / "ring", Path(tmp) / "beacon"
         ring.create(rings)
@@ -146,7 +161,11 @@ def main() -> None:
         "note": args.note,
         "widths": widths,
         "headline": {  # overhead: percent of the step's CPU time
-            f"hidden_{w['hidden']}": {"step_ms_median": w["step_ms"], "overhead": w["overhead_pct"]}
+            f"hidden_{w['hidden']}": {
+                "step_ms_median": w["step_ms"],
+                "overhead": w["overhead_pct"],
+                "every_step_overhead": w["every_step_overhead_pct"],
+            }
             for w in widths
         },
     }

@@ -32,6 +32,7 @@ import atexit
 import contextlib
 import os
 import sys
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from importlib.abc import Loader, MetaPathFinder
@@ -60,6 +61,10 @@ OP_NAMES = {
     "ALLTOALL_BASE": "all_to_all_single",
 }
 """c10d's hook op names as torch.distributed's functions are called (the rest: lower case)."""
+SAMPLE_GAP_S = 0.5
+"""With the flight-recorder lookout on (:mod:`phalanx.flight`: on the CPU, torch keeping a flight recorder),
+c10d's hooks are on for one step once this long has passed since the last such step: what the straggler
+scores need of the time spent in collectives, at a cost that does not grow with the steps a second."""
 
 
 def install(env: Mapping[str, str] = os.environ) -> bool:
@@ -109,6 +114,8 @@ class _Steps:
         self.count = -1
         self.seen_steps = 0
         self.groups = _Groups()
+        self.recording = False
+        """The recorder is on, and the lookout asked for (from the second step)."""
 
     def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del args, kwargs
@@ -129,8 +136,19 @@ class _Steps:
         # then (the master, a fold-in or recovery count) would take the job to have started over.
         if self.seen_steps >= 2:
             phalanx.auto_step(self.count)
-            intervals.enable()
-            self.groups.hook_new()
+            if not self.recording:
+                self._start_recording()
+            self.groups.at_step()
+
+    def _start_recording(self) -> None:
+        self.recording = True
+        rec = intervals.enable()
+        if rec is not None and rec.look_out(self.progress):
+            self.groups.every_step = False
+
+    def progress(self) -> int:
+        """Changes at each optimizer step (the flight recorder's lookout reads it from its thread)."""
+        return self.seen_steps
 
 
 def optimizer_step(optimizer: Any) -> int | None:
@@ -148,13 +166,33 @@ def optimizer_step(optimizer: Any) -> int | None:
 
 
 class _Groups:
-    """c10d's collective hooks on every process group, put on at step boundaries."""
+    """c10d's collective hooks on every process group, put on and taken off at step boundaries: for every
+    step where nothing else would see a collective the rank waits in (a GPU, or no flight recorder), else for
+    one step each :data:`SAMPLE_GAP_S`."""
 
     def __init__(self) -> None:
         self.hooked: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.every_step = True
+        """Hooks on every step; False once the recorder's flight-recorder lookout is on."""
+        self.sampling = False
+        """The hooks are on for the step now running (``every_step`` False)."""
+        self.next_sample = 0.0
         self.seen = 0
         """How many groups c10d had at the last look: a step with no new group costs one len()."""
         atexit.register(self.unhook_all)
+
+    def at_step(self) -> None:
+        """At a step boundary, in the training thread between collectives (as c10d asks of its hooks)."""
+        if self.every_step:
+            self.hook_new()
+        elif self.sampling:
+            self.unhook_all()
+            self.sampling = False
+            self.next_sample = time.monotonic() + SAMPLE_GAP_S
+        elif time.monotonic() >= self.next_sample:
+            self.sampling = True
+            self.seen = 0
+            self.hook_new()
 
     def unhook_all(self) -> None:
         """Takes the hooks off every group still alive, while Python is: a group that outlives the
@@ -165,6 +203,7 @@ class _Groups:
                 pg.unregister_pre_hook(HOOK_ID)
                 pg.unregister_post_hook(HOOK_ID)
         self.hooked = weakref.WeakSet()
+        self.seen = 0
 
     def hook_new(self) -> None:
         c10d = sys.modules.get("torch.distributed.distributed_c10d")
@@ -186,10 +225,24 @@ class _Groups:
             return
         group = intervals.group_of(pg)
         open_ops: dict[int, intervals.Token] = {}
-        begin, names = rec.writer.begin, _op_names()
+        names = _op_names()
+        metas: dict[Any, int] = {}
+        begin_at, now = rec.begin_at, time.time_ns
+        # Numbered by c10d's sequence in the group, as the flight recorder numbers it: the same on every
+        # member, whichever steps each has sampled. A backend that keeps none: by the hook's own count (op_id,
+        # the hooked collectives so far), which agrees across ranks hooked at the same step.
+        seq_of: Any = getattr(pg, "_get_sequence_number_for_group", None)
+        try:
+            seq_of()
+        except (RuntimeError, TypeError):
+            seq_of = None
 
         def pre(args: Any) -> None:
-            open_ops[args.op_id] = begin(names[args.name], group)
+            meta = metas.get(args.name)
+            if meta is None:
+                meta = metas[args.name] = rec.meta(names[args.name], group)
+            seq = seq_of() if seq_of is not None else args.op_id
+            open_ops[args.op_id] = begin_at(meta, seq + 1, now())
 
         def post(args: Any) -> None:
             token = open_ops.pop(args.op_id, None)

@@ -132,6 +132,8 @@ class Recorder:
         """Completed CUDA events, reused: creating one per record would cost a driver call each time."""
         self._device_mark = self._ring.meta(ring.BEGIN, True, DEVICE_MARK, "") if cuda else 0
         """The device marker's meta word (CUDA only)."""
+        self._lookout: Any = None
+        """A :class:`phalanx.flight.Lookout` the watcher asks at each tick (:meth:`look_out`), or None."""
         if not cuda and _gloo_flight_recorder():
             with self._cond:
                 self._start_watcher()  # on the CPU only to answer dump requests: it sleeps 50 ms at a time
@@ -175,6 +177,37 @@ class Recorder:
         span._rec = self
         return span
 
+    def meta(self, op: str, group: str) -> int:
+        """The meta word of collective ``op`` in ``group`` for :meth:`begin_at`."""
+        return self._ring.meta(ring.BEGIN, self.cuda, op, group)
+
+    def begin_at(self, meta: int, seq: int, unix_ns: int) -> Token:
+        """A collective whose :meth:`meta` word is ``meta`` started at ``unix_ns``, numbered ``seq`` by its
+        caller (c10d's own sequence, as :mod:`phalanx.instrument` and :mod:`phalanx.flight` number them)."""
+        token: Token = self.writer.write(meta, seq, unix_ns)
+        return token
+
+    def look_out(self, progress: Callable[[], int]) -> bool:
+        """Has the watcher read torch's flight recorder when the rank is late (:mod:`phalanx.flight`), the
+        collective it waits in written as a hook would; ``progress()`` changes when the rank makes progress.
+        False (and nothing done) on a GPU, whose hooks record every collective, or where torch keeps no flight
+        recorder of gloo's collectives."""
+        if self.cuda or not _gloo_flight_recorder():
+            return False
+        from phalanx import flight
+
+        def begin(entry: flight.Entry, group: str) -> Token:
+            return self.begin_at(self.meta(entry.op, group), entry.seq, entry.issued_ns)
+
+        lookout = flight.torch_lookout(progress=progress, begin=begin, end=self.writer.end)
+        if lookout is None:
+            return False
+        with self._cond:
+            self._lookout = lookout
+            if self._watcher is None:
+                self._start_watcher()
+        return True
+
     # ---- the CUDA-event watcher -----------------------------------------------------------------------
 
     def end_when_done(self, token: Token, work: Any) -> None:
@@ -203,12 +236,18 @@ class Recorder:
             with self._cond:
                 while not self._pending and not self._closed and not self._ring.dump_asked():
                     self._cond.wait(_IDLE_POLL_S)
+                    if self._lookout is not None:
+                        break  # it looks at each idle tick
                 if self._closed:
                     return
                 pending = list(self._pending)
             asked = self._ring.dump_asked()
             if asked:
                 self._answer_dump(asked)
+            if self._lookout is not None:
+                self._lookout.tick(time.monotonic(), time.time_ns())
+            if not pending:
+                continue  # idle: the wait above paced the loop
             finished = [(t, e) for t, e in pending if e.query()]
             now = time.time_ns()
             for token, _ in finished:

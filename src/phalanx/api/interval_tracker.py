@@ -60,7 +60,9 @@ class Tracker:
             steps = r.number - prev.number
             seconds = (r.unix_ns - prev.unix_ns) / 1e9 / steps
             self.step_times.append(seconds)
-            self.collective_times.append(self._in_collectives_ns / 1e9 / steps)
+            if self._in_collectives_ns > 0:  # else its collectives were not recorded (phalanx.instrument
+                # samples a step in a while), or it had none: no figure rather than a zero
+                self.collective_times.append(self._in_collectives_ns / 1e9 / steps)
             self.pending.append(
                 pb.Interval(name="step", seq=r.number, start_unix_ns=prev.unix_ns, end_unix_ns=r.unix_ns)
             )
