@@ -25,6 +25,11 @@ def steps(d: Path) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: e["time"])
 
 
+STANDS_FOR_ANY_HANG = "--agent-arg=--hang-stopped=1h"
+"""For a test whose SIGSTOP stands for any hang (a deadlock, a stuck collective): the agent's verdict on a
+process stopped by a signal (``hang.stopped_s``, 2 s) would catch it before the detection the test is about."""
+
+
 def phalanx_local(args: list[str], *, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(

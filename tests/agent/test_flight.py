@@ -241,3 +241,31 @@ def test_a_rank_blocked_in_an_all_reduce_its_peer_never_enters_shows_it_from_the
     suspects = hang.find_suspects({0: trackers[0].activity(), 1: trackers[1].activity()})
     assert suspects is not None
     assert (suspects.op, suspects.group, suspects.seq, suspects.ranks) == ("all_reduce", "pg:0,1", seq, [1])
+
+
+def test_step_and_collective_times_are_medians_over_the_same_sampled_steps() -> None:
+    """A plain script's collectives are timed one step in a while: the step time the straggler scores pair
+    with the time in collectives is that of the same steps, not of every step."""
+    records: list[ring.Record] = []
+
+    def add(kind: int, at_ms: float, number: int, name: str = "", group: str = "") -> None:
+        records.append(ring.Record(len(records), kind, name, group, number, int(at_ms * 1e6), False))
+
+    t = 0.0
+    for step in range(40):
+        sampled = step % 10 == 5
+        if sampled:  # a slow sampled step: 30 ms, 10 of them in an all-reduce
+            add(ring.BEGIN, t + 10, step, "all_reduce", "pg:0,1")
+            add(ring.END, t + 20, step, "all_reduce", "pg:0,1")
+        t += 30 if sampled else 10
+        add(ring.MARK, t, step)
+    tracker = Tracker()
+    in_order = sorted(records, key=lambda r: r.unix_ns)
+    tracker.feed(ring.Batch(records=in_order, lost=0, last_record_ns=0, pid=1))
+    act = tracker.activity()
+    assert act.step_time_s == pytest.approx(0.030)
+    assert act.collective_time_s == pytest.approx(0.010)
+    unsampled = Tracker()
+    unsampled.feed(ring.Batch(records=[r for r in records if not r.group], lost=0, last_record_ns=0, pid=1))
+    assert unsampled.activity().step_time_s == pytest.approx(0.010)
+    assert unsampled.activity().collective_time_s == 0

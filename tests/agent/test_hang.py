@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from phalanx.api.settings import HangSettings
-from phalanx.diagnostics.hang import RankHistory, p99, timeout_for, verdict
+from phalanx.diagnostics.hang import RankHistory, p99, stopped_verdict, timeout_for, verdict
 
 S = HangSettings(floor_s=2.0, idle_floor_s=5.0, factor=10.0, startup_s=30.0)
 """A beacon alone cannot tell where the rank is: it is judged by the idle floor (5 s), never the floor."""
@@ -56,3 +56,13 @@ def test_p99() -> None:
     assert p99([]) == 0.0
     assert p99([1.0] * 99 + [50.0]) == 1.0
     assert p99([1.0] * 98 + [50.0, 60.0]) == 50.0
+
+
+def test_a_process_stopped_by_a_signal_is_hung_after_stopped_s_whatever_its_steps() -> None:
+    settings = HangSettings(stopped_s=2.0)
+    assert not stopped_verdict(settings, stopped_for_s=1.9, last_step=40).hung
+    v = stopped_verdict(settings, stopped_for_s=2.1, last_step=40)
+    assert v.hung
+    assert v.side == "host"
+    assert v.reason == "after step 40, stopped by a signal (host side, 2.1 s > 2.0 s)"
+    assert not stopped_verdict(HangSettings(enabled=False), stopped_for_s=999, last_step=40).hung

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from phalanx.agent import failures
+from phalanx.agent import workers
 from phalanx.diagnostics import hang, rootcause
 from tests.eventually import eventually
 
@@ -71,18 +71,18 @@ def test_the_agent_reads_a_stopped_worker_from_proc() -> None:
     try:
         assert proc.stdout is not None
         proc.stdout.readline()  # named, and about to sleep
-        eventually(lambda: failures.process_state(proc.pid) == "S", timeout=5, what="asleep")
+        eventually(lambda: workers.process_state(proc.pid) == "S", timeout=5, what="asleep")
         os.kill(proc.pid, signal.SIGSTOP)
-        eventually(lambda: failures.process_state(proc.pid) == "T", timeout=5, what="stopped")
-        assert hang.stopped_ranks({"node-1": {1: failures.process_state(proc.pid)}}) == {"node-1": [1]}
+        eventually(lambda: workers.process_state(proc.pid) == "T", timeout=5, what="stopped")
+        assert hang.stopped_ranks({"node-1": {1: workers.process_state(proc.pid)}}) == {"node-1": [1]}
         os.kill(proc.pid, signal.SIGCONT)
-        eventually(lambda: failures.process_state(proc.pid) == "S", timeout=5, what="resumed")
+        eventually(lambda: workers.process_state(proc.pid) == "S", timeout=5, what="resumed")
     finally:
         proc.kill()
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
-    assert failures.process_state(proc.pid) == ""
+    assert workers.process_state(proc.pid) == ""
 
 
 def test_a_hung_rank_that_raised_on_its_peers_loss_is_an_echo_not_the_root_cause() -> None:

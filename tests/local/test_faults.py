@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.agent.helpers import WORKLOAD, phalanx_local, steps
+from tests.agent.helpers import STANDS_FOR_ANY_HANG, WORKLOAD, phalanx_local, steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -145,6 +145,7 @@ def test_hung_worker_is_detected_and_recovered(tmp_path: Path) -> None:
         "2",
         "--agent-arg=--hang-floor=2s",
         "--agent-arg=--hang-idle-floor=2s",  # the torch-free workload has no recorder: its beacon decides
+        STANDS_FOR_ANY_HANG,
         "--inject",
         "hang-worker@step=8,node=0,rank=1",
         workload=["--steps", "50", "--step-time", "0.1"],

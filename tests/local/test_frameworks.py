@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.helpers import phalanx_local, steps
+from tests.agent.helpers import STANDS_FOR_ANY_HANG, phalanx_local, steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
 
@@ -32,6 +32,7 @@ def test_a_stopped_rank_of_an_unmodified_framework_loop_is_caught(framework: str
             "--workdir", str(tmp_path / "wd"), "--summary-json", str(summary),
             "--nodes", "2", "--nproc-per-node", "1",
             "--inject", "hang-worker@step=15,node=1,rank=0",
+            STANDS_FOR_ANY_HANG,
             "--", *SCRIPTS[framework], "--dir", str(d),
         ],
         cwd=tmp_path,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.helpers import phalanx_local
+from tests.agent.helpers import STANDS_FOR_ANY_HANG, phalanx_local
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -25,7 +25,7 @@ def test_a_beacon_only_hang_of_two_nodes_counts_against_the_stopped_node_only(tm
     proc = phalanx_local(
         [
             "--heartbeat-timeout", "2s", "--agent-arg=--grace-period=1s",
-            "--agent-arg=--hang-floor=2s", "--agent-arg=--hang-idle-floor=2s",
+            "--agent-arg=--hang-floor=2s", "--agent-arg=--hang-idle-floor=2s", STANDS_FOR_ANY_HANG,
             "--workdir", str(tmp_path / "wd"), "--summary-json", str(summary),
             # After node-1's eviction node-0 trains on alone: no replacement to wait for.
             "--nodes", "1:2", "--nproc-per-node", "1", "--max-replacements", "0",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.helpers import phalanx_local, steps
+from tests.agent.helpers import STANDS_FOR_ANY_HANG, phalanx_local, steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -28,6 +28,7 @@ def test_sigstop_and_never_entered_collective_blame_the_suspect_node(tmp_path: P
             "--workdir", str(tmp_path / "wd"), "--summary-json", str(summary),
             "--nodes", "2", "--nproc-per-node", "1",
             "--inject", "hang-worker@step=10,node=1,rank=0",
+            STANDS_FOR_ANY_HANG,
             "--", str(SCRIPT), "--dir", str(d), "--steps", "45", "--step-time", "0.1",
             "--stall-at", "30", "--stall-node", "node-0",
         ],

@@ -1,8 +1,9 @@
 """An unmodified DDP script (tests/local/plain_ddp.py: it never imports phalanx) under `phalanx local` with
 default settings gets what a script that calls phalanx gets, from phalanx-run's instrumentation
-(phalanx.instrument): its steps reach the launcher and the master; a SIGSTOPped rank, then a rank that never
-enters an all-reduce, are each caught within max(10 s, 3 x p99 step); the failure names the collective the
-peer waits in and the suspect; training resumes. `--no-instrument` turns all of it off."""
+(phalanx.instrument): its steps reach the launcher and the master; a SIGSTOPped rank is caught once it has
+been stopped for `hang.stopped_s` (2 s), then a rank that never enters an all-reduce within max(10 s, 3 x p99
+step) (its peer's flight recorder shows the all-reduce it waits in); the failure names the collective the peer
+waits in and the suspect; training resumes. `--no-instrument` turns all of it off."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 SCRIPT = Path(__file__).with_name("plain_ddp.py")
 TIMEOUT_S = 10.0  # max(10 s, 3 x p99 step) with 0.1 s steps: the default floor
+STOPPED_S = 2.0  # hang.stopped_s: a process stopped by a signal
 
 
 @pytest.mark.skipif(not collective_hooks(), reason="this torch has no c10d collective hooks: the test below")
@@ -53,8 +55,9 @@ def test_an_unmodified_script_is_caught_hung_and_blamed_like_an_instrumented_one
     (f,) = s["failures"]
     assert f["kind"] == "hang-worker"
     assert f["detected_at"] is not None, out
-    assert TIMEOUT_S - 0.5 < f["detected_at"] - f["injected_at"] < TIMEOUT_S + 4, f
+    assert STOPPED_S - 0.5 < f["detected_at"] - f["injected_at"] < STOPPED_S + 4, f
     assert f["recovered_at"] is not None
+    assert re.search(r"rank \d hung after step \d+, stopped by a signal \(host side", out), out
 
     failures = [line for line in out.splitlines() if re.search(r"event failure\b", line)]
     suspect = re.compile(

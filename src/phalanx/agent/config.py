@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--grace-period", help=_doc("grace_period_s"))
     add("--hang-floor", help=_doc("hang.floor_s"))
     add("--hang-idle-floor", help=_doc("hang.idle_floor_s"))
+    add("--hang-stopped", help=_doc("hang.stopped_s"))
     add("--hang-factor", help=_doc("hang.factor"))
     add("--hang-startup", help=_doc("hang.startup_s"))
     add("--no-hang-detection", action="store_true", help="Do not detect hung workers.")
@@ -144,6 +145,7 @@ def _from_flags(args: argparse.Namespace, env: Mapping[str, str]) -> AgentSettin
         for name, flag, text in (
             ("floor_s", "hang-floor", args.hang_floor),
             ("idle_floor_s", "hang-idle-floor", args.hang_idle_floor),
+            ("stopped_s", "hang-stopped", args.hang_stopped),
             ("startup_s", "hang-startup", args.hang_startup),
         )
     }

@@ -14,7 +14,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TypeVar
 
 from google.protobuf.message import Message
@@ -122,18 +121,6 @@ def worker_failure(
     )
 
 
-def process_state(pid: int) -> str:
-    """The process's state letter from ``/proc/<pid>/stat`` (R, S, D, T, t, Z, ...); "" when it cannot be
-    read (gone, or no procfs). The command name, field 2, may hold spaces and parentheses: the state is the
-    first field after its last ``)``."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    fields = stat.rsplit(")", 1)[-1].split()
-    return fields[0] if fields else ""
-
-
 def rank_stacks(
     running: Mapping[int, workers.Worker], histories: Mapping[int, hang.RankHistory], *, now: float
 ) -> list[pb.RankStacks]:
@@ -151,7 +138,7 @@ def rank_stacks(
                 last_step=h.last_step if h else -1,
                 beacon_age_s=now - (h.last_change_at or h.started_at) if h else 0.0,
                 # The state the stacks were taken in (a stopped process is sent no SIGUSR1: it cannot answer).
-                process_state=process_state(w.pid) if w.proc.poll() is None else "",
+                process_state=workers.process_state(w.pid) if w.proc.poll() is None else "",
             )
         )
     return entries

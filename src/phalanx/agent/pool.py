@@ -82,6 +82,8 @@ class WorkerPool:
         self.workers: dict[int, workers.Worker] = {}
         self.spares: dict[int, workers.Worker] = {}
         self.histories: dict[int, hang.RankHistory] = {}
+        self.stopped_since: dict[int, tuple[int, float]] = {}
+        """Local rank -> (the pid, when it was first seen stopped by a signal) while it stays stopped."""
         self.rings: dict[int, tuple[interval_ring.RingReader, Tracker]] = {}
         """Per local rank: the reader of its interval ring and what it has read so far."""
         self._spawned = 0
@@ -305,12 +307,27 @@ class WorkerPool:
             v = hang.evidence_verdict(
                 history, self.config.hang, now=now, activity=activity, now_unix_ns=time.time_ns()
             )
+            if not v.hung:
+                v = self._stopped(lr, w.pid, history, now=now) or v
             if v.hung and hung is None and w.proc.poll() is None:
                 evidence = hang.evidence(v, activity)
                 if w.paths.intervals is not None:  # a CUDA recorder answers with its NCCL flight recorder
                     evidence.nccl_trace = interval_ring.request_dump(w.paths.intervals, timeout_s=1.0)
                 hung = Hang(lr, reason=hang.describe(w.rank, v), evidence=evidence)
         return ranks, hung
+
+    def _stopped(
+        self, lr: int, pid: int, history: hang.RankHistory, *, now: float
+    ) -> hang.HangVerdict | None:
+        """The verdict on a worker stopped by a signal (:func:`hang.stopped_verdict`), None while it runs."""
+        if workers.process_state(pid) != hang.SIGNAL_STOPPED:
+            self.stopped_since.pop(lr, None)
+            return None
+        seen = self.stopped_since.get(lr)
+        if seen is None or seen[0] != pid:
+            seen = self.stopped_since[lr] = (pid, now)
+        stopped_for = now - seen[1]
+        return hang.stopped_verdict(self.config.hang, stopped_for_s=stopped_for, last_step=history.last_step)
 
     def _read_ring(self, lr: int, progress: pb.RankProgress) -> pb.RankActivity | None:
         """Reads a worker's new interval records into ``progress`` (its activity, the intervals closed since

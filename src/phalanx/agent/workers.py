@@ -215,13 +215,21 @@ def kill_group(proc: Process, sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
 
 
-def is_stopped(pid: int) -> bool:
-    """True when the process is stopped (SIGSTOP) or traced; it cannot act on a signal then."""
+def process_state(pid: int) -> str:
+    """The process's state letter from ``/proc/<pid>/stat`` (R, S, D, T, t, Z, ...); "" when it cannot be
+    read (gone, or no procfs). The command name, field 2, may hold spaces and parentheses: the state is the
+    first field after its last ``)``."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+        return ""
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[0] if fields else ""
+
+
+def is_stopped(pid: int) -> bool:
+    """True when the process is stopped (SIGSTOP) or traced; it cannot act on a signal then."""
+    return process_state(pid) in ("T", "t")
 
 
 def stop(workers: list[Worker], *, grace_period_s: float) -> dict[int, int]:

@@ -26,7 +26,9 @@ class Tracker:
     last_record_ns: int = 0
     last_mark: Record | None = None
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
-    collective_times: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
+    timed_steps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_RECENT))
+    """(step time, time in collectives) of the recent steps whose collectives were recorded: every step of
+    a script that records them, one in a while of a plain script (:mod:`phalanx.instrument` samples)."""
     pending: deque[pb.Interval] = field(default_factory=lambda: deque(maxlen=limits.MAX_INTERVALS_PER_BEAT))
     """Intervals to send with the next heartbeat, newest kept."""
     lost: int = 0
@@ -60,9 +62,8 @@ class Tracker:
             steps = r.number - prev.number
             seconds = (r.unix_ns - prev.unix_ns) / 1e9 / steps
             self.step_times.append(seconds)
-            if self._in_collectives_ns > 0:  # else its collectives were not recorded (phalanx.instrument
-                # samples a step in a while), or it had none: no figure rather than a zero
-                self.collective_times.append(self._in_collectives_ns / 1e9 / steps)
+            if self._in_collectives_ns > 0:  # else its collectives were not recorded, or it had none
+                self.timed_steps.append((seconds, self._in_collectives_ns / 1e9 / steps))
             self.pending.append(
                 pb.Interval(name="step", seq=r.number, start_unix_ns=prev.unix_ns, end_unix_ns=r.unix_ns)
             )
@@ -82,9 +83,14 @@ class Tracker:
         act = pb.RankActivity(
             last_record_unix_ns=self.last_record_ns,
             device_pending_since_unix_ns=self.device_pending_since_ns(),
-            step_time_s=statistics.median(self.step_times) if self.step_times else 0.0,
-            collective_time_s=statistics.median(self.collective_times) if self.collective_times else 0.0,
         )
+        # The two medians over the same steps: their difference is the compute time the straggler scores
+        # compare, which a step time over other steps than the collective times would skew.
+        if self.timed_steps:
+            act.step_time_s = statistics.median(s for s, _ in self.timed_steps)
+            act.collective_time_s = statistics.median(c for _, c in self.timed_steps)
+        elif self.step_times:
+            act.step_time_s = statistics.median(self.step_times)
         cur = self.current()
         if cur is not None:
             act.current.CopyFrom(_interval(cur, end_ns=0, device=cur.device))

@@ -116,6 +116,12 @@ class HangSettings:
         "interval recorder, from its beacon alone) before it counts as hung.",
         unit="s",
     )
+    stopped_s: float = setting(
+        2.0,
+        doc="How long a worker's process may stay stopped by a signal (SIGSTOP or SIGTSTP: state T in "
+        "/proc) before it counts as hung: it cannot run until someone resumes it, whatever its steps.",
+        unit="s",
+    )
     factor: float = setting(3.0, doc="Multiple of the p99 step interval after which a beacon is stale.")
     startup_s: float = setting(
         600.0,
@@ -126,6 +132,7 @@ class HangSettings:
     def __post_init__(self) -> None:
         positive(self.floor_s, "floor_s")
         positive(self.idle_floor_s, "idle_floor_s")
+        positive(self.stopped_s, "stopped_s")
         if self.factor < 1:
             raise ConfigError(f"must be at least 1, got {self.factor}", field="factor")
         positive(self.startup_s, "startup_s")

@@ -143,6 +143,23 @@ def evidence_verdict(
     return HangVerdict(hung=True, age_s=age, timeout_s=timeout, reason=reason, side=side)
 
 
+SIGNAL_STOPPED = "T"
+"""The ``/proc/<pid>/stat`` state of a process stopped by a signal (SIGSTOP, SIGTSTP): ``stopped_s`` judges
+it. A process stopped by a tracer (``t``: a debugger, or py-spy reading its stack for a moment) is not."""
+
+
+def stopped_verdict(settings: HangSettings, *, stopped_for_s: float, last_step: int) -> HangVerdict:
+    """Is a rank whose process has been stopped by a signal for ``stopped_for_s`` hung? After ``stopped_s``:
+    a stopped process cannot run until someone resumes it, so its peers' wait is not a slow step or a
+    checkpoint, whatever the job's step times, and the floors' margin for those is not needed."""
+    timeout = settings.stopped_s
+    if not (settings.enabled and stopped_for_s > timeout):
+        return HangVerdict(hung=False, age_s=stopped_for_s, timeout_s=timeout)
+    took = f"{stopped_for_s:.1f} s > {timeout:.1f} s"
+    reason = f"after step {last_step}, stopped by a signal (host side, {took})"
+    return HangVerdict(hung=True, age_s=stopped_for_s, timeout_s=timeout, reason=reason, side="host")
+
+
 def _where(activity: pb.RankActivity, *, last_step: int) -> str:
     cur = activity.current
     if cur.name:

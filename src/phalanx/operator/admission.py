@@ -46,6 +46,7 @@ MAX_DURATIONS: dict[tuple[str, ...], str] = {
     ("heartbeat", "timeout"): "1h",
     ("hang", "floor"): "24h",
     ("hang", "idleFloor"): "24h",
+    ("hang", "stopped"): "24h",
     ("hang", "startup"): "24h",
     ("restart", "gracePeriod"): "1h",
     ("healthChecks", "interval"): "24h",

@@ -293,6 +293,7 @@ def _agent_command(
         "--grace-period", _dur(r.grace_period_s),
         "--hang-floor", _dur(spec.hang.floor_s),
         "--hang-idle-floor", _dur(spec.hang.idle_floor_s),
+        "--hang-stopped", _dur(spec.hang.stopped_s),
         "--hang-factor", f"{spec.hang.factor:g}",
         "--hang-startup", _dur(spec.hang.startup_s),
         *(["--no-hang-detection"] if not spec.hang.enabled else []),

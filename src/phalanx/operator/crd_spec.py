@@ -199,6 +199,7 @@ def _hang() -> dict[str, Any]:
             "instrument": setting_prop(("hang", "instrument")),
             "floor": setting_prop(("hang", "floor")),
             "idleFloor": setting_prop(("hang", "idleFloor")),
+            "stopped": setting_prop(("hang", "stopped")),
             "factor": setting_prop(("hang", "factor"), minimum=1, maximum=MAX_HANG_FACTOR),
             "startup": setting_prop(("hang", "startup")),
         },

@@ -30,6 +30,7 @@ SETTINGS_FIELDS: dict[tuple[str, ...], tuple[type, str]] = {
     ("hang", "instrument"): (s.HangSettings, "instrument"),
     ("hang", "floor"): (s.HangSettings, "floor_s"),
     ("hang", "idleFloor"): (s.HangSettings, "idle_floor_s"),
+    ("hang", "stopped"): (s.HangSettings, "stopped_s"),
     ("hang", "factor"): (s.HangSettings, "factor"),
     ("hang", "startup"): (s.HangSettings, "startup_s"),
     ("checkpoint", "memoryIntervalSteps"): (s.CheckpointSettings, "memory_interval_steps"),

@@ -324,6 +324,7 @@ def _hang(hg: Mapping[str, Any]) -> HangSettings:
         instrument=bool(hg.get("instrument", default.instrument)),
         floor_s=_dur(hg, "floor", default.floor_s, "hang"),
         idle_floor_s=_dur(hg, "idleFloor", default.idle_floor_s, "hang"),
+        stopped_s=_dur(hg, "stopped", default.stopped_s, "hang"),
         factor=_factor(hg.get("factor", default.factor)),
         startup_s=_dur(hg, "startup", default.startup_s, "hang"),
     )
