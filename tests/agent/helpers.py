@@ -27,7 +27,8 @@ def steps(d: Path) -> list[dict[str, Any]]:
 
 STANDS_FOR_ANY_HANG = "--agent-arg=--hang-stopped=1h"
 """For a test whose SIGSTOP stands for any hang (a deadlock, a stuck collective): the agent's verdict on a
-process stopped by a signal (``hang.stopped_s``, 2 s) would catch it before the detection the test is about."""
+process stopped by a signal (``hang.stopped_s``, 2 s) would catch it before the detection the test is
+about."""
 
 
 def phalanx_local(args: list[str], *, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
