@@ -10,8 +10,10 @@ one run each per launcher:
 - ``never_entered``: rank 0 sleeps before the all-reduce of step 30 (``--stall-at``), alive, as a rank stuck
   in its data loader would.
 
-phalanx: ``phalanx local --nodes 2`` with default settings (the hang floor is max(10 s, 3 x p99 step)); its
-summary's detection time for the SIGSTOP, and the first failure event after the stall. torchrun:
+phalanx: ``phalanx local --nodes 2`` with default settings (a process stopped by a signal is a hang after
+``hang.stopped_s``, 2 s; a rank waiting in a collective after max(10 s, 3 x p99 step), the collective read
+from its flight recorder by its lookout, ``phalanx.flight``); its summary's detection time for the SIGSTOP,
+and the first failure event after the stall. torchrun:
 ``torchrun --nproc-per-node 2 --max-restarts 1`` with its defaults (gloo's collective timeout, 30 minutes):
 the time until it restarts or ends the workers, or ``null`` when it did not within ``--give-up`` seconds.
 """
@@ -135,7 +137,7 @@ def main() -> None:
         "name": "plain_hang",
         "what": "seconds from a hang of an unmodified DDP script to its detection: phalanx-run vs torchrun",
         "give_up_s": args.give_up,
-        "goal_s": "max(10 s, 3 x p99 step) = 10 s for 0.1 s steps",
+        "goal_s": "sigstop: hang.stopped_s, 2 s; never_entered: max(10 s, 3 x p99 step), 10 s at 0.1 s steps",
         "note": args.note,
         "runs": runs,
         "headline": {

@@ -11,19 +11,21 @@ DDP comm hook a script may register stays the script's.
   number is the optimizer's own ``step`` state where it keeps one on the CPU (Adam and its kin: a resumed
   script carries on from its step), else a count from 0. A script that calls :func:`phalanx.report_step`
   itself keeps its own numbering: the automatic steps stop at its first call.
-- **Collectives** come from c10d's collective hooks (``ProcessGroup.register_pre_hook`` and
-  ``register_post_hook``, torch 2.14 and later; older torch in the supported range gets the steps only, and
-  says so on stderr): a collective starts when it is issued and ends when its Work completes, as the
-  recorder's watcher thread sees it within milliseconds (on a GPU, when it is issued: the device side is the
-  CUDA step markers' and the flight recorder's). The
-  hooks are put on every process group at each step boundary, in the training thread between collectives as
-  c10d asks, so every rank records a group's collectives from the same point on and their sequence numbers
-  agree.
-- **The interval recorder** (:mod:`phalanx.intervals`) is turned on, and the c10d hooks put on, from the
-  second step, when the script has set up its devices and, if it reports its own steps, has said so (the
-  instrumentation then stands aside entirely), so step boundaries and collectives reach the agent's hang
-  detection (a rank that waits in a recorded collective is judged by the 10 s floor, not the 60 s idle
-  floor) and, on a GPU, the CUDA device markers catch a stuck kernel.
+- **Collectives** come from torch's own records. On the CPU, where torch keeps a flight recorder (phalanx-run
+  sets its size), the recorder's watcher thread reads it when the rank is late and writes the collective the
+  rank waits in (:mod:`phalanx.flight`), and c10d's collective hooks (``ProcessGroup.register_pre_hook`` and
+  ``register_post_hook``, torch 2.14 and later) are on for one step each :data:`SAMPLE_GAP_S`, for the time
+  spent in collectives; on a GPU, or without a flight recorder, the hooks are on for every step. A
+  collective starts when it is issued and ends when its Work completes, as the recorder's watcher thread
+  sees it within milliseconds (on a GPU, when it is issued: the device side is the CUDA step markers' and the
+  flight recorder's); it is numbered by c10d's own sequence in its group, so every rank numbers it alike.
+  The hooks are put on at step boundaries, in the training thread between collectives as c10d asks. Older
+  torch in the supported range gets the steps only, and says so on stderr.
+- **The interval recorder** (:mod:`phalanx.intervals`) is turned on, its lookout started and the c10d hooks
+  put on, from the second step, when the script has set up its devices and, if it reports its own steps,
+  has said so (the instrumentation then stands aside entirely), so step boundaries and collectives reach the
+  agent's hang detection (a rank that waits in a recorded collective is judged by the 10 s floor, not the
+  60 s idle floor) and, on a GPU, the CUDA device markers catch a stuck kernel.
 """
 
 from __future__ import annotations
