@@ -120,6 +120,8 @@ def one_run(i: int, tmp: Path) -> dict[str, Any]:
         sys.executable, "-m", "phalanx", "local", "--job-id", job_id,
         "--heartbeat-timeout", "2s", "--agent-arg=--grace-period=1s",
         "--agent-arg=--hang-floor=2s", "--agent-arg=--hang-idle-floor=2s",
+        # the SIGSTOP stands for any hang, found by either beacon: not by the verdict on stopped processes
+        "--agent-arg=--hang-stopped=1h",
         "--workdir", str(wd / "wd"), "--summary-json", str(summary),
         "--nodes", "2", "--nproc-per-node", "1",
         "--inject", f"hang-worker@step=10,node={stopped[-1]},rank=0",

@@ -212,6 +212,8 @@ def detection(run: int, workdir: Path) -> dict[str, Any]:
         sys.executable, "-m", "phalanx", "local", "--heartbeat-timeout", "2s",
         "--agent-arg=--grace-period=1s", "--workdir", str(wd / "wd"), "--summary-json", str(summary),
         "--nodes", "2", "--nproc-per-node", "1", "--inject", "hang-worker@step=10,node=1,rank=0",
+        # the SIGSTOP stands for any hang: the recorder's verdict is measured, not the stopped process's
+        "--agent-arg=--hang-stopped=1h",
         "--", str(SCRIPT), "--dir", str(d), "--steps", "45", "--step-time", "0.1",
         "--stall-at", "30", "--stall-node", "node-0",
     ]  # fmt: skip
