@@ -680,7 +680,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "plain_hang",
         "Hang of an unmodified script",
-        setup=(Fact("phalanx's hang floor", "text", "goal_s"), Fact("given up after", "s", "give_up_s")),
+        setup=(Fact("phalanx's timeouts", "text", "goal_s"), Fact("given up after", "s", "give_up_s")),
         tables=(
             Table(
                 "hang → caught, median",
