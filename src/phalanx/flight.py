@@ -38,6 +38,8 @@ recorder after 45 s without a step, not every second of every step)."""
 RESCAN_S = 1.0
 """While late, the recorder is read again at most this often."""
 _GAPS = 16  # recent gaps between progress the lateness is learned from
+FIRST_RECORDING_TORCH = (2, 15)
+"""The first torch whose flight recorder is known to hold gloo's collectives, retired once complete."""
 
 
 @dataclass(frozen=True)
@@ -183,11 +185,12 @@ def torch_lookout(
     end: Callable[[int, int], None],
     backend: str = "gloo",
 ) -> Lookout | None:
-    """A :class:`Lookout` over this process's torch: None where torch cannot dump its flight recorder."""
+    """A :class:`Lookout` over this process's torch: None where torch keeps no flight recorder of gloo's
+    collectives to read (before 2.15: 2.11's dump has the function but no entries; 2.14 is not verified)."""
     import torch
 
     c10d: Any = torch._C._distributed_c10d  # private API (its stubs lack the dump functions)
-    if not hasattr(c10d, "_dump_fr_trace_json"):
+    if not hasattr(c10d, "_dump_fr_trace_json") or _release(torch.__version__) < FIRST_RECORDING_TORCH:
         return None
 
     def groups() -> list[tuple[str, Any]]:
@@ -222,3 +225,12 @@ def torch_lookout(
         return None
 
     return Lookout(progress=progress, seqs=seqs, read=read, group_of=group_of, begin=begin, end=end)
+
+
+def _release(version: str) -> tuple[int, int]:
+    """``"2.15.0+cu132"`` -> ``(2, 15)``; ``(0, 0)`` for a version it cannot read."""
+    try:
+        major, minor = version.split(".")[:2]
+        return int(major), int("".join(ch for ch in minor if ch.isdigit()) or "0")
+    except ValueError:
+        return (0, 0)

@@ -269,3 +269,10 @@ def test_step_and_collective_times_are_medians_over_the_same_sampled_steps() -> 
     unsampled.feed(ring.Batch(records=[r for r in records if not r.group], lost=0, last_record_ns=0, pid=1))
     assert unsampled.activity().step_time_s == pytest.approx(0.010)
     assert unsampled.activity().collective_time_s == 0
+
+
+def test_torch_releases_are_read_for_the_lookouts_floor() -> None:
+    assert flight._release("2.15.0+cu132") == (2, 15)
+    assert flight._release("2.16.0a0+git1234") == (2, 16)
+    assert flight._release("2.14.1") < flight.FIRST_RECORDING_TORCH
+    assert flight._release("garbage") == (0, 0)

@@ -101,8 +101,8 @@ class HangSettings:
     enabled: bool = setting(True, doc="Detect hung workers from stale progress beacons.")
     instrument: bool = setting(
         True,
-        doc="Record the workers' steps (from the optimizer) and collectives (from torch's flight recorder and "
-        "c10d's hooks) without the script's help, for hang detection and progress (phalanx.instrument).",
+        doc="Record the workers' steps (from the optimizer) and collectives (from torch's flight recorder "
+        "and c10d's hooks) without the script's help, for hang detection and progress (phalanx.instrument).",
     )
     floor_s: float = setting(
         10.0,
