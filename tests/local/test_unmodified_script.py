@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from phalanx.instrument import collective_hooks
-from tests.agent.helpers import phalanx_local, steps
+from tests.agent.helpers import STANDS_FOR_ANY_HANG, phalanx_local, steps
 from tests.eventually import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -79,13 +79,15 @@ IDLE_FLOOR_S = 20.0  # --hang-idle-floor, 60 s by default: what judges a rank wi
 def test_without_collective_hooks_a_stopped_rank_is_caught_at_the_idle_floor(tmp_path: Path) -> None:
     """torch 2.9 to 2.13 (the train extra's range below 2.14): the steps come from the optimizer as on any
     torch, the collectives are not recorded, and the worker says so; a SIGSTOPped rank is caught at the hang
-    idle floor and training resumes."""
+    idle floor (the stopped verdict held off: the SIGSTOP stands for any rank that stops outside a collective)
+    and training resumes."""
     summary = tmp_path / "summary.json"
     d = tmp_path / "d"
     proc = phalanx_local(
         [
             "--heartbeat-timeout", "2s", "--agent-arg=--grace-period=1s",
             f"--agent-arg=--hang-idle-floor={IDLE_FLOOR_S:g}s",
+            STANDS_FOR_ANY_HANG,  # the SIGSTOP stands for a rank idle outside any collective
             "--workdir", str(tmp_path / "wd"), "--summary-json", str(summary),
             "--nodes", "2", "--nproc-per-node", "1",
             "--inject", "hang-worker@step=10,node=1,rank=0",
