@@ -420,6 +420,7 @@ def test_a_member_whose_connection_closed_is_left_out_after_one_interval_not_the
     version = sim.job.action_version
     sim.now += 0.3  # into c's held heartbeat
     sim.disconnect("c")
+    closed = sim.now
     sim.at(sim.now + 0.9)  # within the grace (one interval): nothing yet
     assert not sim.job.round_open
     assert sim.job.events.of_kind("node_disconnected") == []
@@ -427,7 +428,7 @@ def test_a_member_whose_connection_closed_is_left_out_after_one_interval_not_the
     assert sim.job.round_open
     assert sim.job.action_version > version  # wakes the held heartbeats of a and b
     assert [e.node for e in sim.job.events.of_kind("node_disconnected")] == ["c"]
-    assert sim.job.nodes["c"].status == "alive"  # not lost, not evicted: that is the timeout's call
+    assert sim.job.nodes["c"].status == "alive"  # not lost yet: a live agent reconnects within an interval
     assert sim.job.evictions == []
     assert kinds(sim.hb("a")) == ["REJOIN"]
     # the survivors' round completes without waiting for c
@@ -437,14 +438,51 @@ def test_a_member_whose_connection_closed_is_left_out_after_one_interval_not_the
     # one disconnection opens one round
     sim.at(sim.now + 1.0)
     assert not sim.job.round_open
-    # still silent at the heartbeat timeout: lost as before, without another round (it is no member)
+    assert sim.job.nodes["c"].status == "alive"
+    # still silent three intervals after its connection closed, while a and b are heard: lost, long before
+    # the heartbeat timeout, without another round (it is no member)
     sim.hb("a"), sim.hb("b")
-    sim.at(sim.now + 8.0)
-    sim.hb("a"), sim.hb("b")
-    sim.at(sim.now + 0.5)
+    sim.at(closed + 3.1)
     assert sim.job.nodes["c"].status == "lost"
+    assert [(e.node_id, e.kind) for e in sim.job.evictions] == [("c", "connection_closed")]
+    assert [e.message for e in sim.job.events.of_kind("node_lost")] == ["connection closed, silent for 3s"]
     assert not sim.job.round_open
     assert sim.job.round_number == 2
+
+
+def test_a_member_whose_connection_closed_and_stays_silent_is_lost_before_its_survivors_rejoined() -> None:
+    """The connection closes and the node stays silent past three intervals before the survivors' round
+    formed (they were slow to rejoin): it is lost then, and its replacement may start at once."""
+    sim = Sim(**DISCONNECT)
+    sim.form("a", "b")
+    sim.now += 0.3
+    sim.disconnect("b")
+    closed = sim.now
+    for t in (1.0, 2.0, 3.0):
+        sim.hb("a")
+        sim.at(closed + t)
+    assert sim.job.nodes["b"].status == "alive"
+    sim.hb("a")
+    sim.at(closed + 3.2)
+    assert sim.job.nodes["b"].status == "lost"
+    assert [(e.node_id, e.kind) for e in sim.job.evictions] == [("b", "connection_closed")]
+    assert "b's connection closed, silent for 3s" in sim.job.evictions[0].reason
+
+
+def test_a_closed_connection_is_left_to_the_heartbeat_timeout_when_no_other_node_is_heard() -> None:
+    """Every connection closing at once, and nobody heard since, may be the master's own network: the
+    heartbeat timeout decides, as for silence."""
+    sim = Sim(**DISCONNECT)
+    sim.form("a", "b")
+    sim.hb("a"), sim.hb("b")
+    sim.now += 0.3
+    sim.disconnect("a"), sim.disconnect("b")
+    closed = sim.now
+    sim.at(closed + 5.0)
+    assert [n.status for n in sim.job.nodes.values()] == ["alive", "alive"]
+    assert sim.job.evictions == []
+    sim.at(closed + 10.5)
+    assert {e.kind for e in sim.job.evictions} == {"heartbeat_timeout"}
 
 
 def test_a_restarted_master_does_not_hold_a_round_for_a_node_left_out_before_it_restarted() -> None:

@@ -211,15 +211,17 @@ import sys, grpc
 from phalanx.api.v1 import master_pb2 as pb, master_pb2_grpc as pb_grpc
 addr, token, node, inc = sys.argv[1:5]
 stub = pb_grpc.MasterStub(grpc.insecure_channel(addr))
+req = pb.HeartbeatRequest(node_id=node, incarnation=inc, state=pb.NODE_STATE_RUNNING, round=1, wait_s=60)
+auth = (("authorization", "Bearer " + token),)
+stub.Heartbeat(req, metadata=auth, timeout=70)  # held for an interval: the channel is up once it returns
+print("holding", flush=True)  # from now on a heartbeat is held nearly all the time: the next goes out at once
 while True:
-    print("holding", flush=True)
-    req = pb.HeartbeatRequest(node_id=node, incarnation=inc, state=pb.NODE_STATE_RUNNING, round=1, wait_s=60)
-    stub.Heartbeat(req, metadata=(("authorization", "Bearer " + token),), timeout=70)
+    stub.Heartbeat(req, metadata=auth, timeout=70)
 """
 
 
 @pytest.mark.timeout(60)
-def test_an_agent_killed_mid_heartbeat_is_left_out_before_the_heartbeat_timeout(tmp_path: Path) -> None:
+def test_an_agent_killed_mid_heartbeat_is_left_out_then_lost_before_the_timeout(tmp_path: Path) -> None:
     flags = ("--nodes", "1:2", "--heartbeat-interval", "1", "--heartbeat-timeout", "10")
     with pair_in_a_round(tmp_path, *flags) as (m, a, b):
         holder = subprocess.Popen(
@@ -231,11 +233,12 @@ def test_an_agent_killed_mid_heartbeat_is_left_out_before_the_heartbeat_timeout(
         assert holder.stdout.readline().strip() == "holding"
         time.sleep(0.3)  # its heartbeat is now held by the master
         holder.kill()  # SIGKILL: the kernel closes its connection
+        killed = time.monotonic()
         holder.wait(10)
         holder.stdout.close()
         m.wait_for(lambda job: job["phase"] == "Restarting", timeout=8.0, what="a new round")
         events = [e["kind"] for e in m.events()]
-        assert "node_disconnected" in events
+        assert "node_disconnected" in events, m.events()
         assert "node_lost" not in events
         node_b = next(n for n in m.client.get("/v1/nodes").json()["nodes"] if n["node_id"] == "node-b")
         assert node_b["status"] == "alive"
@@ -244,6 +247,14 @@ def test_an_agent_killed_mid_heartbeat_is_left_out_before_the_heartbeat_timeout(
         assert [x.kind for x in a.heartbeat()] == [pb.ACTION_KIND_REJOIN]
         assert a.get(a.join(5001)).status == pb.RENDEZVOUS_STATUS_COMPLETE
         assert m.job()["members"] == ["node-a"]
+        # b silent for three intervals while a is heard: lost and evicted, long before the heartbeat timeout,
+        # so that a replacement may start
+        while time.monotonic() - killed < 8.0 and not m.job()["evictions"]:
+            a.heartbeat()
+            time.sleep(0.2)
+        (eviction,) = m.job()["evictions"]
+        assert (eviction["node_id"], eviction["kind"]) == ("node-b", "connection_closed"), eviction
+        assert time.monotonic() - killed < 8.0  # the heartbeat timeout is 10 s
 
 
 @pytest.mark.timeout(60)

@@ -71,7 +71,8 @@ class EvictionView(View):
     machine: str
     reason: str
     kind: str = Field(
-        description="What found it: heartbeat_timeout, hardware, hang, probe_failed, straggler, ..."
+        description="What found it: heartbeat_timeout, connection_closed, hardware, hang, probe_failed, "
+        "straggler, ..."
     )
     requested_at: float
 

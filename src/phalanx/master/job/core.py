@@ -41,6 +41,9 @@ failure_log = logging.getLogger("phalanx.failures")
 
 FINISHED = FINISHED_PHASES
 
+LOSS_KINDS = frozenset({"heartbeat_timeout", "connection_closed"})
+"""Evictions of a node whose agent is gone (its status becomes ``lost``), not taken out for what it did."""
+
 
 class JobCore:
     """The writer of one :class:`JobState`, which the components of the job share."""
@@ -404,7 +407,7 @@ class JobCore:
         if s.suspended:
             self.forget(node, now=now, why=f"left the suspended job ({reason})")
             return False
-        node.status = EVICTED if kind != "heartbeat_timeout" else LOST
+        node.status = LOST if kind in LOSS_KINDS else EVICTED
         node.exit_reason = f"evicted: {reason}"
         s.action_version += 1  # its agent, if still there, is told to exit
         s.joiners.pop(node.node_id, None)

@@ -87,6 +87,10 @@ class Liveness:
             self._lose(s.nodes[node_id], now=now)
             if s.finished:
                 return
+        for node_id in s.gone(now=now):
+            self._lose(s.nodes[node_id], now=now, closed=True)
+            if s.finished:
+                return
         for node_id in s.absent(now=now):
             self._leave_out(s.nodes[node_id], now=now)
         inquiry = s.hang
@@ -105,19 +109,24 @@ class Liveness:
             why = f"only {alive} of the {rs.min_nodes} required nodes for over {rs.min_nodes_timeout_s:g}s"
             core.apply([fx.Finish(Phase.FAILED, why)], now=now)
 
-    def _lose(self, node: Node, *, now: float) -> None:
-        timeout = self.state.settings.heartbeat.timeout_s
-        reason = f"{node.node_id} sent no heartbeat for {timeout:g}s"
-        lost = fx.Emit(
-            "node_lost", f"no heartbeat for {timeout:g}s", node=node.node_id, log=failure_log.error
-        )
-        evict = fx.Evict(node.node_id, "heartbeat_timeout", reason, reopen_why=f"{node.node_id} lost")
+    def _lose(self, node: Node, *, now: float, closed: bool = False) -> None:
+        """Declares ``node`` lost: silent for the heartbeat timeout, or (``closed``) silent since its
+        connection closed for :meth:`~phalanx.master.state.jobstate.JobState.gone_after_s`."""
+        s, n = self.state, node.node_id
+        if closed:
+            kind, why = "connection_closed", f"connection closed, silent for {s.gone_after_s():g}s"
+            reason = f"{n}'s {why}"
+        else:
+            kind, why = "heartbeat_timeout", f"no heartbeat for {s.settings.heartbeat.timeout_s:g}s"
+            reason = f"{n} sent {why}"
+        lost = fx.Emit("node_lost", why, node=n, log=failure_log.error)
+        evict = fx.Evict(n, kind, reason, reopen_why=f"{n} lost")
         self.core.apply([lost, evict], now=now)
 
     def _leave_out(self, node: Node, *, now: float) -> None:
         """Stops waiting for an absent node, once per disconnection: a member's absence opens a new round at
         once instead of after the heartbeat timeout, and an open round completes without it. It stays alive:
-        back within the heartbeat timeout, it joins again; silent until then, it is lost as usual."""
+        back within a few intervals, it joins again; silent until then, it is lost (:meth:`_lose`)."""
         if node.absence_handled == node.disconnected_at:
             return
         s = self.state

@@ -14,8 +14,8 @@ phalanx_world_size                            gauge
 phalanx_job_phase                             gauge      phase (1 for the current phase)
 phalanx_restarts_total                        counter
 phalanx_failures_total                        counter    failure_class
-phalanx_evictions_total                       counter    reason (heartbeat_timeout, hardware, hang,
-                                                         probe_failed, straggler)
+phalanx_evictions_total                       counter    reason (heartbeat_timeout, connection_closed,
+                                                         hardware, hang, probe_failed, straggler)
 phalanx_probe_rounds_total                    counter    result (ok, suspects, evicted, inconclusive,
                                                          aborted)
 phalanx_probe_reports_stale_total             counter

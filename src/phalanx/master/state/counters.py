@@ -12,7 +12,8 @@ class JobStats:
     failures: dict[str, int] = field(default_factory=dict)
     """Worker failures by failure class (user, killed, oom, comm, hardware, hang, unknown)."""
     evictions: dict[str, int] = field(default_factory=dict)
-    """Eviction requests by kind (heartbeat_timeout, hardware, hang, probe_failed, straggler)."""
+    """Eviction requests by kind (heartbeat_timeout, connection_closed, hardware, hang, probe_failed,
+    straggler)."""
     heartbeats: int = 0
     actions_repeated: int = 0
     """One-shot actions sent again because no heartbeat acknowledged them: answers lost on the network."""

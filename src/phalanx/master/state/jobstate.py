@@ -23,11 +23,16 @@ from phalanx.master.state.breakpoints import Breakpoint
 from phalanx.master.state.checkpoints import CheckpointTracker
 from phalanx.master.state.counters import JobStats
 from phalanx.master.state.events import EventLog
-from phalanx.master.state.nodes import ALIVE, Node, absent
+from phalanx.master.state.nodes import ALIVE, Node, absent, gone
 from phalanx.master.state.recovery import RecoveryTracker
 from phalanx.master.state.timeline import Timeline
 
-__all__ = ["HangInquiry", "JobState", "PendingRestart"]
+__all__ = ["GONE_AFTER_INTERVALS", "HangInquiry", "JobState", "PendingRestart"]
+
+GONE_AFTER_INTERVALS = 3
+"""Heartbeat intervals a node whose connection closed may stay silent, while others are heard, before it is
+lost (:meth:`JobState.gone`): three for an agent that reconnects within one, 3 s with the defaults against the
+10 s heartbeat timeout."""
 
 
 @dataclass
@@ -207,6 +212,17 @@ class JobState:
         """Live nodes whose agent is most likely gone (see :func:`phalanx.master.state.nodes.absent`); the
         grace is one heartbeat interval, within which a live agent whose connection broke heartbeats again."""
         return absent(self.nodes.values(), now=now, grace_s=self.settings.heartbeat.interval_s)
+
+    def gone(self, *, now: float) -> list[str]:
+        """Live nodes whose connection closed and that stayed silent for :meth:`gone_after_s` while others
+        were heard (see :func:`phalanx.master.state.nodes.gone`)."""
+        return gone(list(self.nodes.values()), now=now, after_s=self.gone_after_s())
+
+    def gone_after_s(self) -> float:
+        """How long a node whose connection closed may stay silent before it is lost: a few heartbeat
+        intervals (a live agent reconnects within one), never longer than the heartbeat timeout."""
+        hb = self.settings.heartbeat
+        return min(hb.timeout_s, GONE_AFTER_INTERVALS * hb.interval_s)
 
     def round_step(self) -> int:
         """The newest step a rank of the running round reported (-1: none yet). Not ``max_step``: after a

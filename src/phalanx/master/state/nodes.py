@@ -8,12 +8,13 @@ being mistaken for garbage.
 An alive node is ``absent`` when the connection of its held heartbeat closed before the answer and it was
 not heard from for a grace period since: its agent process is most likely gone (a SIGKILLed agent's
 sockets close at once), so the rendezvous stops waiting for it long before the heartbeat timeout decides
-whether it is lost.
+whether it is lost. Still silent a few intervals later, while the master hears the other nodes, it is
+``gone``: lost without waiting out the rest of the heartbeat timeout, so that its replacement starts sooner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sized
+from collections.abc import Collection, Iterable, Sized
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "NodeStatus",
     "absent",
     "expired",
+    "gone",
     "lost_records_to_drop",
     "registration_refusal",
 ]
@@ -39,7 +41,8 @@ class NodeStatus(StrEnum):
 
     ALIVE = "alive"
     LOST = "lost"
-    """Its heartbeats stopped for the timeout, or it left for good."""
+    """Its heartbeats stopped for the timeout (or, its connection closed, for a few intervals), or it left for
+    good."""
     EVICTED = "evicted"
     """The job took it out (a failed probe, a slow node, a drain)."""
 
@@ -187,6 +190,24 @@ def absent(nodes: Iterable[Node], *, now: float, grace_s: float) -> list[str]:
         if n.status == ALIVE
         and (n.leaving or (n.disconnected_at > n.last_seen and now - n.disconnected_at > grace_s))
     ]
+
+
+def gone(nodes: Collection[Node], *, now: float, after_s: float) -> list[str]:
+    """Ids of live nodes whose connection closed more than ``after_s`` ago and that were not heard from since,
+    while the master heard from another node after that closing. A live agent whose connection broke sends
+    its next heartbeat within an interval; one silent for several is gone (a SIGKILLed agent's, a crashed
+    node's sockets close at once), and waiting out the heartbeat timeout for it only delays its replacement.
+    When no other node was heard since, the master's own network may be what broke: the heartbeat timeout
+    decides, as it does for plain silence (a cut cable closes no connection)."""
+    closed = [
+        n
+        for n in nodes
+        if n.status == ALIVE and n.disconnected_at > n.last_seen and now - n.disconnected_at > after_s
+    ]
+    if not closed:
+        return []
+    newest = max(n.last_seen for n in nodes if n.status == ALIVE)
+    return [n.node_id for n in closed if newest > n.disconnected_at]
 
 
 def unheard_since_restore(nodes: Iterable[Node], *, now: float, grace_s: float) -> list[str]:
