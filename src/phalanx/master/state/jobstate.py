@@ -216,7 +216,7 @@ class JobState:
     def gone(self, *, now: float) -> list[str]:
         """Live nodes whose connection closed and that stayed silent for :meth:`gone_after_s` while others
         were heard (see :func:`phalanx.master.state.nodes.gone`)."""
-        return gone(list(self.nodes.values()), now=now, after_s=self.gone_after_s())
+        return gone(self.nodes.values(), now=now, after_s=self.gone_after_s())
 
     def gone_after_s(self) -> float:
         """How long a node whose connection closed may stay silent before it is lost: a few heartbeat
