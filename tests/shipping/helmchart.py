@@ -39,7 +39,16 @@ class Helm:
         args = ["template", "rel", str(CHART), "--namespace", NAMESPACE, "--include-crds"]
         for s in sets:
             args += ["--set", s]
-        return [d for d in yaml.safe_load_all(self(*args).stdout) if d]
+        return load_all(self(*args).stdout)
+
+
+def load_all(text: str) -> list[dict[str, Any]]:
+    """The documents of a rendered chart, parsed by libyaml: a render carries the CRD and the dashboards
+    (about 1 MB), which pure-Python YAML parsed in 0.64 s against libyaml's 0.05 s, 40 renders a run."""
+    return [d for d in yaml.load_all(text, Loader=_LOADER) if d]
+
+
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # a PyYAML built without libyaml still works
 
 
 def one(objs: list[dict[str, Any]], kind: str, name: str = "") -> dict[str, Any]:

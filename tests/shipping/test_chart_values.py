@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.shipping.helmchart import CHART, ROOT, Helm
+from tests.shipping.helmchart import CHART, ROOT, Helm, load_all
 from tests.shipping.helmchart import one as _one
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -89,24 +89,12 @@ def test_two_renders_are_the_same(helm: Helm) -> None:
 
 def test_a_second_release_renders_no_crd_and_names_of_its_own(helm: Helm) -> None:
     first = helm.render()
-    second = [
-        d
-        for d in yaml.safe_load_all(
-            helm(
-                "template",
-                "other",
-                str(CHART),
-                "--namespace",
-                "team-b",
-                "--include-crds",
-                "--set",
-                "crds.install=false",
-                "--set",
-                "operator.watchNamespace=team-b",
-            ).stdout
-        )
-        if d
-    ]
+    second = load_all(
+        helm(
+            "template", "other", str(CHART), "--namespace", "team-b", "--include-crds",
+            "--set", "crds.install=false", "--set", "operator.watchNamespace=team-b",
+        ).stdout
+    )  # fmt: skip
     assert not [d for d in second if d["kind"] == "CustomResourceDefinition"]
     assert [d for d in first if d["kind"] == "CustomResourceDefinition"]
 
