@@ -14,7 +14,7 @@ TEST_LANES ?= 3
 # Python without a .py suffix (scripts) is named explicitly so ruff checks it too.
 PY_SOURCES := src tests e2e benchmarks examples $(shell grep -l '^\#!/usr/bin/env python' scripts/* 2>/dev/null)
 
-.PHONY: setup lock lock-check lint test test-prepare readme-check proto proto-check openapi openapi-check bench dist clean fmt
+.PHONY: setup lock lock-check lint test test-prepare e2e-prepare readme-check proto proto-check openapi openapi-check bench dist clean fmt
 
 # The venv is exactly uv.lock: every extra and the dev group, phalanx itself editable. --locked fails when
 # uv.lock no longer matches pyproject.toml (`make lock` updates it; docs/development.md says when).
@@ -72,16 +72,22 @@ fmt: setup
 # pytest exits 5 when it collected nothing; that is a failure here, as is any other non-zero code.
 # scripts/run-tests runs up to 5 tests that failed under the suite's load once more, alone, and names those
 # that pass then as flaky under load (a race to fix at its cause); a test that fails alone too fails the run.
+# The scenarios of e2e/ on the container cluster are `make e2e`'s, not this target's (CI runs both): they are
+# a cluster of real kubelets and containerd run for minutes, and the other half of the suite's CPU on 2 cores.
 test: setup lint test-prepare
 	@$(BIN)/python -m compileall -q src  # this checkout's own modules, for the same reason as in setup
-	$(BIN)/python scripts/run-tests -n $(TEST_LANES) --durations=30 $(PYTEST_ARGS)
+	$(BIN)/python scripts/run-tests -n $(TEST_LANES) --durations=30 tests $(PYTEST_ARGS)
 
 test-prepare: setup host-packages
 	@scripts/prepare-tests
 
+# What `make e2e` on this machine's container nodes needs besides: the images imported into the nodes.
+e2e-prepare: setup host-packages
+	@scripts/prepare-tests --e2e
+
 # The README's commands as a reader types them (`make k8s-up`, `kubectl apply -f examples/elasticjob.yaml`,
 # `make k8s-down`, `make demo`); CI runs it after `make test`.
-readme-check: test-prepare
+readme-check: e2e-prepare
 	@scripts/readme-check
 
 # Every benchmark, side by side with its peers, into benchmarks/results/ and docs/benchmarks.md (hours).

@@ -8,7 +8,8 @@
 #   make test-k8s   the tests under tests/k8s (they start their own cluster; CI=true makes a missing
 #                   control plane a failure instead of a skip).
 #   make e2e        the e2e/ scenarios: against PHALANX_E2E_KUBECONFIG (kind, any cluster; see e2e/README.md),
-#                   else against a control plane of their own. `make test` runs them too.
+#                   else against a control plane and two container nodes of their own (built and imported
+#                   first: `make e2e-prepare`). `make test` leaves them to this target; CI runs both.
 #   make crds       regenerate crds/ from src/phalanx/operator/crd.py; `make crds-check` fails on drift.
 
 .PHONY: k8s-up k8s-down test-k8s e2e crds crds-check
@@ -23,8 +24,8 @@ test-k8s: setup go-tools
 	$(BIN)/python -m pytest tests/k8s tests/operator $(PYTEST_ARGS)
 
 e2e: setup
-	@if [ -z "$${PHALANX_E2E_KUBECONFIG:-}" ]; then scripts/go-tools >/dev/null; fi
-	$(BIN)/python -m pytest e2e $(PYTEST_ARGS)
+	@if [ -z "$${PHALANX_E2E_KUBECONFIG:-}" ]; then $(MAKE) --no-print-directory e2e-prepare; fi
+	$(BIN)/python -m pytest e2e --durations=15 $(PYTEST_ARGS)
 
 crds: setup
 	$(BIN)/python scripts/gen-crd
