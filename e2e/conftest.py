@@ -171,7 +171,7 @@ def _own_cluster(home: Path) -> Iterator[Target]:
 
     bin_dir = find_binaries()
     if bin_dir is None or not (bin_dir / "kubelet").exists():
-        _missing("no Kubernetes binaries: run `make go-tools` (needs Go)")
+        _missing("no Kubernetes binaries with a kubelet: run `make e2e-prepare` (needs Go)")
     if missing := missing_host_tools():
         _missing(f"this machine cannot run container nodes: missing {missing} (scripts/host-packages)")
     helm = _helm_binary()

@@ -14,7 +14,8 @@
 
 .PHONY: k8s-up k8s-down test-k8s e2e crds crds-check
 
-k8s-up: setup host-packages go-tools
+k8s-up: setup host-packages
+	@scripts/go-tools --nodes >/dev/null  # the control plane's programs and the nodes': a kubelet, CoreDNS, ...
 	@$(BIN)/python scripts/k8s-cluster up $(K8S_UP_ARGS)
 
 k8s-down:

@@ -1,6 +1,6 @@
-"""scripts/go-tools, the one build of every Go program the tests run: each program is where it says, is the
-release it pins, and CoreDNS carries only the plugins the test clusters' Corefile names (CoreDNS's own build
-has about fifty, with the AWS, Azure, GCP and Datadog SDKs under them)."""
+"""scripts/go-tools, the one build of every Go program the tests run: each program of the tests' set is where
+it says and is the release it pins; the container nodes' set (`--nodes`: kubelet, CoreDNS, ...) is `make
+e2e`'s, and e2e/test_node_programs.py checks it there."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from pathlib import Path
 from tests.gotools import SCRIPT, go_built
 
 PROGRAMS = (
-    "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy", "etcd",
-    "helm", "prometheus", "promtool", "minio", "coredns", "kube-router",
+    "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "etcd", "helm", "prometheus",
+    "promtool", "minio", "scheduler-plugins",
 )  # fmt: skip
+NODE_PROGRAMS = ("kubelet", "kube-proxy", "coredns", "kube-router", "kueue")
 
 
 def test_every_program_is_built_into_one_folder() -> None:
-    go_built("coredns", unchecked="the Go tools' build")
+    go_built("kube-apiserver", unchecked="the Go tools' build")
     out = subprocess.run([SCRIPT, "--cached", *PROGRAMS], capture_output=True, text=True, check=True).stdout
     paths = [Path(line) for line in out.splitlines()]
     assert [p.name for p in paths] == list(PROGRAMS)
@@ -29,25 +30,30 @@ def test_every_program_is_built_into_one_folder() -> None:
         assert p.stat().st_mode & 0o111, p
 
 
-def test_an_unknown_program_is_refused_with_the_names_there_are() -> None:
+def test_the_two_sets_are_every_program_there_is() -> None:
+    """Every program the script knows is in one of the two sets: naming an unknown one lists them all."""
     result = subprocess.run([SCRIPT, "--cached", "kube-dns"], capture_output=True, text=True, check=False)
     assert result.returncode == 1
     assert "no program 'kube-dns' here" in result.stderr
-    assert "coredns" in result.stderr
+    listed = set(result.stderr.rsplit("(one of: ", 1)[1].rstrip(")\n").split())
+    assert listed == set(PROGRAMS) | set(NODE_PROGRAMS), listed
+    text = SCRIPT.read_text()
+    for name, programs in (("TEST_PROGRAMS", PROGRAMS), ("NODE_PROGRAMS", NODE_PROGRAMS)):
+        declared = re.search(rf"^{name}=\(([^)]*)\)", text, re.MULTILINE)
+        assert declared is not None, name
+        assert declared.group(1).split() == list(programs), (name, declared.group(1))
 
 
-def test_coredns_has_the_plugins_of_the_clusters_corefile_and_no_other() -> None:
-    coredns = go_built("coredns", unchecked="the cluster DNS's build")
-    listed = subprocess.run([coredns, "-plugins"], capture_output=True, text=True, check=True).stdout
-    # The Corefile's four, and the three that kubernetes and cache register by importing them.
-    corefile = {"bind", "errors", "cache", "kubernetes"}
-    assert set(listed.split()) == corefile | {"metadata", "prometheus", "transfer"}, listed
+def test_an_unknown_option_is_refused() -> None:
+    result = subprocess.run([SCRIPT, "--nodez"], capture_output=True, text=True, check=False)
+    assert result.returncode == 1
+    assert "no option '--nodez'" in result.stderr
 
 
 def test_the_control_plane_is_the_pinned_release() -> None:
     pinned = re.search(r"PHALANX_K8S_VERSION:-(v[0-9.]+)", SCRIPT.read_text())
     assert pinned is not None
-    for program in ("kube-apiserver", "kubelet", "kubectl"):
+    for program in ("kube-apiserver", "kubectl"):
         path = go_built(program, unchecked="the control plane's build")
         argv = [path, "version", "--client"] if program == "kubectl" else [path, "--version"]
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout

@@ -21,7 +21,7 @@ def start(state: Path, *, node_monitor_grace_s: int = 50) -> Started:
     """Starts it; stops what it started if a step fails. The caller stops it (:func:`stop`)."""
     bin_dir = find_binaries()
     if bin_dir is None or not (bin_dir / "kubelet").exists():
-        raise RuntimeError("no Kubernetes binaries with a kubelet: run scripts/go-tools")
+        raise RuntimeError("no Kubernetes binaries with a kubelet: run scripts/go-tools --nodes")
     images = built_images()
     ContainerNodes.prepare_network()
     cp = ControlPlane(
