@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -42,6 +43,7 @@ from phalanx.checkpoint import Checkpointer, shm
 from phalanx.checkpoint import host as host_mod
 from phalanx.checkpoint import storage as storage_lib
 from phalanx.checkpoint.dcp import FORMAT, FlashReader, FlashWriter, build_metadata, checkpointer, close
+from phalanx.checkpoint.dcp.peers import involving, plan_transfers
 from tests import torch_forks
 from tests.checkpoint.conftest import SHM, job_segments, worker_env
 
@@ -139,6 +141,41 @@ def test_metadata_maps_every_chunk_and_value_to_the_ranks_holding_it() -> None:
 def test_metadata_that_does_not_make_one_whole_checkpoint_is_refused(descriptions: Any, error: str) -> None:
     with pytest.raises(CheckpointCorruptError, match=error):
         build_metadata(descriptions)
+
+
+def test_without_a_lost_node_s_ranks_the_metadata_holds_what_their_replicas_hold() -> None:
+    """HSDP: ranks 0 and 1 hold the two halves of ``w``, ranks 2 and 3 replicas of them. With ranks 2 and 3
+    lost (``partial``), the metadata is whole from 0 and 1; with 1 and 3 lost, half of ``w`` is held by no
+    rank, and the load is refused."""
+    halves = [_chunk("w", [0, 0], [2, 3], [4, 3]), _chunk("w", [2, 0], [2, 3], [4, 3])]
+    ranks = [_description(r, halves[r % 2], values=("step",), world=4) for r in range(4)]
+    metadata = build_metadata([ranks[0], ranks[1]], partial=True)
+    assert metadata.storage_data[MetadataIndex("w", [2, 0])] == [1]
+    assert metadata.storage_data[MetadataIndex("step")] == [0, 1]
+    with pytest.raises(CheckpointCorruptError, match=r"the snapshots of ranks \[2, 3\] are missing"):
+        build_metadata([ranks[0], ranks[1]])
+    with pytest.raises(CheckpointCorruptError, match=r"w: its chunks hold 6 of its 12 elements"):
+        build_metadata([ranks[0], ranks[2]], partial=True)
+
+
+def test_transfers_come_from_a_holder_other_than_the_rank_spread_over_the_replicas() -> None:
+    """Each rank asks for what only others hold: every key comes from a holder other than the asking rank,
+    the holder with the fewest sent so far; a key nobody else holds is left for the reader to name; a key
+    asked twice travels once. Every rank's part keeps the global numbering and order."""
+    a, b, c, v = ("w", (0, 0)), ("w", (2, 0)), ("b", (0,)), ("step", None)
+    holders = {a: [0], b: [1], c: [0, 1], v: [0, 1, 3]}
+    transfers = plan_transfers({3: [a, b, c, v, a], 2: [a, ("lost", (0,))]}, holders)
+    assert transfers == [(0, 0, 2, a), (1, 0, 3, a), (2, 1, 3, b), (3, 1, 3, c), (4, 0, 3, v)]
+    assert involving(transfers, 1) == [(2, 1, 3, b), (3, 1, 3, c)]
+    assert involving(transfers, 3) == transfers[1:]
+    assert plan_transfers({0: [a]}, holders) == []
+
+
+def test_a_writer_refuses_to_be_pickled_into_another_process_naming_the_thread_based_save() -> None:
+    """``dcp.async_save(async_checkpointer_type=PROCESS)`` pickles its writer into a process of its own:
+    the writer refuses, naming the default thread-based save, instead of copying the state once more."""
+    with pytest.raises(TypeError, match=r"does not leave its process: .*AsyncCheckpointerType.THREAD"):
+        pickle.dumps(FlashWriter(step=1))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -331,11 +368,40 @@ def test_corrupt_metadata_or_a_missing_chunk_fails_every_rank_clearly(
         assert r["mixed-saves"] == {"step": 2, "source": "storage", "same": True}, r
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_replaced_node_s_hsdp_ranks_receive_their_shards_from_the_other_replicas_memory(
+    host: host_mod.HostHandle, store: Path, tmp_path: Path
+) -> None:
+    """4 HSDP ranks (2 replica groups of 2 shards) save to memory only, never persisting. When the node of
+    ranks 2 and 3 is replaced (their memory empty), no step is held by every rank, and storage holds none:
+    ranks 0 and 1 load from their memory and send ranks 2 and 3 the shards and values they need, bitwise.
+    When both replicas of shard 1 are lost, no step is whole: nothing is loaded, on every rank, promptly."""
+    empty = tmp_path / "new-node-shm"
+    empty.mkdir()
+    ranks = run_ranks(host, 4, "hsdp", f"--storage={store}", f"--empty-shm={empty}")
+    replaced = [r["node-replaced"] for r in ranks]
+    assert [(r["step"], r["source"], r["same"], r["progress"]) for r in replaced] == [
+        (2, "memory", True, True), (2, "memory", True, True), (2, "peer", True, True), (2, "peer", True, True)
+    ], replaced  # fmt: skip
+    assert [r["foreign"] for r in replaced[:2]] == [{}, {}], replaced
+    for r in replaced[2:]:
+        assert r["foreign"], r
+        assert set(r["foreign"].items()) <= {("0", "peer"), ("1", "peer")}, r
+    assert all(r["seconds"] < 30 for r in replaced), replaced
+    assert [r["shard-lost"]["step"] for r in ranks] == [None] * 4, ranks
+    assert all(r["shard-lost"]["seconds"] < 30 for r in ranks), ranks
+    assert storage_lib.committed_steps(storage_lib.open_storage(str(store))) == []
+
+
 # ---------------------------------------------------------------------------------------------------
 # The ranks' script
 
 
-def _model(*, seed: int, shard: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _model(*, seed: int, shard: bool, replicas: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The test's model; with ``shard``, FSDP2 over every rank, or with ``replicas`` HSDP: that many replica
+    groups, each sharding the model over its ranks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -343,7 +409,12 @@ def _model(*, seed: int, shard: bool) -> tuple[torch.nn.Module, torch.optim.Opti
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     if shard:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        world = dist.get_world_size()
+        mesh = (
+            init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+            if replicas > 1
+            else init_device_mesh("cpu", (world,))
+        )
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -388,11 +459,11 @@ def _digest(model: torch.nn.Module, opt: torch.optim.Optimizer, *, full: bool = 
     return h.hexdigest()
 
 
-def _load_into_fresh(reader: FlashReader, expected: str) -> dict[str, Any]:
+def _load_into_fresh(reader: FlashReader, expected: str, *, replicas: int = 1) -> dict[str, Any]:
     """Loads into a model built and trained otherwise; what came back, and whether it is ``expected``."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model, opt = _model(seed=1, shard=True)
+    model, opt = _model(seed=1, shard=True, replicas=replicas)
     _train(model, opt, 7)
     state = _state(model, opt)
     dcp.load(state, storage_reader=reader)
@@ -436,6 +507,34 @@ def fsdp(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     result["storage"] = _load_into_fresh(FlashReader(checkpointer=new_node), expected)
     new_node.close()
     dist.barrier()
+    close()
+    return result
+
+
+def hsdp(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """4 ranks, HSDP (2 replica groups of 2 shards: ranks 0 and 1, ranks 2 and 3), save steps 1 and 2 to
+    memory only. Then they load twice, some ranks as a new node without memory would (a Checkpointer looking
+    at an empty shared-memory root): ranks 2 and 3 (a replaced node); then ranks 1 and 3 (both replicas of
+    shard 1)."""
+    model, opt = _model(seed=0, shard=True, replicas=2)
+    _train(model, opt, 1)
+    dcp.save({**_state(model, opt), "progress": {**PROGRESS, "step": 1}}, storage_writer=FlashWriter(step=1))
+    _train(model, opt, 2)
+    dcp.save({**_state(model, opt), "progress": PROGRESS}, storage_writer=FlashWriter(step=2))
+    checkpointer().wait()
+    expected = _digest(model, opt)
+    result: dict[str, Any] = {}
+    for name, lost in (("node-replaced", {2, 3}), ("shard-lost", {1, 3})):
+        new_node = Checkpointer(storage=args.storage, shm_dir=args.empty_shm) if rank in lost else None
+        reader = FlashReader(checkpointer=new_node)
+        started = time.perf_counter()
+        if reader.locate() is None:
+            result[name] = {"step": None}
+        else:
+            result[name] = _load_into_fresh(reader, expected, replicas=2)
+        result[name]["seconds"] = time.perf_counter() - started
+        if new_node is not None:
+            new_node.close()
     close()
     return result
 
@@ -592,8 +691,8 @@ def _as_a_world_of_one(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    """``fsdp``, ``reshard`` or ``corrupt`` (see the functions of those names); with ``--load``, rank 0
-    first loads as a world of one (:func:`whole`). Prints one JSON line."""
+    """``fsdp``, ``reshard``, ``corrupt`` or ``hsdp`` (see the functions of those names); with ``--load``,
+    rank 0 first loads as a world of one (:func:`whole`). Prints one JSON line."""
     import warnings
 
     import torch.distributed as dist
@@ -602,7 +701,7 @@ def main() -> int:
 
     warnings.simplefilter("ignore", CheckpointWarning)  # the skipped step is what the test looks at
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["fsdp", "reshard", "corrupt"])
+    parser.add_argument("mode", choices=["fsdp", "reshard", "corrupt", "hsdp"])
     parser.add_argument("--storage", default="")
     parser.add_argument("--empty-shm", default="")
     parser.add_argument("--load", action="append", default=[])
@@ -615,6 +714,8 @@ def main() -> int:
         result = fsdp(args, rank)
     elif args.mode == "reshard":
         result = reshard(args)
+    elif args.mode == "hsdp":
+        result = hsdp(args, rank)
     else:
         result = corrupt(args, rank)
     dist.destroy_process_group()

@@ -35,13 +35,16 @@ Loading: every rank loads its own snapshot of the newest step all ranks hold (``
 memory when its node kept it, else from storage, checksums verified, a snapshot that fails its check skipped
 by every rank). The ranks then all-gather their snapshots' descriptions (JSON bytes in uint8 tensors) and
 each builds DCP's ``Metadata``, whose ``storage_data`` maps every chunk and value to the ranks that hold it.
-A chunk this rank's snapshot lacks (the world or the sharding changed) is read from a holder's snapshot: from
-this node's memory, else from storage when the step was persisted; else the load fails, saying which.
+A chunk this rank's snapshot lacks (the world or the sharding changed) is read from a holder's snapshot in
+this node's memory, else received from a rank of this world that holds it in memory (``peers``), else read
+from storage when the step was persisted; else the load fails, saying which. When no step is held by every
+rank (a node replaced, the step never persisted), the newest step the ranks' memories hold whole between them
+is loaded, the ranks that lost theirs receiving their parts from the replicas (HSDP, data parallel).
 
 The package's modules: ``writer`` (:class:`FlashWriter`) and ``snapshot`` (what it keeps); ``reader``
 (:class:`FlashReader`), ``metadata`` (snapshots' structure and descriptions, and DCP's ``Metadata`` from
-them: pure functions), ``collectives`` (the descriptions' all-gather) and ``sources`` (other ranks'
-snapshots); ``process`` (the process's Checkpointer).
+them: pure functions), ``collectives`` (the descriptions' all-gather), ``sources`` (other ranks'
+snapshots) and ``peers`` (what other nodes' ranks send); ``process`` (the process's Checkpointer).
 """
 
 from __future__ import annotations

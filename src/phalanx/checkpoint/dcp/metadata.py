@@ -181,12 +181,13 @@ def _coverage_problem(fqn: str, tensor: TensorStorageMetadata) -> str:
     return ""
 
 
-def build_metadata(descriptions: list[dict[str, Any]]) -> Metadata:
+def build_metadata(descriptions: list[dict[str, Any]], *, partial: bool = False) -> Metadata:
     """DCP's global ``Metadata`` of one step from the descriptions of every saving rank's snapshot, as DCP's
     default planner builds it at save (less its deduplication). ``storage_data`` maps the
     :class:`MetadataIndex` of every chunk and value to the ranks whose snapshots hold it, lowest first.
     Descriptions of one rank given twice count once. Raises CheckpointCorruptError when the descriptions
-    do not make one whole checkpoint of one save."""
+    do not make one whole checkpoint of one save. ``partial``: some saving ranks' snapshots are lost (with
+    their node), and the others' must hold every tensor whole (replicas: HSDP, data parallel)."""
     if not descriptions:
         raise CheckpointCorruptError("no snapshot to describe the checkpoint")
     for description in descriptions:
@@ -200,7 +201,7 @@ def build_metadata(descriptions: list[dict[str, Any]]) -> Metadata:
     for description in sorted(descriptions, key=lambda d: int(d["rank"])):
         by_rank.setdefault(description["rank"], description)
     missing = sorted(set(range(saves[0][0])) - set(by_rank))
-    if missing:
+    if missing and not partial:
         raise CheckpointCorruptError(f"the snapshots of ranks {missing} are missing")
     metadata: dict[str, STORAGE_TYPES] = {}
     holders: dict[MetadataIndex, list[int]] = {}

@@ -3,6 +3,7 @@ ranks' descriptions, and copies each chunk and value DCP asks for from the snaps
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import shutil
@@ -11,17 +12,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from phalanx.api.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from phalanx.checkpoint import codec, restore
 from phalanx.checkpoint.dcp.collectives import all_gather_bytes, decode_descriptions, encode_description
 from phalanx.checkpoint.dcp.metadata import Snapshot, build_metadata, snapshot_of, snapshot_problem
+from phalanx.checkpoint.dcp.peers import exchange, involving, plan_transfers
 from phalanx.checkpoint.dcp.process import checkpointer, warn
-from phalanx.checkpoint.dcp.sources import Located, Sources, committed_on, memoryless_like, peek_description
+from phalanx.checkpoint.dcp.sources import (
+    Located,
+    Sources,
+    committed_on,
+    key_of,
+    memoryless_like,
+    newest_slot,
+    peek_description,
+)
 from phalanx.checkpoint.engine import Checkpointer
+from phalanx.checkpoint.structure import MALFORMED
 
 
 def _narrow(tensor: torch.Tensor, offsets: Iterable[int], lengths: Iterable[int]) -> torch.Tensor:
@@ -64,6 +77,23 @@ def _load_value(planner: LoadPlanner, item: ReadItem, snapshot: Snapshot) -> Non
     planner.load_bytes(item, encoded)
 
 
+def _own_snapshot(ckpt: Checkpointer, seg: Any, step: int) -> dict[str, Any] | None:
+    """This rank's snapshot of ``step`` in its node's memory (its slot ``seg``), or None when it holds none or
+    an unusable one (a warning)."""
+    if seg is None:
+        return None
+    try:
+        meta, tensors = restore.read_memory(seg, step, threads=ckpt.copy_threads)
+        state: dict[str, Any] = codec.unflatten(meta["skeleton"], tensors)
+        problem = snapshot_problem(state, with_data=True)
+    except (CheckpointCorruptError, *MALFORMED) as exc:
+        problem = str(exc)
+    if problem:
+        warn(f"skipping this rank's in-memory snapshot of step {step}: {problem}")
+        return None
+    return state
+
+
 _REFUSED = Metadata(state_dict_metadata={})
 """What :meth:`FlashReader.read_metadata` returns for a load it refused (the reason comes next)."""
 
@@ -86,6 +116,7 @@ class FlashReader(StorageReader):
         self.source: str | None = None
         self.foreign: dict[int, str] = {}
         self.last_load: dict[str, Any] = {}
+        self._sources: Sources | None = None
 
     def _checkpointer(self) -> Checkpointer:
         return self._given if self._given is not None else checkpointer()
@@ -110,6 +141,8 @@ class FlashReader(StorageReader):
         loaded = ckpt.load()
         self.last_load = dict(ckpt.last_load)
         if loaded is None:
+            if memoryless is None and restore.distributed():
+                self._locate_among_peers(ckpt)
             return
         step, state = loaded
         problem = snapshot_problem(state, with_data=True)
@@ -139,11 +172,51 @@ class FlashReader(StorageReader):
                     "holds no committed step: not starting from scratch"
                 )
             return
+        saved_by = {rank: int(d["rank"]) for rank, d in enumerate(descriptions)}
         descriptions += self._absent_descriptions(ckpt, step, descriptions)
         metadata = build_metadata(descriptions)
         own = snapshot_of(state)
-        self._located = Located(step, state["round"], own, metadata, ckpt=ckpt, memoryless=memoryless)
+        self._located = Located(
+            step, state["round"], own, metadata, ckpt=ckpt, memoryless=memoryless, saved_by=saved_by
+        )
         self.step, self.source = step, self.last_load.get("source")
+
+    def _locate_among_peers(self, ckpt: Checkpointer) -> None:
+        """No step is held by every rank: a node was replaced (or its memory lost) and the step was not
+        persisted. The newest step any rank holds in its own memory is loaded when the ranks holding it hold
+        every tensor whole between them (replicas: HSDP's other replica group, data parallel); the ranks that
+        lost theirs then receive what they need from those ranks (see peers). Older steps are tried in turn;
+        where none is whole, nothing is loaded, with a warning, as when neither memory nor storage holds a
+        step. A collective; every rank decides alike from the same gathered descriptions."""
+        segments = ckpt.memory_slots(ckpt.rank)
+        held = {seg.header().step for seg in segments if seg.header().complete}
+        upper = None
+        while (
+            step := restore.agree({s for s in held if upper is None or s <= upper}, held_by_any=True)
+        ) is not None:
+            upper = step - 1
+            state = _own_snapshot(ckpt, newest_slot(segments, step), step)
+            mine = {"description": None if state is None else encode_description(state)}
+            try:
+                sent = [
+                    json.loads(blob)["description"] for blob in all_gather_bytes(json.dumps(mine).encode())
+                ]
+                descriptions = {rank: codec.unflatten(d, []) for rank, d in enumerate(sent) if d is not None}
+                metadata = build_metadata(list(descriptions.values()), partial=True)
+            except (CheckpointCorruptError, ValueError, *MALFORMED) as exc:
+                warn(f"step {step}, which only some ranks hold in memory, cannot be loaded: {exc}")
+                continue
+            own = None if state is None else snapshot_of(state)
+            saved_by = {rank: int(d["rank"]) for rank, d in descriptions.items()}
+            round_ = int(next(iter(descriptions.values()))["round"])
+            self._located = Located(step, round_, own, metadata, ckpt=ckpt, saved_by=saved_by)
+            self.step, self.source = step, "memory" if own is not None else "peer"
+            self.last_load = {"step": step, "source": self.source, "storage_reads": 0}
+            return
+        if held:
+            warn(
+                "no step this rank holds in memory is held whole by the ranks of this world: nothing to load"
+            )
 
     @staticmethod
     def _absent_descriptions(
@@ -201,17 +274,52 @@ class FlashReader(StorageReader):
             raise CheckpointError("FlashReader loads only the metadata its read_metadata returned")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """Notes in the plan the chunks and values this rank can read on no snapshot of its node but another
+        rank of this world holds in its memory: the coordinator plans their transfers."""
+        located = self._located
+        if located is None:
+            return plan
+        self._sources = Sources(located.ckpt, located, self.foreign)
+        me = dist.get_rank() if restore.distributed() else 0
+        needs = [
+            key_of(item.storage_index)
+            for item in plan.items
+            if self._sources.on_node(item.storage_index) is None
+            and any(rank != me for rank in located.senders(item.storage_index))
+        ]
+        return dataclasses.replace(plan, storage_data={"rank": me, "needs": needs})
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """On DCP's coordinator: every rank's transfers (see peers), in one order."""
+        located = self._located
+        asked = [plan.storage_data for plan in plans if isinstance(plan.storage_data, dict)]
+        needs = {int(data["rank"]): list(data["needs"]) for data in asked if data.get("needs")}
+        if located is None or not needs:
+            return plans
+        keys = {key for wanted in needs.values() for key in wanted}
+        transfers = plan_transfers(needs, {key: located.senders(MetadataIndex(*key)) for key in keys})
+        return [
+            dataclasses.replace(
+                plan, storage_data={"transfers": involving(transfers, plan.storage_data["rank"])}
+            )
+            if isinstance(plan.storage_data, dict)
+            else plan
+            for plan in plans
+        ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         located = self._located
-        if located is None or located.own is None:
+        if located is None or located.read:
             raise CheckpointError("this FlashReader has loaded already, or found nothing: make one per load")
-        sources = Sources(located.ckpt, located, self.foreign)
+        sources = self._sources or Sources(located.ckpt, located, self.foreign)
+        transfers = plan.storage_data.get("transfers") if isinstance(plan.storage_data, dict) else None
         try:
+            if transfers:
+                me = dist.get_rank()
+                sources.received = exchange(transfers, me=me, own=located.own)
+                for _, src, dst, _ in transfers:
+                    if dst == me:
+                        self.foreign[located.saved_by[src]] = "peer"
             for item in plan.items:
                 snapshot = sources.holding(item.storage_index)
                 if item.type == LoadItemType.BYTE_IO:
@@ -219,7 +327,9 @@ class FlashReader(StorageReader):
                 else:
                     _load_chunk(planner, item, snapshot)
         finally:
+            located.read = True
             located.own = None  # a copy of the whole snapshot: freed once the state holds what it needs
+            self._sources = None
             if located.memoryless is not None:
                 located.ckpt.close()
                 shutil.rmtree(located.memoryless, ignore_errors=True)

@@ -1,6 +1,7 @@
 """Other ranks' snapshots, for the chunks and values this rank's own lacks (the world or the sharding
-changed): from this node's memory, else from storage; and a Checkpointer that sees storage only, for when
-the ranks' snapshots in memory come from different saves."""
+changed, or its node was replaced): from this node's memory, else what a peer sent (see peers), else from
+storage; and a Checkpointer that sees storage only, for when the ranks' snapshots in memory come from
+different saves."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from phalanx.api.errors import CheckpointCorruptError, CheckpointError
 from phalanx.checkpoint import codec, restore, shm, storage
 from phalanx.checkpoint.dcp.metadata import Snapshot, description_of_meta, snapshot_of, snapshot_problem
+from phalanx.checkpoint.dcp.peers import Key
 from phalanx.checkpoint.dcp.process import warn
 from phalanx.checkpoint.engine import Checkpointer
 from phalanx.checkpoint.structure import MALFORMED, meta_problem
 
 
-def _newest_slot(segments: list[shm.Segment], step: int) -> shm.Segment | None:
+def newest_slot(segments: list[shm.Segment], step: int) -> shm.Segment | None:
     """The slot holding a complete snapshot of ``step`` (the newer one when both do)."""
     holding = [seg for seg in segments if seg.header().complete and seg.header().step == step]
     return max(holding, key=lambda seg: seg.header().seq, default=None)
@@ -57,7 +59,7 @@ def peek_description(ckpt: Checkpointer, rank: int, step: int, committed: set[in
     """The description of ``rank``'s snapshot of ``step`` from its metadata alone: in this node's memory,
     else on storage when ``step`` is committed there; None when neither holds it."""
     with _Slots(ckpt, rank) as segments:
-        seg = _newest_slot(segments, step)
+        seg = newest_slot(segments, step)
         if seg is not None:
             header = seg.header()
             try:
@@ -98,54 +100,90 @@ def memoryless_like(ckpt: Checkpointer) -> tuple[Checkpointer, Path]:
     return blind, empty
 
 
+def key_of(index: MetadataIndex) -> Key:
+    """How a snapshot names the chunk or value ``index`` points to."""
+    return (index.fqn, tuple(index.offset) if index.offset is not None else None)
+
+
+def _holds(snapshot: Snapshot, index: MetadataIndex) -> bool:
+    fqn, offsets = key_of(index)
+    return (fqn, offsets) in snapshot.chunks if offsets is not None else fqn in snapshot.values
+
+
 @dataclasses.dataclass
 class Located:
     """The step a :class:`FlashReader` loads, with this rank's snapshot of it and DCP's metadata."""
 
     step: int
     round: int
-    own: Snapshot | None  # dropped once read_data is done: it is a copy of the whole snapshot
+    own: Snapshot | None  # None for a rank whose snapshot was lost (its node was); dropped once read
     metadata: Metadata
     ckpt: Checkpointer  # the one it was found with, which reads the other ranks' snapshots
     memoryless: Path | None = None  # the empty shared-memory root of a load from storage only
+    saved_by: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Whose snapshot each rank of this world holds in its memory (rank -> the saving rank): the ranks
+    that can send a part of it to a rank that lacks it (see peers)."""
+    read: bool = False
+
+    def senders(self, index: MetadataIndex) -> list[int]:
+        """The ranks of this world that hold ``index`` in their own snapshot."""
+        holders = set(self.metadata.storage_data.get(index, []))
+        return [rank for rank, saver in sorted(self.saved_by.items()) if saver in holders]
 
 
 class Sources:
     """Where this rank reads each chunk and value of the step: its own snapshot, else the snapshot of a rank
-    that holds it, read whole (and verified) from this node's memory, else from storage; each at most
-    once. ``foreign`` records which ranks' snapshots were read, and from where."""
+    that holds it in this node's memory (read whole and verified), else what a rank on another node sent it
+    (``received``, see peers), else the snapshot of a rank that holds it on storage; each snapshot read at
+    most once. ``foreign`` records which ranks' snapshots were read, and from where."""
 
     def __init__(self, ckpt: Checkpointer, located: Located, foreign: dict[int, str]) -> None:
         self._ckpt = ckpt
         self._located = located
         self._foreign = foreign
-        self._read: dict[int, Snapshot | None] = {}
+        self._memory: dict[int, Snapshot | None] = {}
+        self._storage: dict[int, Snapshot | None] = {}
         self._why: dict[int, str] = {}
         self._committed: set[int] | None = None
+        self.received: Snapshot | None = None
 
-    def holding(self, index: MetadataIndex) -> Snapshot:
+    def on_node(self, index: MetadataIndex) -> Snapshot | None:
+        """The snapshot on this node that holds ``index``: this rank's own, else another rank's in this node's
+        memory; None when neither does."""
         holders: list[int] = self._located.metadata.storage_data.get(index, [])
         own = self._located.own
-        assert own is not None
-        if own.rank in holders:
+        if own is not None and own.rank in holders:
             return own
         for rank in holders:
-            snapshot = self._snapshot(rank)
-            if snapshot is not None:
-                return snapshot
+            if rank not in self._memory:
+                self._memory[rank] = self._from_memory(rank)
+            if self._memory[rank] is not None:
+                return self._memory[rank]
+        return None
+
+    def holding(self, index: MetadataIndex) -> Snapshot:
+        found = self.on_node(index)
+        if found is not None:
+            return found
+        received = self.received
+        if received is not None and _holds(received, index):
+            return received
+        holders: list[int] = self._located.metadata.storage_data.get(index, [])
+        for rank in holders:
+            if rank not in self._storage:
+                self._storage[rank] = self._from_storage(rank)
+            stored = self._storage[rank]
+            if stored is not None:
+                return stored
         where = f"{index.fqn}" + (f" (chunk at {list(index.offset)})" if index.offset is not None else "")
         if not holders:
             raise CheckpointCorruptError(f"{where}: no snapshot of step {self._located.step} holds it")
         raise CheckpointError(
             f"{where}: only the snapshots of ranks {holders} of step {self._located.step} hold it, and none "
-            f"can be read here ({'; '.join(f'rank {r}: {self._why[r]}' for r in holders)}); a chunk another "
-            "node holds is read from storage, once the step is persisted (FlashWriter(persist=True))"
+            f"can be read here ({'; '.join(f'rank {r}: {self._why[r]}' for r in holders)}); a chunk no rank "
+            "of this world holds in memory is read from storage, once the step is persisted "
+            "(FlashWriter(persist=True))"
         )
-
-    def _snapshot(self, rank: int) -> Snapshot | None:
-        if rank not in self._read:
-            self._read[rank] = self._from_memory(rank) or self._from_storage(rank)
-        return self._read[rank]
 
     def _usable(self, state: Any, rank: int, where: str) -> Snapshot:
         problem = snapshot_problem(state, with_data=True)
@@ -159,7 +197,7 @@ class Sources:
     def _from_memory(self, rank: int) -> Snapshot | None:
         step = self._located.step
         with _Slots(self._ckpt, rank) as segments:
-            seg = _newest_slot(segments, step)
+            seg = newest_slot(segments, step)
             if seg is None:
                 self._why[rank] = "not in this node's memory"
                 return None

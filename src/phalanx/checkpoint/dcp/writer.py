@@ -86,6 +86,16 @@ class FlashWriter(StorageWriter, AsyncStager):
         self._save(plan.items, planner.resolve_data, plan.planner_data)
         return state_dict
 
+    def __reduce__(self) -> Any:
+        # dcp.async_save(async_checkpointer_type=AsyncCheckpointerType.PROCESS) pickles the writer and the
+        # state into a process of its own. Nothing would be gained: stage() has copied the state into shared
+        # memory on the training thread by then, and persisting runs in the node's checkpoint host already;
+        # the state would only be copied once more, into that process. Refused where it happens, by name.
+        raise TypeError(
+            "a FlashWriter does not leave its process: use dcp.async_save's default thread-based "
+            "checkpointer (AsyncCheckpointerType.THREAD); persisting runs in the node's checkpoint host"
+        )
+
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` returns once the copy is done."""
 
