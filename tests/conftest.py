@@ -55,15 +55,36 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return Lanes(config, log)
 
 
+LONG_UNITS_S = {
+    "tests/shipping/test_torch_range.py": 258,
+    "tests/local/test_slow_nodes.py": 214,
+    "tests/agent/test_checkpoint_integration.py": 206,
+    "tests/local/test_faults.py": 162,
+    "tests/diagnostics/test_allgather_probe.py": 129,
+    "tests/local/test_frameworks.py": 121,
+    "tests/local/test_network.py": 118,
+    "tests/local/test_unmodified_script.py": 102,
+    "tests/diagnostics/test_warm_probes.py": 80,
+    "tests/trainer/test_elastic_local.py": 77,
+    "tests/local/test_hang_evidence.py": 72,
+    "tests/master/test_connection_flood.py": 62,
+}
+"""The units outside the clusters that took longest, in seconds (a cold `make test` on the 2-core machine,
+2026-12-02; every other took under a minute): handed out first, longest first. In collection order, the
+oldest torch's run (two tests) started last and ran alone at the end: that run's lanes ended 1,004, 1,051 and
+1,182 s in. A hint for the order only; `.pytest_cache/last-run.xml` has every test's time to renew it."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The clusters' units are the longest, e2e's first, so they start at once; then the units with the most
-    tests. The other lanes take the rest meanwhile, instead of idling through a cluster's tail."""
+    """The clusters' units are the longest, e2e's first, so they start at once; then the long units above,
+    longest first; then the units with the most tests. The other lanes take the rest meanwhile, instead of
+    idling through a long unit's tail."""
     sizes = Counter(_lane_unit(item.nodeid) for item in items)
 
-    def order(item: pytest.Item) -> tuple[int, int, str]:
+    def order(item: pytest.Item) -> tuple[int, int, int, str]:
         unit = _lane_unit(item.nodeid)
         rank = 0 if unit == "cluster e2e/" else 1 if _in_cluster(item.nodeid) else 2
-        return rank, -sizes[unit], unit
+        return rank, -LONG_UNITS_S.get(unit, 0), -sizes[unit], unit
 
     items.sort(key=order)
 

@@ -6,7 +6,8 @@ processes: most of their CPU, for tests whose subject is what the process does a
 the agent's own zygote (:mod:`phalanx.agent.zygote`: the same protocol, the same fork, a child in its own
 session with its own environment, working directory and standard streams) serving the tests: only what a
 child runs differs. It runs the script at once, as ``python script.py args`` would: no spare's hand-over, no
-instrumentation; at its end it skips only the teardown of every module (:func:`_run`). The tests of
+instrumentation; at its end it skips only the teardown of every module (:func:`_run`). A child dumps its
+threads' stacks onto its stderr on SIGUSR1, for a test that waited for it in vain. The tests of
 phalanx's own launch path (``phalanx-run``, ``phalanx local``) do not come here: they start their processes
 as users do.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import faulthandler
 import io
 import os
 import runpy
@@ -191,6 +193,8 @@ def main(argv: list[str]) -> None:
     child = zygote.serve(sock)
     if child is None:
         os._exit(0)
+    # A test that waits in vain for a child asks for its stacks (SIGUSR1, onto its stderr): where is it stuck?
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     mode, (target, *args) = (child[0], child[1:]) if child[0] in ("-m", "-c") else ("", child)
     sys.argv = ["-c" if mode == "-c" else target, *args]
     # sys.path[0] as python sets it: the working directory for -m (its absolute path) and -c (""), else the

@@ -144,6 +144,7 @@ def test_a_node_with_a_capped_cpu_is_evicted_from_step_times_alone_without_probe
     assert s["exit"] == "succeeded", out
     assert "probe_started" not in out, "probes are off: the step times alone must do it"
     assert re.search(r"event straggler\s+node-1\s+step times: node-1's median step interval", out), out
+    assert len(s["evictions"]) == 1, f"{json.dumps(s['evictions'], indent=1)}\n{out[-4000:]}"
     [eviction] = s["evictions"]
     assert eviction["node_id"] == "node-1"
     assert eviction["kind"] == "straggler"

@@ -184,7 +184,17 @@ class Cluster:
         except WorkerDied:
             raise  # its message carries the tail already
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.stderr_tail()}") from None
+            self.dump_stacks()
+            raise AssertionError(f"{exc}\n{self.stderr_tail(6000)}") from None
+
+    def dump_stacks(self) -> None:
+        """Has every live worker write its threads' stacks onto its stderr (see torch_forks), to say where
+        a worker that made no progress is."""
+        for node in self.nodes.values():
+            for proc in node.procs:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
 
     def check_alive(self) -> None:
         for node in self.nodes.values():
@@ -200,14 +210,15 @@ class Cluster:
             try:
                 codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired as exc:
-                raise AssertionError(f"{node_id} did not exit\n{self.stderr_tail()}") from exc
+                self.dump_stacks()
+                raise AssertionError(f"{node_id} did not exit\n{self.stderr_tail(6000)}") from exc
         return codes
 
-    def stderr_tail(self) -> str:
+    def stderr_tail(self, chars: int = 1500) -> str:
         parts = []
         for node in self.nodes.values():
             for f in sorted(node.folder.glob("stderr-*.txt")):
-                parts.append(f"--- {node.node_id}/{f.name}\n{f.read_text()[-1500:]}")
+                parts.append(f"--- {node.node_id}/{f.name}\n{f.read_text()[-chars:]}")
         return "\n".join(parts)
 
     def close(self) -> None:
