@@ -112,6 +112,14 @@ def test_beat_now_goes_beside_the_held_stream_beat_and_a_restarted_master_gets_a
         assert done.wait(2.0)
         assert m.job()["max_step"] == 42
 
+        # The registration is answered before its state is on disk (the master saves in the background): the
+        # SIGKILL must come after that save, which a busy disk can take seconds to make.
+        state = tmp_path / "state.json"
+        eventually(
+            lambda: state.exists() and agent.node_id in state.read_text(),
+            timeout=15,
+            what="the registration saved",
+        )
         ports = m.ports
         m.stop(signal.SIGKILL)
         restarted = Master(tmp_path, *flags, ports=ports)

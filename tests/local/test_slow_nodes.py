@@ -120,7 +120,10 @@ def test_a_node_with_a_capped_cpu_is_evicted_from_step_times_alone_without_probe
 ) -> None:
     """No probe runs: the master scores the nodes from their step reports, confirms node-1 slow over three
     checks and, with evict_slow_nodes, evicts it. The workload spins for its step time (each rank steps on
-    its own, no collective), so the capped CPU is what slows node-1."""
+    its own, no collective), so the capped CPU is what slows node-1. A 20th of a core and a factor of 2.5: on
+    the test machine's busy cores the healthy nodes' step times drift 1.5x apart (at the default factor,
+    1.5, node-0 and node-1's replacement were evicted after node-1 in a loaded run), while node-1's are about
+    20x theirs on idle cores (with a 10th of a core, 1.8x at the worst of that load)."""
     summary = tmp_path / "summary.json"
     proc = phalanx_local(
         [
@@ -131,7 +134,8 @@ def test_a_node_with_a_capped_cpu_is_evicted_from_step_times_alone_without_probe
             "--master-arg=--probes-stragglers-step-window=8",
             "--master-arg=--probes-stragglers-step-min-samples=4",
             "--master-arg=--probes-stragglers-evict-slow-nodes=true",
-            "--inject", "slow-cpu@step=1,node=1,cpu=100m",
+            "--master-arg=--probes-stragglers-step-factor=2.5",
+            "--inject", "slow-cpu@step=1,node=1,cpu=50m",
             "--", str(WORKLOAD), "--dir", str(tmp_path / "w"), "--steps", "250", "--step-time", "0.03",
             "--spin",
         ],
