@@ -55,7 +55,14 @@ class JobCore:
         """Carries out what a decision asked for, in order."""
         s = self.state
         for e in effects:
-            match e:
+            match e:  # every heartbeat's two effects first: each case before a match is an isinstance call
+                case fx.Beat():
+                    self._beat(e.req, heard=e.heard, now=now)
+                case fx.Answered():
+                    node = s.nodes[e.node_id]
+                    node.last_seen = max(node.last_seen, now)  # connected all along while held
+                    if node.pending:
+                        node.sent_seq = max(node.sent_seq, node.pending[-1].seq)
                 case fx.Emit():
                     self.event(
                         e.kind,
@@ -76,13 +83,6 @@ class JobCore:
                         node.agent_version = e.agent_version
                     if e.nproc is not None:
                         node.nproc = e.nproc
-                case fx.Beat():
-                    self._beat(e.req, heard=e.heard, now=now)
-                case fx.Answered():
-                    node = s.nodes[e.node_id]
-                    node.last_seen = max(node.last_seen, now)  # connected all along while held
-                    if node.pending:
-                        node.sent_seq = max(node.sent_seq, node.pending[-1].seq)
                 case fx.Disconnected():
                     s.nodes[e.node_id].disconnected_at = now
                 case fx.DropNodes():

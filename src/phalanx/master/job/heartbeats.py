@@ -12,7 +12,7 @@ from phalanx.master.job.answers import action, exit_action
 from phalanx.master.job.core import JobCore
 from phalanx.master.job.rounds import Rounds
 from phalanx.master.job.stepchecks import StepChecks
-from phalanx.master.state.nodes import ALIVE
+from phalanx.master.state.nodes import ALIVE, Node
 
 __all__ = ["Heartbeats"]
 
@@ -29,27 +29,33 @@ class Heartbeats:
     def heartbeat(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:
         s = self.state
         node = s.node(req.node_id, req.incarnation)
-        heard = exit_action(s, node, req.incarnation) is None
-        self.core.apply([fx.Beat(req, heard=heard)], now=now)
-        if heard and req.ranks:
+        leave = exit_action(s, node, req.incarnation)
+        self.core.apply([fx.Beat(req, heard=leave is None)], now=now)
+        if leave is None and req.ranks:
             self.steps.observe_steps(req.node_id, node.ranks, round=req.round)
-            self.rounds.maybe_succeed(now=now)
-        return self.heartbeat_answer(req, now=now)
+            if self.rounds.maybe_succeed(now=now):  # the job ended: the node's answer is EXIT now
+                leave = exit_action(s, node, req.incarnation)
+        return self._answer(req, node, leave, now=now)
 
     def heartbeat_answer(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:
         """The response to a heartbeat: what the job has for the node now (a held heartbeat asks again
         whenever ``action_version`` moves). One-shot actions stay pending until a heartbeat acknowledges
         them; the answer only notes that they were sent."""
+        node = self.state.node(req.node_id, req.incarnation)
+        return self._answer(req, node, exit_action(self.state, node, req.incarnation), now=now)
+
+    def _answer(
+        self, req: pb.HeartbeatRequest, node: Node, leave: pb.Action | None, *, now: float
+    ) -> pb.HeartbeatResponse:
         s = self.state
-        node = s.node(req.node_id, req.incarnation)
         resp = pb.HeartbeatResponse(round=s.round_number, committed_checkpoint_step=s.checkpoints.committed)
-        leave = exit_action(s, node, req.incarnation)
         if leave is not None:
             resp.actions.append(leave)
             return resp
         # Repeated until acknowledged: the answer that carried them may never have arrived.
-        resp.actions.extend(node.pending)
-        self.core.apply([fx.Answered(req.node_id)], now=now)
+        if node.pending or node.last_seen < now:  # else noting the answer would change nothing
+            resp.actions.extend(node.pending)
+            self.core.apply([fx.Answered(req.node_id)], now=now)
         if (
             s.round_open
             and s.is_member(req.node_id)
