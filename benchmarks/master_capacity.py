@@ -15,6 +15,10 @@ Phases, the first three with one unary ``Heartbeat`` call per beat, the last two
 * ``stream_saturated``: closed loop on ``--concurrency`` streams, a beat answered at once (``wait_s`` 0)
   followed by the next, as fast as the master answers.
 
+Each phase measures a training job: the held phases and the saturated ones run on masters of their own,
+whose nodes formed a round (the clients of a held phase cut their nodes' connections as they exit, and the
+job then opens a round without them), and every phase is checked to have ended before any new round opened.
+
 For each: heartbeats answered per second, p50/p99/max latency, and the master's CPU use from
 ``/proc/<pid>/stat`` (1.0 = one core). When the master is below ~90% of its core in a saturated phase
 the clients were the bottleneck (this is a Python client against a Python server); then that phase's
@@ -176,6 +180,7 @@ async def client(
         await stub.Heartbeat(reqs[0], metadata=AUTH, timeout=30)  # connect before the clock starts
         latencies: list[float] = []
         errors = 0
+        ended: list[float] = []
         loop = asyncio.get_running_loop()
         start = loop.time() + 0.2
         end = start + seconds
@@ -243,6 +248,7 @@ async def client(
                     errors += 1
                     streams[i % len(nodes)] = stub.HeartbeatStream(metadata=AUTH)
                 i += 1
+            ended.append(time.time())  # before the streams are cut: the nodes are gone from here on
             for call in streams:
                 call.cancel()
 
@@ -262,7 +268,7 @@ async def client(
             )
         else:
             await asyncio.gather(*(closed(k) for k in range(concurrency)))
-    return {"latencies": latencies, "errors": errors}
+    return {"latencies": latencies, "errors": errors, "ended_unix": min(ended, default=time.time())}
 
 
 def noop_server_main() -> int:
@@ -319,7 +325,6 @@ def enroll_all(addr: str, http: str, nodes: int) -> None:
     """Every node registers and joins the rendezvous; the round forms with all of them (checked through
     /v1/job)."""
     import grpc
-    import httpx
 
     from phalanx.api.v1 import master_pb2 as pb
     from phalanx.api.v1 import master_pb2_grpc as pb_grpc
@@ -348,9 +353,37 @@ def enroll_all(addr: str, http: str, nodes: int) -> None:
             await asyncio.gather(*(one(i) for i in range(nodes)))
 
     asyncio.run(run())
-    job = httpx.get(f"http://{http}/v1/job", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
+    job = job_view(http)
     if job["round"] != 1 or len(job["members"]) != nodes:
         raise RuntimeError(f"the round did not form with all {nodes} nodes: round {job['round']}")
+
+
+def job_view(http: str) -> dict[str, Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    return dict(httpx.get(f"http://{http}/v1/job", headers=headers, timeout=10).json())
+
+
+def check_steady(http: str, name: str, *, until_unix: float) -> None:
+    """No new round opened before ``until_unix``, when phase ``name``'s load ended: what the phase measured is
+    the heartbeat of a training job (its step times kept, no REJOIN answered), not of a job restarting
+    because the clients of an earlier phase went away. (Its own clients' streams, cancelled as they exit,
+    are nodes gone, after the load.)"""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    since = 0
+    while True:
+        page = httpx.get(
+            f"http://{http}/v1/events", params={"since": since, "limit": 10_000}, headers=headers, timeout=10
+        ).json()
+        for event in page["events"]:
+            if event["kind"] == "round_open" and event["unix"] < until_unix:
+                raise RuntimeError(f"the job left its steady state during phase {name}: {event['message']}")
+        if not page["events"]:
+            return
+        since = page["events"][-1]["seq"]
 
 
 def phase(
@@ -397,10 +430,12 @@ def phase(
     cpu = (cpu_seconds(pid) - cpu0) / wall
     latencies: list[float] = []
     errors = 0
+    ended: list[float] = []
     for out in outs:
         data = json.loads(out.decode().strip().splitlines()[-1])
         latencies.extend(data["latencies"])
         errors += data["errors"]
+        ended.append(data["ended_unix"])
     latencies.sort()
     n = len(latencies)
     # The measured window includes up to ~1 s of client start-up slack; the rate uses the load window.
@@ -419,6 +454,7 @@ def phase(
         "master_cpu_cores": round(cpu * wall / seconds, 3),
         # The master's cost per beat, free of how much of its core it got on a shared machine.
         "heartbeats_per_master_cpu_s": round(n / (cpu * wall), 0) if cpu > 0 else None,
+        "load_ended_unix": min(ended),
     }
 
 
@@ -483,7 +519,11 @@ def main() -> int:
     every = client_cpus if args.pin_clients else []
     runs: dict[str, list[dict[str, Any]]] = {}
 
-    def measure(source: str, first: bool) -> None:
+    def on_a_new_master(source: str, phases: list[tuple[str, str, dict[str, Any]]]) -> None:
+        """Runs ``phases`` (name, client mode, arguments) in order against a master of its own, whose 1,000
+        nodes formed a round, each phase checked to have left the job training (see check_steady). A
+        phase whose clients leave a heartbeat held when they exit (the ``held`` ones) cuts its nodes'
+        connections, so it is the last on its master: the job opens a round without them."""
         with tempfile.TemporaryDirectory() as tmp:
             proc, addr, http = start_master(Path(tmp), args.nodes, master_cpu, source=source)
             try:
@@ -494,33 +534,41 @@ def main() -> int:
                     "nodes": args.nodes,
                     "seconds": args.seconds,
                 }
-                saturated = {"concurrency": args.concurrency, "cpus": every, "clients": args.clients}
-                if source:  # the baseline: the same saturated phases against the older master
-                    if not args.streams_only:
-                        runs.setdefault("baseline_saturated", []).append(
-                            phase(mode="closed", **saturated, **common)
-                        )
-                        runs["baseline_saturated"][-1]["source"] = args.baseline_label or source
-                    if not args.baseline_unary_only:
-                        runs.setdefault("baseline_stream_saturated", []).append(
-                            phase(mode="stream_closed", **saturated, **common)
-                        )
-                        runs["baseline_stream_saturated"][-1]["source"] = args.baseline_label or source
-                    return
-                if first and not args.streams_only:
-                    runs["paced_1hz"] = [phase(mode="paced", concurrency=0, cpus=pair, **common)]
-                    runs["paced_1hz"][0]["server_side"] = server_side_quantiles(http)
-                    runs["held_1s"] = [phase(mode="held", concurrency=0, cpus=pair, **common)]
-                if not args.streams_only:
-                    runs.setdefault("saturated", []).append(phase(mode="closed", **saturated, **common))
-                if first:
-                    runs["stream_held_1s"] = [phase(mode="stream_held", concurrency=0, cpus=pair, **common)]
-                stream = phase(mode="stream_closed", **saturated, **common)
-                stream["server_side"] = server_side_quantiles(http, method="HeartbeatStream")
-                runs.setdefault("stream_saturated", []).append(stream)
+                for name, mode, kwargs in phases:
+                    result = phase(mode=mode, **kwargs, **common)
+                    check_steady(http, name, until_unix=result.pop("load_ended_unix"))
+                    if name == "paced_1hz":
+                        result["server_side"] = server_side_quantiles(http)
+                    elif name == "stream_saturated":
+                        result["server_side"] = server_side_quantiles(http, method="HeartbeatStream")
+                    if source:
+                        result["source"] = args.baseline_label or source
+                    runs.setdefault(name, []).append(result)
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(30)
+
+    saturated = {"concurrency": args.concurrency, "cpus": every, "clients": args.clients}
+    paced = {"concurrency": 0, "cpus": pair}
+
+    def measure(source: str, first: bool) -> None:
+        if source:  # the baseline: the same saturated phases against the older master
+            on_a_new_master(
+                source,
+                [("baseline_saturated", "closed", saturated)] * (not args.streams_only)
+                + [("baseline_stream_saturated", "stream_closed", saturated)]
+                * (not args.baseline_unary_only),
+            )
+            return
+        if first and not args.streams_only:
+            on_a_new_master("", [("paced_1hz", "paced", paced), ("held_1s", "held", paced)])
+        if first:
+            on_a_new_master("", [("stream_held_1s", "stream_held", paced)])
+        on_a_new_master(
+            "",
+            [("saturated", "closed", saturated)] * (not args.streams_only)
+            + [("stream_saturated", "stream_closed", saturated)],
+        )
 
     # The saturated phases alternate, new master then baseline, ``--repeat`` times: on a shared machine
     # the load drifts, and alternating gives both the same drift.
@@ -546,9 +594,9 @@ def main() -> int:
             proc, addr, _ = start_master(Path(tmp), args.nodes, master_cpu, noop=True)
             try:
                 common = {"addr": addr, "pid": proc.pid, "nodes": args.nodes, "seconds": args.seconds}
-                saturated = {"concurrency": args.concurrency, "cpus": every, "clients": args.clients}
-                phases["grpc_floor_unary"] = phase(mode="closed", **saturated, **common)
-                phases["grpc_floor_stream"] = phase(mode="stream_closed", **saturated, **common)
+                for name, mode in (("grpc_floor_unary", "closed"), ("grpc_floor_stream", "stream_closed")):
+                    phases[name] = phase(mode=mode, **saturated, **common)
+                    del phases[name]["load_ended_unix"]  # no job to check
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(30)

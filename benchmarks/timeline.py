@@ -26,18 +26,21 @@ from typing import Any
 
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.cli.timeline import draw_png, trace_events
+from phalanx.master.state.beat import BeatRanks, read_ranks
 from phalanx.master.state.timeline import Timeline
 
 NS = 1_000_000_000
 OUT = Path(__file__).resolve().parent / "results" / "timeline.json"
 
 
-def _beat(first_rank: int, now: float, *, ranks: int = 8, per_rank: int = 256) -> list[pb.RankProgress]:
-    return [
+def _beat(first_rank: int, now: float, *, ranks: int = 8, per_rank: int = 256) -> BeatRanks:
+    """One heartbeat's ranks, as the master's writer hands them to the timeline (read once)."""
+    progress = [
         pb.RankProgress(
             rank=first_rank + r,
             local_rank=r,
             pid=10_000 + first_rank + r,
+            activity=pb.RankActivity(last_record_unix_ns=int(now * NS)),  # a recorder's rank
             intervals=[
                 pb.Interval(
                     name="all_reduce",
@@ -51,6 +54,7 @@ def _beat(first_rank: int, now: float, *, ranks: int = 8, per_rank: int = 256) -
         )
         for r in range(ranks)
     ]
+    return read_ranks(pb.HeartbeatRequest(ranks=progress))
 
 
 def _rss_mib() -> float:

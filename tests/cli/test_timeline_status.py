@@ -118,6 +118,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Any:
                         step=STEPS - 1,
                         step_unix_ns=int((base + STEPS - 0.2) * NS),
                         pid=1000 + 2 * i + lr,
+                        # As a recorder's rank sends them: with its activity.
+                        activity=pb.RankActivity(last_record_unix_ns=int((base + STEPS - 0.2) * NS)),
                         intervals=_rank_intervals(2 * i + lr, base),
                     )
                     for lr in range(2)

@@ -9,6 +9,7 @@ import tracemalloc
 from phalanx.api import limits
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.cli.timeline import flight_recorder_dumps, png_size, trace_events
+from phalanx.master.state.beat import read_ranks
 from phalanx.master.state.events import EventLog
 from phalanx.master.state.timeline import MAX_TRACED_FAILURES, MIN_PER_RANK, Timeline
 
@@ -32,7 +33,14 @@ def progress(
     p = pb.RankProgress(rank=rank, local_rank=rank % 2, step=1, pid=pid, intervals=list(intervals))
     if current is not None:
         p.activity.current.CopyFrom(current)
+    elif intervals:
+        p.activity.SetInParent()  # as a recorder's rank sends its intervals: with its activity
     return p
+
+
+def observe(tl: Timeline, node_id: str, ranks: list[pb.RankProgress], *, now: float) -> None:
+    """What the job's writer hands the timeline of one heartbeat of ``node_id`` with these ranks."""
+    tl.observe(node_id, read_ranks(pb.HeartbeatRequest(ranks=ranks)), now=now)
 
 
 def spans(tl: Timeline, node: str = "node-0", rank: int = 0, *, now: float = NOW) -> list[dict]:
@@ -42,11 +50,11 @@ def spans(tl: Timeline, node: str = "node-0", rank: int = 0, *, now: float = NOW
 
 def test_an_interval_sent_open_then_closed_is_one_interval() -> None:
     tl = Timeline()
-    tl.observe("node-0", [progress(0, iv("all_reduce", NOW - 2))], now=NOW - 1.9)
+    observe(tl, "node-0", [progress(0, iv("all_reduce", NOW - 2))], now=NOW - 1.9)
     assert [s["open"] for s in spans(tl)] == [True]
     # The recorder's view of the same collective, also as the rank's current activity: still one.
-    tl.observe("node-0", [progress(0, current=iv("all_reduce", NOW - 2))], now=NOW - 1.5)
-    tl.observe("node-0", [progress(0, iv("all_reduce", NOW - 2, NOW - 1))], now=NOW)
+    observe(tl, "node-0", [progress(0, current=iv("all_reduce", NOW - 2))], now=NOW - 1.5)
+    observe(tl, "node-0", [progress(0, iv("all_reduce", NOW - 2, NOW - 1))], now=NOW)
     kept = spans(tl)
     assert len(kept) == 1
     assert kept[0]["end_unix_ns"] == int((NOW - 1) * NS)
@@ -66,14 +74,14 @@ def test_garbage_is_refused_and_names_are_cut_without_refusing_the_beat() -> Non
         pb.Interval(name="x", seq=1, start_unix_ns=-1),
     ]
     long_name = iv("n" * 500, NOW - 3, NOW - 2, group="g" * 500)
-    tl.observe("node-0", [progress(0, *garbage, good, long_name)], now=NOW)
+    observe(tl, "node-0", [progress(0, *garbage, good, long_name)], now=NOW)
     kept = spans(tl)
     assert [s["name"][:10] for s in kept] == ["all_gather", "n" * 10]
     assert len(kept[1]["name"]) == limits.MAX_NAME_CHARS
     assert len(kept[1]["group"]) == limits.MAX_NAME_CHARS
     assert tl.refused == len(garbage)
     # Negative ranks are not a series.
-    tl.observe("node-0", [pb.RankProgress(rank=-1, intervals=[good])], now=NOW)
+    observe(tl, "node-0", [progress(-1, good)], now=NOW)
     assert {(r["node"], r["rank"]) for r in tl.window(start=0, end=2 * NOW, now=NOW)["ranks"]} == {
         ("node-0", 0)
     }
@@ -82,7 +90,7 @@ def test_garbage_is_refused_and_names_are_cut_without_refusing_the_beat() -> Non
 def test_a_beat_keeps_only_the_newest_intervals_allowed_per_beat() -> None:
     tl = Timeline()
     many = [iv("step", NOW - 100 + i * 0.01, NOW - 100 + i * 0.01 + 0.005, seq=i) for i in range(300)]
-    tl.observe("node-0", [progress(0, *many)], now=NOW)
+    observe(tl, "node-0", [progress(0, *many)], now=NOW)
     kept = spans(tl)
     assert len(kept) == limits.MAX_INTERVALS_PER_BEAT
     assert kept[-1]["seq"] == 299
@@ -91,9 +99,9 @@ def test_a_beat_keeps_only_the_newest_intervals_allowed_per_beat() -> None:
 
 def test_old_intervals_age_out_and_silent_ranks_are_dropped() -> None:
     tl = Timeline(max_age_s=10)
-    tl.observe("node-0", [progress(0, iv("step", NOW - 12, NOW - 11, seq=1))], now=NOW - 10.5)
-    tl.observe("node-1", [progress(1, iv("step", NOW - 12, NOW - 11, seq=1))], now=NOW - 10.5)
-    tl.observe("node-0", [progress(0, iv("step", NOW - 1, NOW - 0.5, seq=2))], now=NOW)
+    observe(tl, "node-0", [progress(0, iv("step", NOW - 12, NOW - 11, seq=1))], now=NOW - 10.5)
+    observe(tl, "node-1", [progress(1, iv("step", NOW - 12, NOW - 11, seq=1))], now=NOW - 10.5)
+    observe(tl, "node-0", [progress(0, iv("step", NOW - 1, NOW - 0.5, seq=2))], now=NOW)
     assert [s["seq"] for s in spans(tl)] == [2]
     tl.sweep(now=NOW)
     assert [r["node"] for r in tl.window(start=0, end=2 * NOW, now=NOW)["ranks"]] == ["node-0"]
@@ -124,11 +132,11 @@ def test_many_ranks_share_the_budget_and_memory_stays_bounded() -> None:
     tracemalloc.start()
     try:
         for node_id, ranks in beats:
-            tl.observe(node_id, ranks, now=NOW)
+            observe(tl, node_id, ranks, now=NOW)
         # The first ranks kept more while they were fewer; their next beat trims them to the share.
         assert tl.total > 1000 * tl.cap()
         for node_id, ranks in beats:
-            tl.observe(node_id, [progress(r.rank) for r in ranks], now=NOW)
+            observe(tl, node_id, [progress(r.rank) for r in ranks], now=NOW)
         used = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
@@ -144,12 +152,33 @@ def test_many_ranks_share_the_budget_and_memory_stays_bounded() -> None:
 
 def test_a_restarted_process_leaves_its_open_intervals_unfinished() -> None:
     tl = Timeline()
-    tl.observe("node-0", [progress(0, iv("all_reduce", NOW - 5), pid=100)], now=NOW - 4)
-    tl.observe("node-0", [progress(0, iv("step", NOW - 1, NOW - 0.5, seq=9), pid=200)], now=NOW)
+    observe(tl, "node-0", [progress(0, iv("all_reduce", NOW - 5), pid=100)], now=NOW - 4)
+    observe(tl, "node-0", [progress(0, iv("step", NOW - 1, NOW - 0.5, seq=9), pid=200)], now=NOW)
     first, second = spans(tl)
     assert first["unfinished"]
     assert first["end_unix_ns"] == int((NOW - 4) * NS)
     assert not second["unfinished"]
+
+
+def test_a_process_restarted_without_a_recorder_still_ends_what_the_old_one_left_open() -> None:
+    """A beat with no intervals and no activity is passed over only for a node none of whose ranks has a
+    series: here rank 0's new process (pid 200) records nothing, and its beat still closes the old one's."""
+    tl = Timeline()
+    observe(tl, "node-0", [progress(0, iv("all_reduce", NOW - 5), pid=100)], now=NOW - 4)
+    observe(tl, "node-0", [progress(0, pid=200)], now=NOW)
+    (left,) = spans(tl)
+    assert left["unfinished"]
+    assert left["end_unix_ns"] == int((NOW - 4) * NS)
+
+
+def test_a_node_whose_series_were_swept_is_passed_over_again() -> None:
+    tl = Timeline(max_age_s=60)
+    observe(tl, "node-0", [progress(0, iv("step", NOW - 2, NOW - 1), pid=100)], now=NOW)
+    later = NOW + 600
+    observe(tl, "node-1", [progress(1, iv("step", later - 2, later - 1))], now=later)  # sweeps node-0
+    observe(tl, "node-0", [progress(0, pid=200)], now=later)
+    assert spans(tl, now=later) == []
+    assert tl.window(start=0, end=2 * later, now=later)["ranks"][0]["node"] == "node-1"
 
 
 def test_failures_are_remembered_with_their_event_seq_as_id() -> None:
@@ -276,14 +305,15 @@ def test_observe_is_cheap_enough_for_a_thousand_ranks() -> None:
         for r in range(8)
     ]
     start = time.perf_counter()
-    tl.observe("node-0", beat, now=NOW)
+    observe(tl, "node-0", beat, now=NOW)
     assert time.perf_counter() - start < 0.5
 
 
 def test_an_answer_holds_each_ranks_newest_share_of_its_limit() -> None:
     tl = Timeline()
     for r in range(4):
-        tl.observe(
+        observe(
+            tl,
             "node-0",
             [progress(r, *[iv("step", NOW - 50 + i, NOW - 49.5 + i, seq=i) for i in range(40)])],
             now=NOW,

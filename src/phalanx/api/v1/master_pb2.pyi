@@ -327,7 +327,9 @@ class RankProgress(_message.Message):
     @_builtins.property
     def intervals(self) -> _containers.RepeatedCompositeFieldContainer[Global___Interval]:
         """Intervals the recorder closed (or opened) since the previous heartbeat, oldest first, cut to the
-        master's limit. The master keeps the last minutes of them per rank for `phalanx timeline`.
+        master's limit. The master keeps the last minutes of them per rank for `phalanx timeline`. Sent with
+        the recorder's `activity`: a node none of whose ranks has an activity is taken to have no recorder,
+        and its intervals are not looked at (that look would cost every heartbeat of every node without one).
         """
 
     def __init__(

@@ -28,6 +28,7 @@ from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.job import effects as fx
 from phalanx.master.job import restarts
 from phalanx.master.job.answers import action
+from phalanx.master.state.beat import BeatRanks
 from phalanx.master.state.breakpoints import Breakpoint
 from phalanx.master.state.events import EventKind
 from phalanx.master.state.jobstate import JobState
@@ -57,7 +58,7 @@ class JobCore:
         for e in effects:
             match e:  # every heartbeat's two effects first: each case before a match is an isinstance call
                 case fx.Beat():
-                    self._beat(e.req, heard=e.heard, now=now)
+                    self._beat(e.req, e.ranks, heard=e.heard, now=now)
                 case fx.Answered():
                     node = s.nodes[e.node_id]
                     node.last_seen = max(node.last_seen, now)  # connected all along while held
@@ -175,7 +176,7 @@ class JobCore:
         else:
             setattr(stats, e.counter, getattr(stats, e.counter) + 1)
 
-    def _beat(self, req: pb.HeartbeatRequest, *, heard: bool, now: float) -> None:
+    def _beat(self, req: pb.HeartbeatRequest, ranks: BeatRanks, *, heard: bool, now: float) -> None:
         """What a heartbeat tells the job: the node's own state, the ranks' progress and activities, the
         job's newest step, the recovery's dates and the timeline; a node that must leave only counts."""
         s = self.state
@@ -183,16 +184,13 @@ class JobCore:
         if not heard:
             return
         node = s.nodes[req.node_id]
-        s.stats.actions_repeated += node.heard(req, now=now)
-        ranks = node.ranks
-        if not req.ranks:
+        s.stats.actions_repeated += node.heard(req, ranks.progress, now=now)
+        if not ranks.progress:
             return
-        top = ranks[0].step
         activities = s.activities
-        for r in ranks:
-            top = max(top, r.step)
-            if r.HasField("activity"):
-                activities[r.rank] = (req.node_id, req.round, r.activity)
+        for rank, activity in ranks.activities:
+            activities[rank] = (req.node_id, req.round, activity)
+        top = ranks.top
         if top > s.max_step:
             s.max_step = top
             self.changed()

@@ -18,6 +18,7 @@ from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.verdicts import HangAnalysis
 from phalanx.master.decide import rendezvous as rdzv
 from phalanx.master.decide.failure_policy import FailureRecord
+from phalanx.master.state.beat import BeatRanks
 from phalanx.master.state.events import EventKind
 from phalanx.master.state.jobstate import HangInquiry, PendingRestart
 from phalanx.master.state.nodes import Node
@@ -111,6 +112,7 @@ class Beat:
     must leave (``heard`` False: its answer is EXIT), only that it beat."""
 
     req: pb.HeartbeatRequest
+    ranks: BeatRanks
     heard: bool
 
 

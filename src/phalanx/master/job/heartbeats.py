@@ -12,6 +12,7 @@ from phalanx.master.job.answers import action, exit_action
 from phalanx.master.job.core import JobCore
 from phalanx.master.job.rounds import Rounds
 from phalanx.master.job.stepchecks import StepChecks
+from phalanx.master.state.beat import BeatRanks, read_ranks
 from phalanx.master.state.nodes import ALIVE, Node
 
 __all__ = ["Heartbeats"]
@@ -26,13 +27,18 @@ class Heartbeats:
         self.steps = steps
         self.rounds = rounds
 
-    def heartbeat(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:
+    def heartbeat(
+        self, req: pb.HeartbeatRequest, *, now: float, ranks: BeatRanks | None = None
+    ) -> pb.HeartbeatResponse:
+        """``ranks``: ``req.ranks`` as the request's check read them; read here when not given."""
+        if ranks is None:
+            ranks = read_ranks(req)
         s = self.state
         node = s.node(req.node_id, req.incarnation)
         leave = exit_action(s, node, req.incarnation)
-        self.core.apply([fx.Beat(req, heard=leave is None)], now=now)
-        if leave is None and req.ranks:
-            self.steps.observe_steps(req.node_id, node.ranks, round=req.round)
+        self.core.apply([fx.Beat(req, ranks, heard=leave is None)], now=now)
+        if leave is None and ranks.progress:
+            self.steps.observe_steps(req.node_id, ranks.stepped, round=req.round)
             if self.rounds.maybe_succeed(now=now):  # the job ended: the node's answer is EXIT now
                 leave = exit_action(s, node, req.incarnation)
         return self._answer(req, node, leave, now=now)

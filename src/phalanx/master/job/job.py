@@ -48,6 +48,7 @@ from phalanx.master.job.probes import ProbeRound, ProbeRounds
 from phalanx.master.job.rounds import RendezvousAnswer, Rounds
 from phalanx.master.job.stepchecks import StepChecks
 from phalanx.master.state import snapshot
+from phalanx.master.state.beat import BeatRanks
 from phalanx.master.state.breakpoints import Breakpoint
 from phalanx.master.state.checkpoints import CheckpointTracker
 from phalanx.master.state.counters import JobStats
@@ -257,8 +258,11 @@ class Job:
     def report_completion(self, req: pb.ReportCompletionRequest, *, now: float) -> pb.Action:
         return self.rounds.report_completion(req, now=now)
 
-    def heartbeat(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:
-        return self.beats.heartbeat(req, now=now)
+    def heartbeat(
+        self, req: pb.HeartbeatRequest, *, now: float, ranks: BeatRanks | None = None
+    ) -> pb.HeartbeatResponse:
+        """``ranks``: ``req.ranks`` as already read and checked (see :mod:`phalanx.master.state.beat`)."""
+        return self.beats.heartbeat(req, now=now, ranks=ranks)
 
     def heartbeat_answer(self, req: pb.HeartbeatRequest, *, now: float) -> pb.HeartbeatResponse:
         """What the job has for the node now, without effect (see :meth:`Heartbeats.heartbeat_answer`)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from phalanx.api import views
-from phalanx.api.v1 import master_pb2 as pb
 from phalanx.diagnostics.stragglers import (
     NodeScore,
     ScoreBasis,
@@ -30,6 +29,7 @@ from phalanx.diagnostics.stragglers import (
 from phalanx.master.job import effects as fx
 from phalanx.master.job.core import JobCore, failure_log
 from phalanx.master.job.probes import ProbeRounds
+from phalanx.master.state.beat import Stepped
 from phalanx.master.state.nodes import ALIVE
 from phalanx.master.state.steptimes import StepTimes
 
@@ -56,12 +56,12 @@ class StepChecks:
         """node -> its value when first scored healthy in the running round (the individual score's base)."""
         self.step_basis: ScoreBasis = "step"
 
-    def observe_steps(self, node_id: str, ranks: Sequence[pb.RankProgress], *, round: int) -> None:
+    def observe_steps(self, node_id: str, stepped: Sequence[Stepped], *, round: int) -> None:
         """A heartbeat's progress of a member running the current round, for the step-time check."""
         s = self.state
         if round != s.round_number or s.round_open or not s.is_member(node_id):
             return
-        self.step_times.observe_beat(round=round, node_id=node_id, ranks=ranks)
+        self.step_times.observe_beat(round=round, node_id=node_id, stepped=stepped)
 
     def straggler_view(self, node_id: str) -> views.Straggler | None:
         """The ``straggler`` field of a node in ``/v1/nodes``: its latest scores and verdict (``ok``,
@@ -159,10 +159,11 @@ class StepChecks:
             return
         verdicts = step_verdicts(self.step_times.intervals, settings=s.settings.probes.stragglers)
         new = [v for v in verdicts if v.rank not in self.slow_ranks]
+        node_of = self.step_times.node_of
         self.slow_ranks = {
             v.rank: views.SlowRank(
                 rank=v.rank,
-                node=self.step_times.node_of.get(v.rank, ""),
+                node=node_of.get(v.rank, ""),
                 median_interval_s=v.median_interval_s,
                 reference_s=v.reference_s,
                 reason=v.reason,
@@ -170,7 +171,7 @@ class StepChecks:
             for v in verdicts
         }
         for v in new:
-            node = self.step_times.node_of.get(v.rank, "")
+            node = node_of.get(v.rank, "")
             slow = fx.Emit("slow_steps", v.reason, node=node, rank=v.rank, log=failure_log.warning)
             self.core.apply([fx.Tally("slow_step_verdicts"), slow], now=now)
         if verdicts or new:

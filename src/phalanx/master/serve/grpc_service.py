@@ -34,7 +34,7 @@ from phalanx.api.v1 import master_pb2 as pb
 from phalanx.api.v1 import master_pb2_grpc as pb_grpc
 from phalanx.master.errors import RequestError
 from phalanx.master.serve.runtime import Runtime
-from phalanx.master.serve.validate import validate
+from phalanx.master.serve.validate import validate, validate_heartbeat
 
 __all__ = ["AuthInterceptor", "MasterService", "add_to_server"]
 
@@ -157,7 +157,15 @@ class MasterService(pb_grpc.MasterServicer):
         """One heartbeat, answered at once or held (``wait_s``) until the job has an action for the node."""
         rt = self._rt
         start = time.monotonic()
-        answer = await self._run(method, request, context, lambda: rt.job.heartbeat(request, now=rt.now()))
+        answer = await self._run(
+            method,
+            request,
+            context,
+            # Checked inside, where the job takes the ranks as the check read them (a RequestError there
+            # is still answered as _run answers one).
+            lambda: rt.job.heartbeat(request, ranks=validate_heartbeat(request), now=rt.now()),
+            check=False,
+        )
         if answer.actions or request.wait_s <= 0:
             return answer
         answer = await self._long_poll(

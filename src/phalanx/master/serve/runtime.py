@@ -115,14 +115,14 @@ class Runtime:
 
     def after(self) -> None:
         """Reacts to what the last job call changed (see the module docstring)."""
-        job = self.job
-        if job.round_version != self._seen_round:
-            self._seen_round = job.round_version
+        state = self.job.state  # read directly: this runs after every request
+        if state.round_version != self._seen_round:
+            self._seen_round = state.round_version
             self._round_wakeup.wake()
-        if job.action_version != self._seen_actions:
-            self._seen_actions = job.action_version
+        if state.action_version != self._seen_actions:
+            self._seen_actions = state.action_version
             self._action_wakeup.wake()
-        if job.durable_version != self._saved_version:
+        if state.durable_version != self._saved_version:
             self._dirty.set()
 
     async def round_changed(self, limit_s: float) -> None:

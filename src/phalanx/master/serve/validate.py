@@ -18,8 +18,9 @@ from google.protobuf.message import Message
 from phalanx.api import limits
 from phalanx.api.v1 import master_pb2 as pb
 from phalanx.master.errors import RequestError
+from phalanx.master.state.beat import BeatRanks, read_ranks
 
-__all__ = ["validate"]
+__all__ = ["validate", "validate_heartbeat"]
 
 _NODE_ID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?")
 MAX_NPROC = 1024
@@ -50,7 +51,7 @@ def _nproc(value: int) -> None:
 
 def _wait(value: float) -> None:
     if not math.isfinite(value) or value < 0:
-        raise RequestError(f"wait_s must be a non-negative number, got {value}")
+        raise RequestError(f"wait_s must be a finite number >= 0, got {value}")
 
 
 def _count(name: str, items: Any, limit: int) -> None:
@@ -132,8 +133,21 @@ def _finite(message: Message, path: _Path = None) -> None:
                     raise RequestError(f"{_spell(path)}{name}[{key!r}] must be a finite number"[:200])
 
 
+def validate_heartbeat(request: pb.HeartbeatRequest) -> BeatRanks:
+    """:func:`validate` of a heartbeat, which returns its ranks as read: the check of their numbers is the
+    one pass over them the job takes too (see :mod:`phalanx.master.state.beat`)."""
+    _node(request.node_id, request.incarnation)
+    _round(request.round)
+    _count("ranks", request.ranks, MAX_RANKS)
+    _wait(request.wait_s)
+    return read_ranks(request)
+
+
 def validate(request: Any) -> None:
     """Raises :class:`RequestError` when a request is malformed."""
+    if isinstance(request, pb.HeartbeatRequest):
+        validate_heartbeat(request)
+        return
     if _has_floats(request.DESCRIPTOR):
         _finite(request)
     if isinstance(request, pb.RegisterNodeRequest):
@@ -146,11 +160,7 @@ def validate(request: Any) -> None:
                 raise RequestError(f"{name} is longer than 253 characters")
         return
     _node(request.node_id, request.incarnation)
-    if isinstance(request, pb.HeartbeatRequest):
-        _round(request.round)
-        _count("ranks", request.ranks, MAX_RANKS)
-        _wait(request.wait_s)
-    elif isinstance(request, pb.JoinRendezvousRequest):
+    if isinstance(request, pb.JoinRendezvousRequest):
         _nproc(request.nproc_per_node)
         if not request.store_host or len(request.store_host) > 253:
             raise RequestError("store_host must be 1-253 characters")

@@ -94,9 +94,10 @@ class Node:
     restored_at: float = 0.0
     """When a restarted master restored it from its state (0: it registered with this master)."""
 
-    def heard(self, req: pb.HeartbeatRequest, *, now: float) -> int:
-        """What the node's heartbeat says of it (the job's writer applies it); the number of acknowledged
-        one-shot actions that had been sent before (answers lost on the way)."""
+    def heard(self, req: pb.HeartbeatRequest, ranks: list[pb.RankProgress], *, now: float) -> int:
+        """What the node's heartbeat says of it (the job's writer applies it), ``ranks`` being its ranks as
+        read once; the number of acknowledged one-shot actions that had been sent before (answers lost on
+        the way)."""
         repeated = 0
         if self.pending:
             self.pending[:] = [a for a in self.pending if a.seq > req.acked_seq]
@@ -109,8 +110,8 @@ class Node:
         self.leaving = leaving
         self.hb_round = req.round
         self.agent_restarts = req.restart_count
-        if req.ranks:
-            self.ranks = list(req.ranks)  # read the repeated field once: every beat passes here
+        if ranks:
+            self.ranks = ranks
         return repeated
 
     def durable(self) -> dict[str, Any]:

@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from phalanx.api import limits
+from phalanx.master.state.beat import BeatRanks
 from phalanx.master.state.events import Event, EventKind
 
 __all__ = [
@@ -185,6 +185,9 @@ class Timeline:
         self.budget = max(self.per_rank, budget)
         self.max_series = max(1, max_series)
         self._series: dict[tuple[str, int], _Series] = {}
+        self._series_of: dict[str, int] = {}
+        """Node -> how many of its ranks have a series: a beat of a node with none and no recorder is
+        passed over without a look at its ranks."""
         self._failures: deque[dict[str, Any]] = deque(maxlen=MAX_FAILURES)
         self._traced: deque[dict[str, Any]] = deque()
         """The failures that hold NCCL dumps, oldest first (at most :data:`MAX_TRACED_FAILURES`)."""
@@ -203,12 +206,14 @@ class Timeline:
         share = self.budget // max(1, len(self._series))
         return max(MIN_PER_RANK, min(self.per_rank, share))
 
-    def observe(self, node_id: str, ranks: Iterable[Any], *, now: float) -> None:
-        """Takes one heartbeat's ``RankProgress`` list of ``node_id``."""
+    def observe(self, node_id: str, ranks: BeatRanks, *, now: float) -> None:
+        """Takes the ranks of one heartbeat of ``node_id``."""
         if now - self._swept > SWEEP_INTERVAL_S:
             self._swept = now
             self.sweep(now=now)
-        for progress in ranks:
+        if not ranks.recorded and node_id not in self._series_of:
+            return  # no recorder on the node (the common case without one, so before any look at a rank)
+        for progress in ranks.progress:
             if progress.rank < 0:
                 continue
             if (
@@ -245,10 +250,19 @@ class Timeline:
         series = self._series.get(key)
         if series is None:
             if len(self._series) >= self.max_series:
-                stalest = min(self._series, key=lambda k: self._series[k].last_beat)
-                self.total -= len(self._series.pop(stalest).spans)
+                self._drop(min(self._series, key=lambda k: self._series[k].last_beat))
             series = self._series[key] = _Series(node=node_id, rank=rank, last_beat=now)
+            self._series_of[node_id] = self._series_of.get(node_id, 0) + 1
         return series
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        self.total -= len(self._series.pop(key).spans)
+        node_id = key[0]
+        left = self._series_of[node_id] - 1
+        if left:
+            self._series_of[node_id] = left
+        else:
+            del self._series_of[node_id]
 
     def _add(self, series: _Series, iv: IntervalLike, *, now: float) -> None:
         span = accept(iv, now=now, max_age_s=self.max_age_s, names=self._names)
@@ -292,7 +306,7 @@ class Timeline:
         """Drops the ranks not heard from for ``max_age_s`` (their intervals are all older than that)."""
         stale = [k for k, s in self._series.items() if s.last_beat < now - self.max_age_s]
         for key in stale:
-            self.total -= len(self._series.pop(key).spans)
+            self._drop(key)
 
     def note_event(self, event: Event, *, hang: list[dict[str, Any]] | None = None) -> None:
         """Remembers ``event`` when it is a failure (see :data:`FAILURE_KINDS`), with a hang report's
